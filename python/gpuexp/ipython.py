@@ -1,0 +1,220 @@
+"""IPython glue: the namespace a scope works on, the references IPython keeps behind the
+user's back, and the cell events that notice ``del exp``.
+
+The core (``gpuexp._core``) decides what to delete and in which order; the adapters here
+only read and remove entries where IPython (or a plain module) keeps them.
+"""
+
+import ast
+import sys
+import traceback
+import weakref
+
+from . import _core
+
+_EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
+
+
+def shell():
+    """The running IPython shell, or None in plain Python. Never imports IPython."""
+    module = sys.modules.get("IPython")
+    if module is None:
+        return None
+    try:
+        return module.get_ipython()
+    except Exception:
+        return None
+
+
+def show(obj):
+    """Displays a report or snapshot: HTML in a notebook, text in a terminal or script."""
+    if shell() is not None:
+        from IPython.display import display
+
+        display(obj)
+    else:
+        print(obj)
+
+
+def warn(message):
+    print(f"gpuexp: {message}", file=sys.stderr)
+
+
+class _Namespace:
+    """The stored last exception, which both a notebook and a script can hold."""
+
+    namespace = None
+
+    def hidden_refs(self):
+        refs = {}
+        exc = getattr(sys, "last_value", None) or getattr(sys, "last_exc", None)
+        if exc is not None:
+            refs["last exception"] = exc
+        return refs
+
+    def drop_hidden(self, label):
+        if label == "last exception":
+            tb = getattr(sys, "last_traceback", None)
+            if tb is not None:
+                _clear_frames(tb)
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, name):
+                    delattr(sys, name)
+
+
+def _clear_frames(tb):
+    # The frames of a failed call keep its locals (an OOM's tensors) alive for as long as
+    # anything holds the traceback.
+    try:
+        traceback.clear_frames(tb)
+    except RuntimeError:
+        pass  # a frame still executing (the current cell) cannot be cleared, nor needs to be
+
+
+class ShellNamespace(_Namespace):
+    """A notebook's ``user_ns`` and the references IPython keeps to displayed and raised objects."""
+
+    def __init__(self, ip):
+        self.shell = ip
+        self.namespace = ip.user_ns
+
+    def system_names(self):
+        return self.shell.user_ns_hidden.keys()
+
+    def hidden_refs(self):
+        refs = super().hidden_refs()
+        for number, value in list(self.namespace.get("Out", {}).items()):
+            refs[f"Out[{number}]"] = value
+        for name in ("_", "__", "___"):
+            if name in self.namespace:
+                refs[name] = self.namespace[name]
+        if self.shell.last_execution_result is not None:
+            refs["last execution result"] = self.shell.last_execution_result
+        tb = getattr(self.shell.InteractiveTB, "tb", None)
+        if tb is not None:
+            refs["traceback shown last"] = tb
+        return refs
+
+    def drop_hidden(self, label):
+        if label.startswith("Out["):
+            # Out[n] has twins: _n in user_ns, and in user_ns_hidden where the display hook pushes it.
+            number = int(label[4:-1])
+            self.namespace.get("Out", {}).pop(number, None)
+            self.namespace.pop(f"_{number}", None)
+            self.shell.user_ns_hidden.pop(f"_{number}", None)
+        elif label in ("_", "__", "___"):
+            # The display hook keeps its own copies, and pushes them into user_ns_hidden too.
+            self.namespace[label] = ""
+            setattr(self.shell.displayhook, label, "")
+            if label in self.shell.user_ns_hidden:
+                self.shell.user_ns_hidden[label] = ""
+        elif label == "last execution result":
+            self.shell.last_execution_result = None
+        elif label == "traceback shown last":
+            _clear_frames(self.shell.InteractiveTB.tb)
+            self.shell.InteractiveTB.tb = None
+        else:
+            super().drop_hidden(label)
+
+
+class ModuleNamespace(_Namespace):
+    """A script's module globals, when an experiment is created at module level."""
+
+    def __init__(self, module_globals):
+        self.namespace = module_globals
+
+    def system_names(self):
+        return ()
+
+
+class DetachedNamespace(_Namespace):
+    """Inside a function of a script: nothing to delete, only the stored exception to drop."""
+
+    def system_names(self):
+        return ()
+
+
+def namespace_for(frame):
+    """The namespace an experiment created in ``frame`` works on."""
+    ip = shell()
+    if ip is not None:
+        return ShellNamespace(ip)
+    if frame.f_globals is frame.f_locals:
+        return ModuleNamespace(frame.f_globals)
+    return DetachedNamespace()
+
+
+def assignment_targets():
+    """Names the running cell binds to a new experiment (``exp = GPUExperiment(...)``).
+
+    An open experiment already bound to one of them is about to be replaced, so it is
+    finished before the new one takes its baseline.
+    """
+    ip = shell()
+    if ip is None:
+        return set()
+    cells = ip.user_ns.get("_ih") or [""]
+    try:
+        tree = ast.parse(cells[-1])
+    except SyntaxError:
+        return set()
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and _builds_experiment(node.value):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    targets.add(target.id)
+    return targets
+
+
+def _builds_experiment(value):
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name in _EXPERIMENT_CLASSES
+
+
+# ---- cell events ---------------------------------------------------------------------------
+
+_tracked = {}  # scope id -> weak reference to its experiment
+_registered = set()  # ids of shells whose events we listen to
+
+
+def track(experiment):
+    """Watches an experiment so that ``del exp`` finishes it even while ``Out`` holds it."""
+    _tracked[experiment._id] = weakref.ref(experiment)
+    register(shell())
+
+
+def tracked():
+    """The open experiments, by scope id."""
+    live = {}
+    for scope_id, ref in list(_tracked.items()):
+        experiment = ref()
+        if experiment is None or not _core.is_open(scope_id):
+            _tracked.pop(scope_id, None)
+        else:
+            live[scope_id] = experiment
+    return live
+
+
+def register(ip):
+    if ip is None or id(ip) in _registered:
+        return
+    ip.events.register("post_run_cell", _after_cell)
+    _registered.add(id(ip))
+
+
+def _after_cell(result=None):
+    ip = shell()
+    if ip is None:
+        return
+    namespace = ShellNamespace(ip)
+    for experiment in tracked().values():
+        bound = set(_core.bound_names(namespace, experiment))
+        if experiment._handles and not bound:
+            # The user deleted or rebound every name of it; hidden references (Out, _) don't count.
+            experiment.finish()
+        elif bound:
+            experiment._handles = bound

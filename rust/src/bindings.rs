@@ -1,0 +1,746 @@
+//! The Python module `gpuexp._core`: the only place that knows PyO3. It reads torch through
+//! its Python API, pins the namespace by identity, and runs teardown's steps in Rust's order.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyModule, PyWeakrefReference};
+
+use crate::report::{self, Names, Report, Span};
+use crate::sampler;
+use crate::scope::{Finishing, Kind, Registry, ScopeId};
+use crate::snapshot::{host, nvml, GpuSelection, Snapshot, TorchProbe, TorchStats};
+use crate::teardown::{self, Binding, NameState, Step};
+
+static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
+
+/// Never held while Python code runs: teardown can run `__del__` methods that call back in.
+fn registry() -> MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+// ---- torch, through its Python API -------------------------------------------------------
+
+/// Torch as the user's process has it: looked up in `sys.modules`, never imported.
+struct PyTorch<'py> {
+    torch: Option<Bound<'py, PyAny>>,
+    cuda_initialised: bool,
+}
+
+impl<'py> PyTorch<'py> {
+    fn find(py: Python<'py>) -> PyTorch<'py> {
+        let torch = py
+            .import("sys")
+            .and_then(|sys| sys.getattr("modules"))
+            .and_then(|modules| modules.get_item("torch"))
+            .ok();
+        // `is_initialized` only reads a flag: it creates no CUDA context.
+        let cuda_initialised = torch
+            .as_ref()
+            .and_then(|t| t.getattr("cuda").ok()?.call_method0("is_initialized").ok()?.extract::<bool>().ok())
+            .unwrap_or(false);
+        PyTorch { torch, cuda_initialised }
+    }
+
+    fn cuda(&self) -> Option<Bound<'py, PyAny>> {
+        self.cuda_initialised.then(|| self.torch.as_ref()?.getattr("cuda").ok()).flatten()
+    }
+
+    fn read_stats(&self, index: u32) -> PyResult<TorchStats> {
+        let torch = self.torch.as_ref().expect("called only when imported");
+        // The nested dict straight from C++; `torch.cuda.memory_stats` flattens it in Python, which costs more than the rest of a snapshot.
+        let nested = torch.getattr("_C")?.call_method1("_cuda_memoryStats", (index,));
+        let Ok(stats) = nested else { return flat_stats(torch, index) };
+        let get = |group: &str, field: &str| -> PyResult<u64> {
+            stats.get_item(group)?.get_item("all")?.get_item(field)?.extract()
+        };
+        Ok(TorchStats {
+            allocated: get("allocated_bytes", "current")?,
+            reserved: get("reserved_bytes", "current")?,
+            peak_allocated: get("allocated_bytes", "peak")?,
+            peak_reserved: get("reserved_bytes", "peak")?,
+            num_ooms: stats.get_item("num_ooms")?.extract()?,
+        })
+    }
+
+    /// Resets torch's peak counters on the devices a snapshot covered.
+    fn reset_peaks(&self, snapshot: &Snapshot) {
+        let Some(cuda) = self.cuda() else { return };
+        for gpu in snapshot.gpus.iter().filter(|g| g.torch.is_some()) {
+            let _ = cuda.call_method1("reset_peak_memory_stats", (gpu.torch_index,));
+        }
+    }
+}
+
+fn flat_stats(torch: &Bound<PyAny>, index: u32) -> PyResult<TorchStats> {
+    let stats = torch.getattr("cuda")?.call_method1("memory_stats", (index,))?;
+    let get = |key: &str| -> PyResult<u64> { Ok(stats.get_item(key).ok().map(|v| v.extract()).transpose()?.unwrap_or(0)) };
+    Ok(TorchStats {
+        allocated: get("allocated_bytes.all.current")?,
+        reserved: get("reserved_bytes.all.current")?,
+        peak_allocated: get("allocated_bytes.all.peak")?,
+        peak_reserved: get("reserved_bytes.all.peak")?,
+        num_ooms: get("num_ooms")?,
+    })
+}
+
+impl TorchProbe for PyTorch<'_> {
+    fn imported(&self) -> bool {
+        self.torch.is_some()
+    }
+
+    fn device_uuids(&self) -> Option<Vec<String>> {
+        // Torch's devices are fixed once CUDA is initialised, so they are read once per process.
+        static UUIDS: Mutex<Option<(u32, Vec<String>)>> = Mutex::new(None);
+        let cuda = self.cuda()?;
+        let pid = std::process::id();
+        let mut cached = UUIDS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((owner, uuids)) = cached.as_ref() {
+            if *owner == pid {
+                return Some(uuids.clone());
+            }
+        }
+        let count: u32 = cuda.call_method0("device_count").ok()?.extract().ok()?;
+        let uuids = (0..count)
+            .map(|i| {
+                let props = cuda.call_method1("get_device_properties", (i,)).ok()?;
+                props.getattr("uuid").ok()?.str().ok().map(|s| s.to_string())
+            })
+            .collect::<Option<Vec<String>>>()?;
+        *cached = Some((pid, uuids.clone()));
+        Some(uuids)
+    }
+
+    fn stats(&self, torch_index: u32) -> Option<TorchStats> {
+        self.torch.as_ref()?;
+        if !self.cuda_initialised {
+            return Some(TorchStats::default());
+        }
+        self.read_stats(torch_index).ok()
+    }
+}
+
+fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    let torch = PyTorch::find(py);
+    let mut snapshot = Snapshot::take(selection, &torch);
+    if !host::peak_reset_supported() && sampler::is_running() {
+        snapshot.host.peak_rss = sampler::peak().max(snapshot.host.rss);
+    }
+    (snapshot, torch)
+}
+
+/// Starts new peak windows: what the counters saw was just folded into the open windows.
+fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
+    if !host::reset_peak() {
+        sampler::reset();
+    }
+    torch.reset_peaks(snapshot);
+}
+
+fn update_sampler(registry: &Registry) {
+    if registry.has_open() && !host::peak_reset_supported() {
+        sampler::start(sampler::HOST_INTERVAL);
+    } else if !registry.has_open() {
+        sampler::stop();
+    }
+}
+
+// ---- identity pins -------------------------------------------------------------------------
+
+/// Remembers which object a name held, without keeping big objects alive: a weak reference
+/// where the type allows one (tensors, arrays, modules), a strong one otherwise (ints, lists),
+/// because an address alone can be reused by a new object after the old one is freed.
+enum Pin {
+    Weak(Py<PyWeakrefReference>),
+    Strong(Py<PyAny>),
+}
+
+impl Pin {
+    fn new(object: &Bound<PyAny>) -> Pin {
+        match PyWeakrefReference::new(object) {
+            Ok(weak) => Pin::Weak(weak.unbind()),
+            Err(_) => Pin::Strong(object.clone().unbind()),
+        }
+    }
+
+    fn holds(&self, object: &Bound<PyAny>) -> bool {
+        match self {
+            Pin::Weak(weak) => weak.bind(object.py()).upgrade().is_some_and(|held| held.is(object)),
+            Pin::Strong(held) => object.is(held),
+        }
+    }
+}
+
+/// The Python side of an open scope: its namespace adapter and identity baselines.
+struct Pins {
+    /// The glue object from `gpuexp.ipython`: `namespace`, `system_names()`, `hidden_refs()`, `drop_hidden()`.
+    adapter: Option<Py<PyAny>>,
+    names: HashMap<String, Pin>,
+    hidden: HashMap<String, Pin>,
+    owner: Option<Pin>,
+}
+
+static PINS: LazyLock<Mutex<HashMap<ScopeId, Pins>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn pins() -> MutexGuard<'static, HashMap<ScopeId, Pins>> {
+    PINS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn namespace<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let namespace = adapter.getattr("namespace")?;
+    if namespace.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(namespace.cast_into::<PyDict>()?))
+}
+
+fn system_names(adapter: &Bound<PyAny>) -> PyResult<HashSet<String>> {
+    adapter.call_method0("system_names")?.try_iter()?.map(|n| n?.extract()).collect()
+}
+
+fn user_names<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let Some(namespace) = namespace(adapter)? else { return Ok(Vec::new()) };
+    let system = system_names(adapter)?;
+    let mut names = Vec::with_capacity(namespace.len());
+    for (key, value) in namespace.iter() {
+        let Ok(name) = key.extract::<String>() else { continue };
+        if !teardown::is_system_name(&name, &system) {
+            names.push((name, value));
+        }
+    }
+    Ok(names)
+}
+
+fn hidden_refs<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let refs = adapter.call_method0("hidden_refs")?.cast_into::<PyDict>()?;
+    refs.iter().map(|(label, object)| Ok((label.extract()?, object))).collect()
+}
+
+fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin> {
+    refs.into_iter().map(|(name, object)| (name, Pin::new(&object))).collect()
+}
+
+// ---- scopes --------------------------------------------------------------------------------
+
+fn selection(gpu: bool, devices: Option<Vec<u32>>) -> GpuSelection {
+    match (gpu, devices) {
+        (false, _) => GpuSelection::None,
+        (true, None) => GpuSelection::AllVisible,
+        (true, Some(devices)) => GpuSelection::Only(devices),
+    }
+}
+
+/// Opens a scope and returns its id. `adapter` is None outside any namespace (a function body
+/// in a script): the scope then measures and reports but deletes nothing.
+#[pyfunction]
+#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None))]
+fn open_scope(
+    py: Python,
+    name: Option<String>,
+    gpu: bool,
+    devices: Option<Vec<u32>>,
+    adapter: Option<Bound<PyAny>>,
+    owner: Option<Bound<PyAny>>,
+) -> PyResult<ScopeId> {
+    let selection = selection(gpu, devices);
+    if let GpuSelection::Only(wanted) = &selection {
+        check_devices(py, wanted)?;
+    }
+    // Pins are made before the start snapshot so their own memory is not charged to the scope.
+    let baseline = Pins {
+        names: match &adapter {
+            Some(a) => pin_all(user_names(a)?),
+            None => HashMap::new(),
+        },
+        hidden: match &adapter {
+            Some(a) => pin_all(hidden_refs(a)?),
+            None => HashMap::new(),
+        },
+        adapter: adapter.map(Bound::unbind),
+        owner: owner.as_ref().map(Pin::new),
+    };
+    let (start, torch) = take_snapshot(py, &selection);
+    let id = {
+        let mut registry = registry();
+        let name = registry.name_or_default(name);
+        let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
+        let id = registry.open(name, kind, selection, start.clone());
+        reset_counters(&torch, &start);
+        update_sampler(&registry);
+        id
+    };
+    pins().insert(id, baseline);
+    Ok(id)
+}
+
+fn check_devices(py: Python, wanted: &[u32]) -> PyResult<()> {
+    let (all, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    if nvml::available().is_err() {
+        return Ok(());
+    }
+    let visible: Vec<u32> = all.gpus.iter().map(|g| g.torch_index).collect();
+    match wanted.iter().find(|d| !visible.contains(d)) {
+        None => Ok(()),
+        Some(bad) => Err(PyValueError::new_err(format!(
+            "devices=[{bad}]: no such GPU. Visible GPUs (torch indices): {visible:?}; \
+             pass indices from that list, or devices=None for all of them."
+        ))),
+    }
+}
+
+/// The user's names (not IPython's) bound to `object` in the adapter's namespace.
+#[pyfunction]
+fn bound_names(adapter: &Bound<PyAny>, object: &Bound<PyAny>) -> PyResult<Vec<String>> {
+    Ok(user_names(adapter)?.into_iter().filter(|(_, value)| value.is(object)).map(|(name, _)| name).collect())
+}
+
+#[pyfunction]
+fn scope_name(id: ScopeId) -> PyResult<String> {
+    let registry = registry();
+    if let Some(scope) = registry.scope(id) {
+        return Ok(scope.name.clone());
+    }
+    registry.report(id).map(|r| r.name.clone()).ok_or_else(|| unknown(id))
+}
+
+fn unknown(id: ScopeId) -> PyErr {
+    PyKeyError::new_err(format!("no experiment scope with id {id}"))
+}
+
+/// The open scope of that name, if any.
+#[pyfunction]
+fn open_scope_named(name: &str) -> Option<ScopeId> {
+    registry().open_named(name)
+}
+
+#[pyfunction]
+fn is_open(id: ScopeId) -> bool {
+    registry().scope(id).is_some_and(|s| !s.closing)
+}
+
+/// Protects names from deletion; each must exist now.
+#[pyfunction]
+fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
+    let created: Vec<String>;
+    let existing: HashSet<String>;
+    {
+        let pins = pins();
+        let Some(scope_pins) = pins.get(&id) else {
+            return Err(PyValueError::new_err("keep(): this experiment has already finished; nothing more will be deleted."));
+        };
+        let adapter = scope_pins.adapter.as_ref().map(|a| a.bind(py).clone());
+        let current = match &adapter {
+            Some(a) => user_names(a)?,
+            None => Vec::new(),
+        };
+        created = current.iter().filter(|(n, _)| !scope_pins.names.contains_key(n)).map(|(n, _)| n.clone()).collect();
+        existing = current.into_iter().map(|(n, _)| n).collect();
+    }
+    teardown::check_keep(&names, |n| existing.contains(n), &created).map_err(PyValueError::new_err)?;
+    let mut registry = registry();
+    let scope = registry.scope_mut(id).ok_or_else(|| unknown(id))?;
+    scope.keep.extend(names);
+    Ok(())
+}
+
+/// Finishes a scope, and first every scope opened inside it. Returns the reports of the
+/// scopes it finished, innermost first; empty when this scope's teardown is already under way.
+#[pyfunction]
+fn finish(py: Python, id: ScopeId) -> PyResult<Vec<ReportPy>> {
+    let inner = registry().inner_of(id);
+    let mut finished = Vec::new();
+    for inner_id in inner {
+        finished.extend(finish(py, inner_id)?);
+    }
+    let scope = match registry().begin_finish(id) {
+        Finishing::Finished(report) => return Ok(vec![ReportPy(report)]),
+        Finishing::InProgress => return Ok(finished),
+        Finishing::Unknown => return Err(unknown(id)),
+        Finishing::Ready(scope) => scope,
+    };
+    let scope_pins = pins().remove(&id);
+    let (before, _) = take_snapshot(py, &scope.selection);
+    registry().peaks.observe(&before);
+
+    let mut names = Names::default();
+    let mut notes = Vec::new();
+    let mut end = None;
+    for step in teardown::ORDER {
+        let done = match step {
+            Step::DeleteNames => delete_names(py, scope_pins.as_ref(), &scope.keep, &mut names),
+            Step::DropHiddenRefs => drop_hidden_refs(py, scope_pins.as_ref(), &mut names),
+            Step::CollectGarbage => py.import("gc").and_then(|gc| gc.call_method0("collect")).map(drop),
+            Step::FreeCublasWorkspaces => free_cublas_workspaces(py),
+            Step::EmptyCache => empty_cache(py),
+            Step::EndSnapshot => {
+                end = Some(take_snapshot(py, &scope.selection).0);
+                Ok(())
+            }
+        };
+        if let Err(e) = done {
+            notes.push(format!("teardown step {step:?} failed: {e}"));
+        }
+    }
+    drop(scope_pins);
+    let end = end.expect("EndSnapshot is a step of every teardown");
+    let mut registry = registry();
+    let mut report = Report::build(
+        &scope.name,
+        scope.kind == Kind::Gpu,
+        Span { start: &scope.start, before_teardown: &before, end: Some(&end) },
+        |gauge| registry.peaks.peak(id, gauge),
+        names,
+    );
+    report.notes.extend(notes);
+    finished.push(ReportPy(registry.complete(id, report)));
+    update_sampler(&registry);
+    Ok(finished)
+}
+
+fn delete_names(py: Python, pins: Option<&Pins>, keep: &BTreeSet<String>, names: &mut Names) -> PyResult<()> {
+    let Some(pins) = pins else { return Ok(()) };
+    let Some(adapter) = pins.adapter.as_ref().map(|a| a.bind(py)) else { return Ok(()) };
+    let Some(namespace) = namespace(adapter)? else { return Ok(()) };
+    let states = user_names(adapter)?.into_iter().map(|(name, value)| {
+        let binding = match pins.names.get(&name) {
+            None => Binding::Created,
+            Some(pin) if pin.holds(&value) => Binding::Unchanged,
+            Some(_) => Binding::Rebound,
+        };
+        NameState {
+            is_module: value.is_instance_of::<PyModule>(),
+            is_owner: pins.owner.as_ref().is_some_and(|owner| owner.holds(&value)),
+            name,
+            binding,
+        }
+    });
+    let plan = teardown::plan(states.collect::<Vec<_>>(), keep);
+    for name in plan.delete.iter().chain(&plan.rebound) {
+        // A `__del__` run by an earlier deletion may have removed it already.
+        if namespace.contains(name)? {
+            namespace.del_item(name)?;
+        }
+    }
+    names.deleted = plan.delete;
+    names.rebound = plan.rebound;
+    names.kept = plan.kept;
+    Ok(())
+}
+
+/// Drops the hidden references that appeared or changed during the scope: they can only
+/// refer to what the scope displayed or raised.
+fn drop_hidden_refs(py: Python, pins: Option<&Pins>, names: &mut Names) -> PyResult<()> {
+    let Some(pins) = pins else { return Ok(()) };
+    let Some(adapter) = pins.adapter.as_ref().map(|a| a.bind(py)) else { return Ok(()) };
+    for (label, object) in hidden_refs(adapter)? {
+        if pins.hidden.get(&label).is_some_and(|pin| pin.holds(&object)) {
+            continue;
+        }
+        adapter.call_method1("drop_hidden", (&label,))?;
+        names.cleared.push(label);
+    }
+    Ok(())
+}
+
+fn free_cublas_workspaces(py: Python) -> PyResult<()> {
+    let torch = PyTorch::find(py);
+    if torch.cuda().is_none() {
+        return Ok(());
+    }
+    let c = torch.torch.as_ref().expect("cuda implies torch").getattr("_C")?;
+    if c.hasattr("_cuda_clearCublasWorkspaces")? {
+        c.call_method0("_cuda_clearCublasWorkspaces")?;
+    }
+    Ok(())
+}
+
+fn empty_cache(py: Python) -> PyResult<()> {
+    match PyTorch::find(py).cuda() {
+        Some(cuda) => cuda.call_method0("empty_cache").map(drop),
+        None => Ok(()),
+    }
+}
+
+/// The report of a scope as it stands: live while open, final once finished.
+#[pyfunction]
+fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
+    let selection = {
+        let registry = registry();
+        if let Some(done) = registry.report(id) {
+            return Ok(ReportPy(done));
+        }
+        registry.scope(id).ok_or_else(|| unknown(id))?.selection.clone()
+    };
+    let (now, _) = take_snapshot(py, &selection);
+    let mut registry = registry();
+    registry.peaks.observe(&now);
+    let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
+    let live = Report::build(
+        &scope.name,
+        scope.kind == Kind::Gpu,
+        Span { start: &scope.start, before_teardown: &now, end: None },
+        |gauge| registry.peaks.peak(id, gauge),
+        Names::default(),
+    );
+    Ok(ReportPy(Arc::new(live)))
+}
+
+#[pyfunction]
+fn history() -> Vec<ReportPy> {
+    registry().history().into_iter().map(ReportPy).collect()
+}
+
+#[pyfunction]
+fn history_json() -> String {
+    let reports = registry().history();
+    serde_json::to_string_pretty(&reports.iter().map(|r| r.as_ref()).collect::<Vec<_>>()).expect("reports serialise")
+}
+
+/// The current state of the host and (with `gpu`) every visible GPU.
+#[pyfunction]
+#[pyo3(signature = (gpu=true))]
+fn snapshot(py: Python, gpu: bool) -> SnapshotPy {
+    SnapshotPy { snapshot: take_snapshot(py, &selection(gpu, None)).0, title: "snapshot".into() }
+}
+
+/// The state a scope started from, as a new experiment shows it.
+#[pyfunction]
+fn scope_start(id: ScopeId) -> PyResult<SnapshotPy> {
+    let registry = registry();
+    let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
+    Ok(SnapshotPy { snapshot: scope.start.clone(), title: format!("{} · started", scope.name) })
+}
+
+/// Whether the kernel's peak RSS can be reset here (otherwise a sampler thread stands in).
+#[pyfunction]
+fn host_peak_exact() -> bool {
+    host::peak_reset_supported()
+}
+
+#[pyfunction]
+fn sampler_running() -> bool {
+    sampler::is_running()
+}
+
+// ---- Python types --------------------------------------------------------------------------
+
+fn json_to_python<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (json,))
+}
+
+#[pyclass(name = "Metric", module = "gpuexp", frozen, get_all)]
+#[derive(Clone)]
+struct MetricPy {
+    start: u64,
+    before_teardown: u64,
+    end: Option<u64>,
+    peak: u64,
+    consumed: i64,
+    reclaimed: Option<i64>,
+    reclaimed_share: Option<f64>,
+}
+
+impl From<&report::Metric> for MetricPy {
+    fn from(m: &report::Metric) -> Self {
+        MetricPy {
+            start: m.start,
+            before_teardown: m.before_teardown,
+            end: m.end,
+            peak: m.peak,
+            consumed: m.consumed,
+            reclaimed: m.reclaimed,
+            reclaimed_share: m.reclaimed_share(),
+        }
+    }
+}
+
+#[pymethods]
+impl MetricPy {
+    fn __repr__(&self) -> String {
+        format!(
+            "Metric(start={}, peak={}, consumed={}, reclaimed={})",
+            report::bytes(self.start),
+            report::bytes(self.peak),
+            report::signed_bytes(self.consumed),
+            self.reclaimed.map(report::signed_bytes).unwrap_or_else(|| "—".into())
+        )
+    }
+}
+
+#[pyclass(name = "HostReport", module = "gpuexp", frozen, get_all)]
+#[derive(Clone)]
+struct HostReportPy {
+    rss: MetricPy,
+    available: u64,
+    total: u64,
+    cgroup_limit: Option<u64>,
+}
+
+#[pyclass(name = "GpuReport", module = "gpuexp", frozen, get_all)]
+#[derive(Clone)]
+struct GpuReportPy {
+    torch_index: u32,
+    nvml_index: u32,
+    uuid: String,
+    name: String,
+    total: u64,
+    torch_allocated: Option<MetricPy>,
+    torch_reserved: Option<MetricPy>,
+    process_used: Option<MetricPy>,
+    device_used: MetricPy,
+    num_ooms: Option<u64>,
+}
+
+/// What an experiment consumed, reclaimed and peaked at. `str()` is the text table.
+#[pyclass(name = "Report", module = "gpuexp", frozen)]
+#[derive(Clone)]
+struct ReportPy(Arc<Report>);
+
+#[pymethods]
+impl ReportPy {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+    #[getter]
+    fn finished(&self) -> bool {
+        self.0.finished
+    }
+    #[getter]
+    fn started_at(&self) -> &str {
+        &self.0.started_at
+    }
+    #[getter]
+    fn finished_at(&self) -> Option<&str> {
+        self.0.finished_at.as_deref()
+    }
+    #[getter]
+    fn duration_s(&self) -> f64 {
+        self.0.duration_s
+    }
+    #[getter]
+    fn deleted(&self) -> Vec<String> {
+        self.0.names.deleted.clone()
+    }
+    #[getter]
+    fn rebound(&self) -> Vec<String> {
+        self.0.names.rebound.clone()
+    }
+    #[getter]
+    fn kept(&self) -> Vec<String> {
+        self.0.names.kept.clone()
+    }
+    #[getter]
+    fn cleared(&self) -> Vec<String> {
+        self.0.names.cleared.clone()
+    }
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.0.notes.clone()
+    }
+    #[getter]
+    fn host(&self) -> HostReportPy {
+        let host = &self.0.host;
+        HostReportPy { rss: (&host.rss).into(), available: host.available, total: host.total, cgroup_limit: host.cgroup_limit }
+    }
+    #[getter]
+    fn gpus(&self) -> Vec<GpuReportPy> {
+        self.0
+            .gpus
+            .iter()
+            .map(|g| GpuReportPy {
+                torch_index: g.torch_index,
+                nvml_index: g.nvml_index,
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                total: g.total,
+                torch_allocated: g.torch_allocated.as_ref().map(Into::into),
+                torch_reserved: g.torch_reserved.as_ref().map(Into::into),
+                process_used: g.process_used.as_ref().map(Into::into),
+                device_used: (&g.device_used).into(),
+                num_ooms: g.num_ooms,
+            })
+            .collect()
+    }
+    fn to_json(&self) -> String {
+        self.0.to_json()
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.0.to_json())
+    }
+    fn __str__(&self) -> String {
+        self.0.to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.0.to_text()
+    }
+    fn _repr_html_(&self) -> String {
+        self.0.to_html()
+    }
+}
+
+/// The state of the host and the visible GPUs at one moment.
+#[pyclass(name = "Snapshot", module = "gpuexp", frozen)]
+struct SnapshotPy {
+    snapshot: Snapshot,
+    title: String,
+}
+
+#[pymethods]
+impl SnapshotPy {
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.snapshot).expect("a snapshot always serialises")
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.snapshot.notes.clone()
+    }
+    #[getter]
+    fn gpus<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let gpus = serde_json::to_string(&self.snapshot.gpus).expect("readings serialise");
+        json_to_python(py, &gpus)?.cast_into::<PyList>().map_err(Into::into)
+    }
+    #[getter]
+    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &serde_json::to_string(&self.snapshot.host).expect("readings serialise"))
+    }
+    fn __str__(&self) -> String {
+        report::snapshot_grid(&self.snapshot, &self.title).to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+    fn _repr_html_(&self) -> String {
+        report::snapshot_grid(&self.snapshot, &self.title).to_html()
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(open_scope, m)?)?;
+    m.add_function(wrap_pyfunction!(scope_name, m)?)?;
+    m.add_function(wrap_pyfunction!(bound_names, m)?)?;
+    m.add_function(wrap_pyfunction!(scope_start, m)?)?;
+    m.add_function(wrap_pyfunction!(open_scope_named, m)?)?;
+    m.add_function(wrap_pyfunction!(is_open, m)?)?;
+    m.add_function(wrap_pyfunction!(keep, m)?)?;
+    m.add_function(wrap_pyfunction!(finish, m)?)?;
+    m.add_function(wrap_pyfunction!(scope_report, m)?)?;
+    m.add_function(wrap_pyfunction!(history, m)?)?;
+    m.add_function(wrap_pyfunction!(history_json, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(host_peak_exact, m)?)?;
+    m.add_function(wrap_pyfunction!(sampler_running, m)?)?;
+    m.add_class::<ReportPy>()?;
+    m.add_class::<MetricPy>()?;
+    m.add_class::<HostReportPy>()?;
+    m.add_class::<GpuReportPy>()?;
+    m.add_class::<SnapshotPy>()?;
+    Ok(())
+}

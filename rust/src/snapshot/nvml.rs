@@ -1,0 +1,189 @@
+//! NVML through nvml-wrapper, which opens the driver's library at run time: a machine without
+//! a driver gets an explanation, never a failed import.
+
+use std::sync::{Mutex, OnceLock};
+
+use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::{Device, Nvml};
+
+use super::visible::{self, DeviceOrder, PhysicalGpu, VisibleGpu};
+
+/// A GPU this process can use, with how each side names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuIdent {
+    /// Position among the devices CUDA shows this process (torch's index).
+    pub torch_index: u32,
+    /// NVML's index of the physical GPU (the parent, for a MIG instance).
+    pub nvml_index: u32,
+    pub uuid: String,
+    pub name: String,
+}
+
+/// What NVML says this process holds on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessUse {
+    Listed(u64),
+    /// The driver lists no process with our PID; in a PID namespace that does not mean zero.
+    NotListed,
+    /// Listed, but the driver withholds the figure (WDDM, some MIG set-ups).
+    Unreported,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NvmlReading {
+    pub total: u64,
+    pub used: u64,
+    pub free: u64,
+    pub reserved: u64,
+    pub process: ProcessUse,
+}
+
+fn library() -> Result<&'static Nvml, String> {
+    static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
+    NVML.get_or_init(|| {
+        // Driver installs ship only the versioned name; the unversioned one comes with dev packages.
+        Nvml::builder()
+            .lib_path("libnvidia-ml.so.1".as_ref())
+            .init()
+            .or_else(|_| Nvml::init())
+            .map_err(|e| format!("NVML unavailable, so GPU rows are not shown: no NVIDIA driver found ({e})"))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Whether NVML can be used, with the reason when it cannot.
+pub fn available() -> Result<(), String> {
+    library().map(|_| ())
+}
+
+/// Driver version and CUDA version the driver supports, e.g. ("580.65", "13.0").
+pub fn driver_versions() -> Result<(String, String), String> {
+    let nvml = library()?;
+    let driver = nvml.sys_driver_version().map_err(|e| e.to_string())?;
+    let cuda = nvml.sys_cuda_driver_version().map_err(|e| e.to_string())?;
+    Ok((driver, format!("{}.{}", cuda / 1000, (cuda % 1000) / 10)))
+}
+
+fn physical_gpus(nvml: &Nvml) -> Result<Vec<PhysicalGpu>, String> {
+    let count = nvml.device_count().map_err(|e| format!("NVML could not count devices: {e}"))?;
+    let mut gpus = Vec::with_capacity(count as usize);
+    for index in 0..count {
+        let Ok(device) = nvml.device_by_index(index) else { continue };
+        let cc = device.cuda_compute_capability().map(|c| (c.major, c.minor)).unwrap_or((0, 0));
+        let mig_uuids = (0..device.mig_device_count().unwrap_or(0))
+            .filter_map(|i| device.mig_device_by_index(i).ok()?.uuid().ok())
+            .collect();
+        gpus.push(PhysicalGpu {
+            nvml_index: index,
+            uuid: device.uuid().unwrap_or_default(),
+            pci_bus_id: device.pci_info().map(|p| p.bus_id).unwrap_or_default(),
+            compute_capability: cc,
+            multiprocessors: device.num_cores().unwrap_or(0),
+            mig_uuids,
+        });
+    }
+    Ok(gpus)
+}
+
+/// What the visible-device list was computed from: it is recomputed only when this changes.
+#[derive(Clone, PartialEq, Eq)]
+struct VisibilityKey {
+    cuda_visible_devices: Option<String>,
+    device_order: Option<String>,
+    torch_uuids: Option<Vec<String>>,
+}
+
+struct VisibleSet {
+    key: VisibilityKey,
+    devices: Vec<(GpuIdent, Device<'static>)>,
+}
+
+/// The devices this process sees, in torch index order. Once torch has initialised CUDA its
+/// UUIDs decide (exact); before that, CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER do.
+pub fn with_visible<R>(
+    torch_uuids: Option<Vec<String>>,
+    read: impl FnOnce(&[(GpuIdent, Device<'static>)]) -> R,
+) -> Result<R, String> {
+    static CACHE: Mutex<Option<VisibleSet>> = Mutex::new(None);
+    let nvml = library()?;
+    let key = VisibilityKey {
+        cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        device_order: std::env::var("CUDA_DEVICE_ORDER").ok(),
+        torch_uuids,
+    };
+    let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if cache.as_ref().map(|set| &set.key) != Some(&key) {
+        let devices = resolve(nvml, &key)?;
+        *cache = Some(VisibleSet { key, devices });
+    }
+    Ok(read(&cache.as_ref().expect("filled above").devices))
+}
+
+fn resolve(nvml: &'static Nvml, key: &VisibilityKey) -> Result<Vec<(GpuIdent, Device<'static>)>, String> {
+    let physical = physical_gpus(nvml)?;
+    let chosen: Vec<VisibleGpu> = match &key.torch_uuids {
+        Some(uuids) => uuids
+            .iter()
+            .filter_map(|uuid| by_uuid(&physical, uuid))
+            .collect(),
+        None => visible::resolve(
+            key.cuda_visible_devices.as_deref(),
+            DeviceOrder::from_env_value(key.device_order.as_deref()),
+            &physical,
+        ),
+    };
+    let mut devices = Vec::with_capacity(chosen.len());
+    for (torch_index, gpu) in chosen.into_iter().enumerate() {
+        let (nvml_index, device) = match &gpu {
+            VisibleGpu::Whole { nvml_index } => (*nvml_index, nvml.device_by_index(*nvml_index)),
+            VisibleGpu::Mig { parent_nvml_index, uuid } => (*parent_nvml_index, nvml.device_by_uuid(uuid.as_str())),
+        };
+        let device = device.map_err(|e| format!("NVML could not open GPU {nvml_index}: {e}"))?;
+        let ident = GpuIdent {
+            torch_index: torch_index as u32,
+            nvml_index,
+            uuid: device.uuid().unwrap_or_default(),
+            name: device.name().unwrap_or_else(|_| brand_name(&device)),
+        };
+        devices.push((ident, device));
+    }
+    Ok(devices)
+}
+
+fn brand_name(device: &Device) -> String {
+    match device.brand() {
+        Ok(Brand::Tesla) => "NVIDIA Tesla".into(),
+        _ => "NVIDIA GPU".into(),
+    }
+}
+
+fn by_uuid(physical: &[PhysicalGpu], uuid: &str) -> Option<VisibleGpu> {
+    physical.iter().find_map(|gpu| {
+        if visible::same_uuid(&gpu.uuid, uuid) {
+            return Some(VisibleGpu::Whole { nvml_index: gpu.nvml_index });
+        }
+        gpu.mig_uuids.iter().find(|mig| visible::same_uuid(mig, uuid)).map(|mig| VisibleGpu::Mig {
+            parent_nvml_index: gpu.nvml_index,
+            uuid: mig.clone(),
+        })
+    })
+}
+
+/// One device's memory, and this process's share of it. `pids` are this process's PIDs in
+/// every PID namespace it belongs to: drivers report host PIDs in some containers.
+pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading, String> {
+    let memory = device.memory_info().map_err(|e| e.to_string())?;
+    let process = match device.running_compute_processes() {
+        Ok(processes) => match processes.iter().find(|p| pids.contains(&p.pid)) {
+            Some(p) => match p.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => ProcessUse::Listed(bytes),
+                UsedGpuMemory::Unavailable => ProcessUse::Unreported,
+            },
+            None => ProcessUse::NotListed,
+        },
+        Err(_) => ProcessUse::Unreported,
+    };
+    Ok(NvmlReading { total: memory.total, used: memory.used, free: memory.free, reserved: memory.reserved, process })
+}
