@@ -5,21 +5,30 @@ import pytest
 from kernel import Kernel
 
 
-def _nvidia_gpu_present():
-    """True when the NVIDIA driver answers and lists a GPU (no torch, no CUDA context)."""
+def nvml_uuids():
+    """UUIDs of the GPUs the driver lists, in NVML order; empty without a driver.
+    Read through ctypes so that the tests' own process has no torch and no CUDA context."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        return False
+        return []
     if nvml.nvmlInit_v2() != 0:
-        return False
+        return []
     count = ctypes.c_uint(0)
-    ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
+    uuids = []
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0:
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            buffer = ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and \
+                    nvml.nvmlDeviceGetUUID(handle, buffer, 96) == 0:
+                uuids.append(buffer.value.decode())
     nvml.nvmlShutdown()
-    return ok and count.value > 0
+    return uuids
 
 
-GPU = _nvidia_gpu_present()
+GPU_UUIDS = nvml_uuids()
+GPU = bool(GPU_UUIDS)
 
 
 def pytest_collection_modifyitems(config, items):

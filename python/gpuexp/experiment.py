@@ -27,7 +27,7 @@ class GPUExperiment:
             name,
             gpu=self._gpu,
             devices=devices,
-            adapter=ipython.namespace_for(sys._getframe(1)),
+            adapter=ipython.namespace_for(_creator_frame()),
             owner=self,
         )
         ipython.track(self)
@@ -91,6 +91,18 @@ class CPUExperiment(GPUExperiment):
 
     def __init__(self, name=None):
         super().__init__(name)
+
+
+def _creator_frame():
+    """The frame of the code that created the experiment, past the constructors of this class
+    and of user subclasses."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (
+        frame.f_globals.get("__name__", "").partition(".")[0] == __name__.partition(".")[0]
+        or (frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), GPUExperiment))
+    ):
+        frame = frame.f_back
+    return frame
 
 
 def _finish_replaced(name, targets):

@@ -589,7 +589,7 @@ struct GpuReportPy {
     torch_allocated: Option<MetricPy>,
     torch_reserved: Option<MetricPy>,
     process_used: Option<MetricPy>,
-    device_used: MetricPy,
+    device_used: Option<MetricPy>,
     num_ooms: Option<u64>,
 }
 
@@ -659,7 +659,7 @@ impl ReportPy {
                 torch_allocated: g.torch_allocated.as_ref().map(Into::into),
                 torch_reserved: g.torch_reserved.as_ref().map(Into::into),
                 process_used: g.process_used.as_ref().map(Into::into),
-                device_used: (&g.device_used).into(),
+                device_used: g.device_used.as_ref().map(Into::into),
                 num_ooms: g.num_ooms,
             })
             .collect()

@@ -58,7 +58,8 @@ pub struct GpuReport {
     pub torch_allocated: Option<Metric>,
     pub torch_reserved: Option<Metric>,
     pub process_used: Option<Metric>,
-    pub device_used: Metric,
+    /// None when NVML could not read the device during the scope.
+    pub device_used: Option<Metric>,
     pub num_ooms: Option<u64>,
 }
 
@@ -100,16 +101,22 @@ pub struct Span<'a> {
 impl Report {
     pub fn build(name: &str, gpu: bool, span: Span, peak: impl Fn(&Gauge) -> Option<u64>, names: Names) -> Report {
         let Span { start, before_teardown: before, end } = span;
-        let metric = |gauge: Gauge, value: &dyn Fn(&Snapshot) -> Option<u64>| -> Option<Metric> {
+        // `read` says whether a snapshot has the figure's source at all (a GPU NVML failed to
+        // read is absent): no source means unknown, never zero. A source that reports None
+        // (torch not imported yet) means nothing was allocated, which is zero.
+        let metric = |gauge: Gauge, read: &dyn Fn(&Snapshot) -> bool, value: &dyn Fn(&Snapshot) -> Option<u64>| {
+            if !read(start) || !read(before) {
+                return None;
+            }
             let (s, b) = (value(start), value(before));
             if s.is_none() && b.is_none() {
                 return None;
             }
-            let e = end.map(|e| value(e).unwrap_or(0));
+            let e = end.filter(|e| read(e)).map(|e| value(e).unwrap_or(0));
             Some(Metric::new(s.unwrap_or(0), b.unwrap_or(0), e, peak(&gauge).unwrap_or(0).max(e.unwrap_or(0))))
         };
         let host = HostReport {
-            rss: metric(Gauge::HostRss, &|s| Some(s.host.rss)).expect("host RSS is always read"),
+            rss: metric(Gauge::HostRss, &|_| true, &|s| Some(s.host.rss)).expect("host RSS is always read"),
             available: end.unwrap_or(before).host.available,
             total: before.host.total,
             cgroup_limit: before.host.cgroup_limit,
@@ -119,22 +126,22 @@ impl Report {
             .iter()
             .map(|first| {
                 let uuid = first.uuid.clone();
+                let read = |s: &Snapshot| s.gpu(&uuid).is_some();
                 let field = |pick: fn(&GpuReading) -> Option<u64>| {
                     let uuid = uuid.clone();
                     move |s: &Snapshot| s.gpu(&uuid).and_then(pick)
                 };
-                let torch_allocated = metric(Gauge::TorchAllocated(uuid.clone()), &field(|g| g.torch.map(|t| t.allocated)));
-                let torch_reserved = metric(Gauge::TorchReserved(uuid.clone()), &field(|g| g.torch.map(|t| t.reserved)));
+                let gpu_metric = |gauge: Gauge, pick: fn(&GpuReading) -> Option<u64>| metric(gauge, &read, &field(pick));
+                let torch_allocated = gpu_metric(Gauge::TorchAllocated(uuid.clone()), |g| g.torch.map(|t| t.allocated));
+                let torch_reserved = gpu_metric(Gauge::TorchReserved(uuid.clone()), |g| g.torch.map(|t| t.reserved));
                 // A figure that was unavailable at any point makes the whole row unavailable.
                 let process_known = [Some(start), Some(before), end]
                     .into_iter()
                     .flatten()
                     .all(|s| s.gpu(&uuid).is_some_and(|g| g.process_used.is_some()));
-                let process_used = process_known
-                    .then(|| metric(Gauge::ProcessUsed(uuid.clone()), &field(|g| g.process_used)))
-                    .flatten();
-                let device_used = metric(Gauge::DeviceUsed(uuid.clone()), &field(|g| Some(g.device_used)))
-                    .expect("device used is always read");
+                let process_used =
+                    process_known.then(|| gpu_metric(Gauge::ProcessUsed(uuid.clone()), |g| g.process_used)).flatten();
+                let device_used = gpu_metric(Gauge::DeviceUsed(uuid.clone()), |g| Some(g.device_used));
                 GpuReport {
                     torch_index: first.torch_index,
                     nvml_index: first.nvml_index,
@@ -192,19 +199,21 @@ impl Report {
             }
         }
         lines.extend(self.gpus.iter().map(gpu_line));
-        let mut rows = vec![metric_row("host RSS".into(), &self.host.rss)];
+        let finished = self.finished;
+        let mut rows = vec![metric_row("host RSS".into(), &self.host.rss, finished)];
         for gpu in &self.gpus {
             let label = |what: &str| format!("cuda:{} {what}", gpu.torch_index);
             let rows_of = [
                 ("torch allocated", &gpu.torch_allocated),
                 ("torch reserved", &gpu.torch_reserved),
                 ("NVML process", &gpu.process_used),
-                ("NVML device", &Some(gpu.device_used)),
+                ("NVML device", &gpu.device_used),
             ];
             for (what, metric) in rows_of {
                 match metric {
-                    Some(m) => rows.push(metric_row(label(what), m)),
-                    None if what == "NVML process" => rows.push(unavailable_row(label(what))),
+                    Some(m) => rows.push(metric_row(label(what), m, finished)),
+                    // Torch rows are absent without torch; NVML rows say they could not be read.
+                    None if what.starts_with("NVML") => rows.push(unavailable_row(label(what))),
                     None => {}
                 }
             }
@@ -240,8 +249,13 @@ fn gpu_line(gpu: &GpuReport) -> String {
     )
 }
 
-fn metric_row(label: String, m: &Metric) -> Vec<String> {
+fn metric_row(label: String, m: &Metric, finished: bool) -> Vec<String> {
     let dash = || "—".to_string();
+    let last = match m.end {
+        Some(end) => bytes(end),
+        None if finished => "n/a".into(),
+        None => bytes(m.before_teardown),
+    };
     vec![
         label,
         bytes(m.start),
@@ -249,13 +263,13 @@ fn metric_row(label: String, m: &Metric) -> Vec<String> {
         signed_bytes(m.consumed),
         m.reclaimed.map(signed_bytes).unwrap_or_else(dash),
         m.reclaimed_share().map(|s| format!("{:.1}%", s * 100.0)).unwrap_or_else(dash),
-        bytes(m.end.unwrap_or(m.before_teardown)),
+        last,
     ]
 }
 
 fn unavailable_row(label: String) -> Vec<String> {
     let mut row = vec![label];
-    row.extend(std::iter::repeat("n/a".to_string()).take(6));
+    row.extend(std::iter::repeat_n("n/a".to_string(), 6));
     row
 }
 
@@ -267,7 +281,8 @@ pub fn bytes(n: u64) -> String {
     }
     let mut value = n as f64 / 1024.0;
     let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
+    // Compare after rounding to two decimals, so 1 MiB − 1 B reads "1.00 MiB", not "1024.00 KiB".
+    while value >= 1023.995 && unit + 1 < UNITS.len() {
         value /= 1024.0;
         unit += 1;
     }
@@ -409,4 +424,592 @@ pub fn rfc3339(unix_seconds: f64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::snapshot::testing::{gpu, host, torch, GIB};
+    use crate::snapshot::TorchStats;
+
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+
+    fn finished(name: &str, start: &Snapshot, before: &Snapshot, end: &Snapshot, peaks: &HashMap<Gauge, u64>) -> Report {
+        let span = Span { start, before_teardown: before, end: Some(end) };
+        Report::build(name, true, span, |g| peaks.get(g).copied(), Names::default())
+    }
+
+    fn no_peaks() -> HashMap<Gauge, u64> {
+        HashMap::new()
+    }
+
+    fn with_torch(reading: GpuReading, allocated: u64, reserved: u64) -> GpuReading {
+        GpuReading { torch: Some(torch(allocated, reserved, allocated, reserved)), ..reading }
+    }
+
+    fn with_used(reading: GpuReading, device_used: u64, process_used: Option<u64>) -> GpuReading {
+        GpuReading { device_used, process_used, ..reading }
+    }
+
+    fn gpu_row<'a>(report: &'a Report, uuid: &str) -> &'a GpuReport {
+        report.gpus.iter().find(|g| g.uuid == uuid).expect("a row for every GPU of the start snapshot")
+    }
+
+    // --- Metric ---------------------------------------------------------------------------
+
+    #[test]
+    fn consumed_and_reclaimed_are_measured_from_the_reading_before_teardown() {
+        let m = Metric::new(100, 300, Some(120), 0);
+        assert_eq!(m.consumed, 200);
+        assert_eq!(m.reclaimed, Some(180));
+        assert_eq!(m.reclaimed_share(), Some(0.9));
+    }
+
+    #[test]
+    fn consumed_and_reclaimed_can_be_negative() {
+        // The scope freed more than it allocated, and teardown let something grow (a cache warming up).
+        let m = Metric::new(300, 100, Some(150), 0);
+        assert_eq!(m.consumed, -200);
+        assert_eq!(m.reclaimed, Some(-50));
+        assert_eq!(m.reclaimed_share(), None, "a share of a negative consumption means nothing");
+    }
+
+    #[test]
+    fn reclaimed_share_needs_something_consumed_and_an_end() {
+        assert_eq!(Metric::new(100, 100, Some(50), 0).reclaimed_share(), None);
+        assert_eq!(Metric::new(100, 300, None, 0).reclaimed_share(), None);
+        assert_eq!(Metric::new(100, 300, None, 0).reclaimed, None);
+        // Teardown can reclaim more than the scope consumed (memory from before it was freed too).
+        assert_eq!(Metric::new(100, 200, Some(50), 0).reclaimed_share(), Some(1.5));
+    }
+
+    #[test]
+    fn the_peak_is_at_least_the_start_and_the_reading_before_teardown() {
+        assert_eq!(Metric::new(100, 300, Some(0), 0).peak, 300);
+        assert_eq!(Metric::new(500, 300, Some(0), 0).peak, 500);
+        assert_eq!(Metric::new(100, 300, Some(0), 1000).peak, 1000);
+    }
+
+    #[test]
+    fn metrics_of_large_values_do_not_overflow() {
+        let m = Metric::new(0, 80 * 1024 * GIB, Some(0), 0);
+        assert_eq!(m.consumed, (80 * 1024 * GIB) as i64);
+        assert_eq!(m.reclaimed, Some((80 * 1024 * GIB) as i64));
+    }
+
+    // --- Report::build --------------------------------------------------------------------
+
+    #[test]
+    fn the_host_row_takes_start_before_end_and_the_window_peak() {
+        let start = host(10.0, 100 * MIB, 100 * MIB);
+        let before = host(20.0, 400 * MIB, 400 * MIB);
+        let mut end = host(25.5, 150 * MIB, 150 * MIB);
+        end.host.available = 60 * GIB;
+        end.host.total = 128 * GIB;
+        end.host.cgroup_limit = Some(32 * GIB);
+        let mut before = before;
+        before.host.cgroup_limit = Some(32 * GIB);
+        let peaks = HashMap::from([(Gauge::HostRss, 600 * MIB)]);
+
+        let report = finished("exp-1", &start, &before, &end, &peaks);
+        let rss = report.host.rss;
+        assert_eq!((rss.start, rss.before_teardown, rss.end, rss.peak), (100 * MIB, 400 * MIB, Some(150 * MIB), 600 * MIB));
+        assert_eq!(rss.consumed, (300 * MIB) as i64);
+        assert_eq!(rss.reclaimed, Some((250 * MIB) as i64));
+        assert_eq!(report.host.available, 60 * GIB, "available is what is left after teardown");
+        assert_eq!(report.host.total, 128 * GIB);
+        assert_eq!(report.host.cgroup_limit, Some(32 * GIB));
+        assert_eq!(report.name, "exp-1");
+        assert_eq!(report.kind, "gpu");
+        assert!(report.finished);
+        assert_eq!(report.started_at, "1970-01-01T00:00:10.000Z");
+        assert_eq!(report.finished_at.as_deref(), Some("1970-01-01T00:00:25.500Z"));
+        assert_eq!(report.duration_s, 15.5);
+        assert!(report.gpus.is_empty());
+    }
+
+    #[test]
+    fn without_a_recorded_peak_the_peak_is_the_highest_reading() {
+        let report = finished("a", &host(0.0, 100, 100), &host(1.0, 300, 300), &host(2.0, 50, 50), &no_peaks());
+        assert_eq!(report.host.rss.peak, 300);
+        // The end reading counts too: teardown itself can briefly raise memory.
+        let report = finished("a", &host(0.0, 100, 100), &host(1.0, 300, 300), &host(2.0, 700, 700), &no_peaks());
+        assert_eq!(report.host.rss.peak, 700);
+    }
+
+    #[test]
+    fn a_cpu_scope_reports_kind_cpu() {
+        let s = host(0.0, 1, 1);
+        let span = Span { start: &s, before_teardown: &s, end: Some(&s) };
+        let report = Report::build("c", false, span, |_| None, Names::default());
+        assert_eq!(report.kind, "cpu");
+    }
+
+    #[test]
+    fn gpu_rows_are_matched_by_uuid_when_the_gpu_order_changes() {
+        let (a, b) = ("GPU-aaaa", "GPU-bbbb");
+        let start = host(0.0, 0, 0)
+            .with_gpu(with_torch(with_used(gpu(0, a), GIB, Some(0)), 0, 0))
+            .with_gpu(with_torch(with_used(gpu(1, b), 2 * GIB, Some(0)), 0, 0));
+        // Listed the other way round from here on: rows must follow the UUID, not the position.
+        let before = host(1.0, 0, 0)
+            .with_gpu(with_torch(with_used(gpu(1, b), 20 * GIB, Some(18 * GIB)), 16 * GIB, 17 * GIB))
+            .with_gpu(with_torch(with_used(gpu(0, a), 5 * GIB, Some(4 * GIB)), 3 * GIB, 4 * GIB));
+        let end = host(2.0, 0, 0)
+            .with_gpu(with_torch(with_used(gpu(1, b), 3 * GIB, Some(GIB)), 0, 0))
+            .with_gpu(with_torch(with_used(gpu(0, a), 2 * GIB, Some(GIB)), GIB, GIB));
+        let peaks = HashMap::from([
+            (Gauge::TorchAllocated(a.into()), 7 * GIB),
+            (Gauge::TorchAllocated(b.into()), 19 * GIB),
+        ]);
+        let report = finished("x", &start, &before, &end, &peaks);
+
+        assert_eq!(report.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>(), [a, b], "rows follow the start snapshot");
+        let row_a = gpu_row(&report, a);
+        assert_eq!(row_a.torch_index, 0);
+        assert_eq!(row_a.device_used.unwrap().before_teardown, 5 * GIB);
+        assert_eq!(row_a.device_used.unwrap().end, Some(2 * GIB));
+        assert_eq!(row_a.device_used.unwrap().consumed, (4 * GIB) as i64);
+        let alloc_a = row_a.torch_allocated.unwrap();
+        assert_eq!((alloc_a.before_teardown, alloc_a.end, alloc_a.peak), (3 * GIB, Some(GIB), 7 * GIB));
+        assert_eq!(row_a.torch_reserved.unwrap().before_teardown, 4 * GIB);
+        assert_eq!(row_a.process_used.unwrap().reclaimed, Some((3 * GIB) as i64));
+
+        let row_b = gpu_row(&report, b);
+        assert_eq!(row_b.torch_index, 1);
+        assert_eq!(row_b.device_used.unwrap().consumed, (18 * GIB) as i64);
+        assert_eq!(row_b.device_used.unwrap().reclaimed, Some((17 * GIB) as i64));
+        let alloc_b = row_b.torch_allocated.unwrap();
+        assert_eq!((alloc_b.before_teardown, alloc_b.end, alloc_b.peak), (16 * GIB, Some(0), 19 * GIB));
+        assert_eq!(row_b.torch_reserved.unwrap().before_teardown, 17 * GIB);
+    }
+
+    #[test]
+    fn gpu_identity_comes_from_the_start_snapshot() {
+        let reading = GpuReading { nvml_index: 3, name: "Tesla T4".into(), total: 16 * GIB, ..gpu(1, "GPU-cccc") };
+        let s = host(0.0, 0, 0).with_gpu(reading);
+        let report = finished("x", &s, &s, &s, &no_peaks());
+        let row = &report.gpus[0];
+        assert_eq!((row.torch_index, row.nvml_index), (1, 3));
+        assert_eq!((row.name.as_str(), row.uuid.as_str(), row.total), ("Tesla T4", "GPU-cccc", 16 * GIB));
+    }
+
+    #[test]
+    fn torch_rows_are_absent_when_torch_was_never_imported() {
+        let s = host(0.0, 0, 0).with_gpu(gpu(0, "GPU-aaaa"));
+        let report = finished("x", &s, &s, &s, &no_peaks());
+        let row = &report.gpus[0];
+        assert_eq!(row.torch_allocated, None);
+        assert_eq!(row.torch_reserved, None);
+        assert_eq!(row.num_ooms, None);
+        assert!(row.process_used.is_some(), "NVML rows do not depend on torch");
+    }
+
+    #[test]
+    fn torch_imported_mid_scope_counts_from_zero() {
+        let uuid = "GPU-aaaa";
+        let start = host(0.0, 0, 0).with_gpu(gpu(0, uuid));
+        let before = host(1.0, 0, 0).with_gpu(with_torch(gpu(0, uuid), 3 * GIB, 4 * GIB));
+        let end = host(2.0, 0, 0).with_gpu(with_torch(gpu(0, uuid), GIB, GIB));
+        let peaks = HashMap::from([(Gauge::TorchAllocated(uuid.into()), 5 * GIB)]);
+        let report = finished("x", &start, &before, &end, &peaks);
+        let allocated = report.gpus[0].torch_allocated.expect("torch was imported during the scope");
+        assert_eq!(allocated.start, 0);
+        assert_eq!(allocated.consumed, (3 * GIB) as i64);
+        assert_eq!(allocated.reclaimed, Some((2 * GIB) as i64));
+        assert_eq!(allocated.peak, 5 * GIB);
+        let reserved = report.gpus[0].torch_reserved.expect("torch was imported during the scope");
+        assert_eq!((reserved.start, reserved.consumed, reserved.peak), (0, (4 * GIB) as i64, 4 * GIB));
+    }
+
+    #[test]
+    fn num_ooms_is_read_at_the_end() {
+        let uuid = "GPU-aaaa";
+        let ooms = |n: u64| GpuReading { torch: Some(TorchStats { num_ooms: n, ..torch(0, 0, 0, 0) }), ..gpu(0, uuid) };
+        let at = |t: f64, n: u64| host(t, 0, 0).with_gpu(ooms(n));
+        let report = finished("x", &at(0.0, 1), &at(1.0, 2), &at(2.0, 3), &no_peaks());
+        assert_eq!(report.gpus[0].num_ooms, Some(3));
+    }
+
+    #[test]
+    fn process_used_is_unavailable_if_any_snapshot_lacked_it() {
+        let uuid = "GPU-aaaa";
+        let at = |t: f64, process: Option<u64>| host(t, 0, 0).with_gpu(with_used(gpu(0, uuid), GIB, process));
+        let known = Some(GIB);
+        for (missing_in, (s, b, e)) in [
+            ("start", (None, known, known)),
+            ("before teardown", (known, None, known)),
+            ("end", (known, known, None)),
+        ] {
+            let report = finished("x", &at(0.0, s), &at(1.0, b), &at(2.0, e), &no_peaks());
+            assert_eq!(report.gpus[0].process_used, None, "process_used was missing in the {missing_in} snapshot");
+            assert!(report.gpus[0].device_used.unwrap().end.is_some(), "the device row stays available");
+        }
+        let report = finished("x", &at(0.0, known), &at(1.0, known), &at(2.0, known), &no_peaks());
+        assert!(report.gpus[0].process_used.is_some());
+
+        // While the scope is open only start and now count.
+        let (s, now) = (at(0.0, known), at(1.0, known));
+        let span = Span { start: &s, before_teardown: &now, end: None };
+        let live = Report::build("x", true, span, |_| None, Names::default());
+        assert!(live.gpus[0].process_used.is_some());
+    }
+
+    #[test]
+    fn notes_are_deduplicated_in_order_of_first_appearance() {
+        let start = host(0.0, 0, 0).with_note("x").with_note("y");
+        let before = host(1.0, 0, 0).with_note("y").with_note("z");
+        let end = host(2.0, 0, 0).with_note("x").with_note("w");
+        let report = finished("x", &start, &before, &end, &no_peaks());
+        assert_eq!(report.notes, ["x", "y", "z", "w"]);
+    }
+
+    #[test]
+    fn a_live_report_is_not_finished_and_reclaims_nothing() {
+        let uuid = "GPU-aaaa";
+        let start = host(100.0, 100 * MIB, 100 * MIB).with_gpu(with_torch(gpu(0, uuid), 0, 0));
+        let mut now = host(103.0, 300 * MIB, 300 * MIB).with_gpu(with_torch(gpu(0, uuid), GIB, 2 * GIB)).with_note("n");
+        now.host.available = 50 * GIB;
+        let span = Span { start: &start, before_teardown: &now, end: None };
+        let report = Report::build("live", true, span, |_| None, Names::default());
+        assert!(!report.finished);
+        assert_eq!(report.finished_at, None);
+        assert_eq!(report.duration_s, 3.0);
+        assert_eq!(report.host.available, 50 * GIB);
+        assert_eq!(report.host.rss.end, None);
+        assert_eq!(report.host.rss.reclaimed, None);
+        assert_eq!(report.host.rss.consumed, (200 * MIB) as i64);
+        let row = &report.gpus[0];
+        for m in [row.torch_allocated.unwrap(), row.torch_reserved.unwrap(), row.process_used.unwrap(), row.device_used.unwrap()] {
+            assert_eq!((m.end, m.reclaimed), (None, None));
+        }
+        assert_eq!(row.torch_allocated.unwrap().consumed, GIB as i64);
+        assert_eq!(report.notes, ["n"]);
+    }
+
+    #[test]
+    fn a_gpu_that_could_not_be_read_at_the_end_is_not_reported_as_fully_reclaimed() {
+        let uuid = "GPU-aaaa";
+        let start = host(0.0, 0, 0).with_gpu(with_torch(with_used(gpu(0, uuid), GIB, Some(0)), 0, 0));
+        let busy = with_used(gpu(0, uuid), 20 * GIB, Some(19 * GIB));
+        let before = host(1.0, 0, 0).with_gpu(with_torch(busy, 18 * GIB, 18 * GIB));
+        // Snapshot::take drops a GPU it cannot read and leaves a note instead.
+        let end = host(2.0, 0, 0).with_note("cuda:0 could not be read through NVML: Unknown Error");
+        let report = finished("x", &start, &before, &end, &no_peaks());
+        let row = &report.gpus[0];
+        assert_ne!(row.device_used.unwrap().end, Some(0), "0 is a made-up reading, not what the device showed");
+        assert_ne!(row.device_used.unwrap().reclaimed, Some((20 * GIB) as i64));
+        assert_ne!(row.torch_allocated.unwrap().reclaimed, Some((18 * GIB) as i64));
+    }
+
+    // --- bytes ----------------------------------------------------------------------------
+
+    #[test]
+    fn bytes_are_shown_in_binary_units_with_two_decimals() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1), "1 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(KIB), "1.00 KiB");
+        assert_eq!(bytes(MIB + MIB / 2), "1.50 MiB");
+        assert_eq!(bytes(GIB), "1.00 GiB");
+        assert_eq!(bytes(80 * GIB), "80.00 GiB");
+        assert_eq!(bytes(1 << 40), "1.00 TiB");
+        assert_eq!(bytes(1 << 50), "1.00 PiB");
+    }
+
+    #[test]
+    fn huge_sizes_stay_in_the_largest_unit() {
+        assert_eq!(bytes(1 << 60), "1024.00 PiB");
+        assert_eq!(bytes(u64::MAX), "16384.00 PiB");
+    }
+
+    #[test]
+    fn a_size_that_rounds_up_to_the_next_unit_is_shown_in_that_unit() {
+        assert_eq!(bytes(MIB - 1), "1.00 MiB");
+        assert_eq!(bytes(GIB - 1), "1.00 GiB");
+    }
+
+    #[test]
+    fn signed_bytes_show_the_direction() {
+        assert_eq!(signed_bytes(0), "0 B");
+        assert_eq!(signed_bytes(1023), "+1023 B");
+        assert_eq!(signed_bytes(-1023), "-1023 B");
+        assert_eq!(signed_bytes(GIB as i64), "+1.00 GiB");
+        assert_eq!(signed_bytes(-((MIB + MIB / 2) as i64)), "-1.50 MiB");
+        assert_eq!(signed_bytes(i64::MAX), "+8192.00 PiB");
+        assert_eq!(signed_bytes(i64::MIN), "-8192.00 PiB");
+    }
+
+    // --- rfc3339 --------------------------------------------------------------------------
+
+    #[test]
+    fn rfc3339_formats_utc_with_milliseconds() {
+        assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000.25), "2023-11-14T22:13:20.250Z");
+        assert_eq!(rfc3339(1_700_000_000.0 + 0.001), "2023-11-14T22:13:20.001Z");
+        assert_eq!(rfc3339(253_402_300_799.0), "9999-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn rfc3339_handles_leap_days_and_century_years() {
+        assert_eq!(rfc3339(1_709_164_800.0), "2024-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(1_709_251_199.5), "2024-02-29T23:59:59.500Z");
+        assert_eq!(rfc3339(1_709_251_200.0), "2024-03-01T00:00:00.000Z");
+        // 2000 is a leap year (divisible by 400), 2100 is not (divisible by 100).
+        assert_eq!(rfc3339(951_782_400.0), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(4_107_542_400.0 - 86_400.0), "2100-02-28T00:00:00.000Z");
+        assert_eq!(rfc3339(4_107_542_400.0), "2100-03-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_704_067_199.0), "2023-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn rfc3339_before_the_epoch_counts_backwards() {
+        assert_eq!(rfc3339(-1.0), "1969-12-31T23:59:59.000Z");
+        assert_eq!(rfc3339(-0.5), "1969-12-31T23:59:59.500Z");
+    }
+
+    #[test]
+    fn rfc3339_never_shows_a_thousandth_millisecond() {
+        let shown = rfc3339(1_700_000_000.999_9);
+        assert!(shown.ends_with(".999Z") || shown == "2023-11-14T22:13:21.000Z", "{shown}");
+    }
+
+    // --- text, HTML and JSON --------------------------------------------------------------
+
+    /// A finished report with a bit of everything: two GPUs, torch on one, an unavailable
+    /// NVML process figure, names, and text that needs escaping in HTML.
+    fn rich_report() -> Report {
+        let (a, b) = ("GPU-aaaa", "GPU-bbbb");
+        let start = host(1_700_000_000.0, 100 * MIB, 100 * MIB)
+            .with_gpu(with_torch(with_used(gpu(0, a), GIB, Some(0)), 0, 0))
+            .with_gpu(with_used(gpu(1, b), 2 * GIB, None))
+            .with_note("cuda:1: the driver does not report per-process memory");
+        let before = host(1_700_000_012.3, 900 * MIB, 900 * MIB)
+            .with_gpu(with_torch(with_used(gpu(0, a), 11 * GIB, Some(10 * GIB)), 8 * GIB, 9 * GIB))
+            .with_gpu(with_used(gpu(1, b), 2 * GIB, None))
+            .with_note("cuda:1: the driver does not report per-process memory");
+        let end = host(1_700_000_013.0, 300 * MIB, 300 * MIB)
+            .with_gpu(with_torch(with_used(gpu(0, a), 2 * GIB, Some(GIB)), 0, 0))
+            .with_gpu(with_used(gpu(1, b), 2 * GIB, None))
+            .with_note("teardown <gc> & \"friends\"");
+        let peaks = HashMap::from([(Gauge::HostRss, GIB), (Gauge::TorchAllocated(a.into()), 10 * GIB)]);
+        let names = Names {
+            deleted: vec!["x".into(), "model".into()],
+            rebound: vec!["y".into()],
+            kept: vec!["keep_me".into()],
+            cleared: vec!["Out[3]".into(), "_".into()],
+        };
+        let span = Span { start: &start, before_teardown: &before, end: Some(&end) };
+        Report::build("train <big> & \"fast\"", true, span, |g| peaks.get(g).copied(), names)
+    }
+
+    fn live_report() -> Report {
+        let start = host(0.0, 100 * MIB, 100 * MIB).with_gpu(with_torch(gpu(0, "GPU-aaaa"), 0, 0));
+        let now = host(2.0, 200 * MIB, 200 * MIB).with_gpu(with_torch(gpu(0, "GPU-aaaa"), GIB, GIB));
+        let span = Span { start: &start, before_teardown: &now, end: None };
+        let names = Names { deleted: vec!["never shown while running".into()], ..Names::default() };
+        Report::build("live", true, span, |_| None, names)
+    }
+
+    /// The cells of the comfy-table box in `text`, header first.
+    fn text_cells(text: &str) -> Vec<Vec<String>> {
+        text.lines()
+            .filter(|line| line.starts_with('│'))
+            .map(|line| line.trim_matches('│').split(['│', '┆']).map(|cell| cell.trim().to_string()).collect())
+            .collect()
+    }
+
+    fn unescape(html: &str) -> String {
+        html.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&amp;", "&")
+    }
+
+    /// The cells of every `<tr>` in `html`, header first, unescaped.
+    fn html_cells(html: &str) -> Vec<Vec<String>> {
+        html.split("<tr>")
+            .skip(1)
+            .map(|row| {
+                let row = &row[..row.find("</tr>").expect("every row is closed")];
+                // Each piece after "<td" or "<th" is ` style="...">CELL</td>`.
+                row.split('<')
+                    .filter(|piece| ["td ", "th ", "td>", "th>"].iter().any(|tag| piece.starts_with(tag)))
+                    .map(|piece| unescape(&piece[piece.find('>').expect("a tag ends") + 1..]))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn expected_cells(grid: &Grid) -> Vec<Vec<String>> {
+        std::iter::once(grid.header.clone()).chain(grid.rows.iter().cloned()).collect()
+    }
+
+    #[test]
+    fn text_and_html_show_the_same_cells() {
+        for report in [rich_report(), live_report()] {
+            let grid = report.grid();
+            let expected = expected_cells(&grid);
+            assert_eq!(text_cells(&report.to_text()), expected, "text of {}", report.name);
+            assert_eq!(html_cells(&report.to_html()), expected, "HTML of {}", report.name);
+        }
+    }
+
+    #[test]
+    fn every_cell_string_appears_in_text_and_escaped_in_html() {
+        let report = rich_report();
+        let (text, html) = (report.to_text(), report.to_html());
+        let grid = report.grid();
+        for cell in grid.rows.iter().flatten().chain(&grid.header) {
+            assert!(text.contains(cell.as_str()), "text lacks {cell:?}");
+            assert!(html.contains(&escape(cell)), "HTML lacks {cell:?}");
+        }
+        for line in std::iter::once(&grid.title).chain(&grid.lines).chain(&grid.notes) {
+            assert!(text.contains(line.as_str()), "text lacks {line:?}");
+            assert!(html.contains(&escape(line)), "HTML lacks {line:?}");
+        }
+    }
+
+    #[test]
+    fn the_grid_shows_each_figure_of_the_report() {
+        let report = rich_report();
+        let grid = report.grid();
+        let row = |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
+
+        let rss = report.host.rss;
+        let share = format!("{:.1}%", 100.0 * (900.0 - 300.0) / (900.0 - 100.0));
+        assert_eq!(
+            row("host RSS"),
+            ["host RSS", "100.00 MiB", "1.00 GiB", "+800.00 MiB", "+600.00 MiB", share.as_str(), "300.00 MiB"]
+        );
+        assert_eq!(rss.peak, GIB);
+        assert_eq!(
+            row("cuda:0 torch allocated"),
+            ["cuda:0 torch allocated", "0 B", "10.00 GiB", "+8.00 GiB", "+8.00 GiB", "100.0%", "0 B"]
+        );
+        assert_eq!(row("cuda:0 NVML device")[3], "+10.00 GiB");
+        // Rows without torch are left out; an unavailable NVML process figure is shown as such.
+        assert!(grid.rows.iter().all(|r| r[0] != "cuda:1 torch allocated" && r[0] != "cuda:1 torch reserved"));
+        assert_eq!(row("cuda:1 NVML process")[1..], ["n/a"; 6]);
+        assert_eq!(row("cuda:1 NVML device")[3..6], ["0 B", "0 B", "—"]);
+
+        assert_eq!(grid.header.last().unwrap(), "end");
+        assert!(grid.title.contains("finished"), "{}", grid.title);
+        assert!(grid.title.contains("13.0 s"), "{}", grid.title);
+        assert!(grid.lines.contains(&"deleted: x, model".to_string()), "{:?}", grid.lines);
+        assert!(grid.lines.contains(&"rebound (deleted): y".to_string()));
+        assert!(grid.lines.contains(&"kept: keep_me".to_string()));
+        assert!(grid.lines.contains(&"cleared: Out[3], _".to_string()));
+        let identifies_gpu_b =
+            |l: &String| l.starts_with("cuda:1 = NVML 1 · ") && l.contains("GPU-bbbb") && l.ends_with("80.00 GiB total");
+        assert!(grid.lines.iter().any(identifies_gpu_b), "{:?}", grid.lines);
+    }
+
+    #[test]
+    fn a_live_grid_shows_now_and_no_teardown() {
+        let report = live_report();
+        let grid = report.grid();
+        assert_eq!(grid.header.last().unwrap(), "now");
+        assert!(grid.title.contains("running"), "{}", grid.title);
+        assert!(grid.lines.iter().all(|l| !l.starts_with("deleted")), "{:?}", grid.lines);
+        let rss = grid.rows.iter().find(|r| r[0] == "host RSS").unwrap();
+        assert_eq!(rss[4..], ["—", "—", "200.00 MiB"]);
+    }
+
+    #[test]
+    fn a_finished_scope_that_deleted_nothing_says_so() {
+        let s = host(0.0, 0, 0);
+        let names = Names { kept: vec!["k".into()], ..Names::default() };
+        let report = Report::build("n", false, Span { start: &s, before_teardown: &s, end: Some(&s) }, |_| None, names);
+        let text = report.to_text();
+        assert!(text.contains("deleted: nothing"), "{text}");
+        assert!(text.contains("kept: k"), "{text}");
+    }
+
+    #[test]
+    fn html_escapes_names_and_notes() {
+        let html = rich_report().to_html();
+        assert!(html.contains("train &lt;big&gt; &amp; &quot;fast&quot;"), "{html}");
+        assert!(html.contains("teardown &lt;gc&gt; &amp; &quot;friends&quot;"), "{html}");
+        assert!(!html.contains("<big>") && !html.contains("<gc>"));
+        let text = rich_report().to_text();
+        assert!(text.contains("train <big> & \"fast\""), "the text table shows names as they are");
+        assert!(text.contains("note: teardown <gc> & \"friends\""));
+    }
+
+    #[test]
+    fn json_has_the_documented_schema() {
+        let json: serde_json::Value = serde_json::from_str(&rich_report().to_json()).expect("valid JSON");
+        let names = ["deleted", "rebound", "kept", "cleared"];
+        for key in ["name", "started_at", "finished_at", "duration_s", "host", "gpus", "notes"].into_iter().chain(names) {
+            assert!(json.get(key).is_some(), "missing {key}");
+        }
+        assert!(json.get("names").is_none(), "names are flattened into the top level");
+        assert_eq!(json["name"], "train <big> & \"fast\"");
+        assert_eq!(json["started_at"], "2023-11-14T22:13:20.000Z");
+        assert_eq!(json["finished_at"], "2023-11-14T22:13:33.000Z");
+        assert_eq!(json["deleted"], serde_json::json!(["x", "model"]));
+        assert_eq!(json["cleared"], serde_json::json!(["Out[3]", "_"]));
+
+        let rss = &json["host"]["rss"];
+        for key in ["start", "before_teardown", "end", "peak", "consumed", "reclaimed"] {
+            assert!(rss.get(key).is_some(), "missing host.rss.{key}");
+        }
+        assert_eq!(rss["start"], 100 * MIB);
+        assert_eq!(rss["consumed"], 800 * MIB as i64);
+        assert_eq!(rss["reclaimed"], 600 * MIB as i64);
+        assert!(json["host"]["available"].is_u64());
+        assert!(json["host"]["total"].is_u64());
+
+        let gpus = json["gpus"].as_array().expect("gpus is a list");
+        assert_eq!(gpus.len(), 2);
+        for g in gpus {
+            let identity = ["torch_index", "nvml_index", "uuid", "name", "total"];
+            let metrics = ["torch_allocated", "torch_reserved", "process_used", "device_used"];
+            for key in identity.into_iter().chain(metrics) {
+                assert!(g.get(key).is_some(), "missing gpus[].{key} in {g}");
+            }
+        }
+        assert_eq!(gpus[0]["uuid"], "GPU-aaaa");
+        assert_eq!(gpus[0]["torch_allocated"]["peak"], 10 * GIB);
+        assert!(gpus[1]["torch_allocated"].is_null(), "absent torch is null, not zeros");
+        assert!(gpus[1]["process_used"].is_null());
+        assert_eq!(gpus[1]["device_used"]["start"], 2 * GIB);
+    }
+
+    #[test]
+    fn json_of_a_live_report_has_no_end() {
+        let json: serde_json::Value = serde_json::from_str(&live_report().to_json()).unwrap();
+        assert!(json["finished_at"].is_null());
+        assert_eq!(json["finished"], false);
+        assert!(json["host"]["rss"]["end"].is_null());
+        assert!(json["host"]["rss"]["reclaimed"].is_null());
+    }
+
+    // --- snapshot_grid --------------------------------------------------------------------
+
+    #[test]
+    fn the_snapshot_grid_shows_used_free_and_total() {
+        let mut s = host(1_700_000_000.25, 3 * GIB, 3 * GIB)
+            .with_gpu(with_torch(with_used(gpu(0, "GPU-aaaa"), 5 * GIB, Some(4 * GIB)), GIB, 2 * GIB))
+            .with_gpu(with_used(gpu(1, "GPU-bbbb"), GIB, None));
+        s.host.cgroup_limit = Some(16 * GIB);
+        let grid = snapshot_grid(&s, "now");
+        let row = |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
+
+        assert_eq!(grid.title, "gpuexp · now · 2023-11-14T22:13:20.250Z");
+        assert_eq!(row("host RSS")[1], "3.00 GiB");
+        assert_eq!(row("host system")[1..], ["64.00 GiB", "64.00 GiB", "128.00 GiB"]);
+        assert_eq!(row("host cgroup limit")[3], "16.00 GiB");
+        assert_eq!(row("cuda:0 torch allocated")[1], "1.00 GiB");
+        assert_eq!(row("cuda:0 torch reserved")[1], "2.00 GiB");
+        assert_eq!(row("cuda:0 NVML process")[1], "4.00 GiB");
+        assert_eq!(row("cuda:0 NVML device")[1..], ["5.00 GiB", "79.00 GiB", "80.00 GiB"]);
+        assert_eq!(row("cuda:1 NVML process")[1], "n/a");
+        assert!(grid.rows.iter().all(|r| !r[0].starts_with("cuda:1 torch")));
+        assert_eq!(grid.lines.len(), 2);
+        // The same cells come out in both renderings here too.
+        assert_eq!(text_cells(&grid.to_text()), expected_cells(&grid));
+        assert_eq!(html_cells(&grid.to_html()), expected_cells(&grid));
+    }
 }

@@ -77,6 +77,7 @@ mod tests {
 
     #[test]
     fn sees_a_short_spike_and_stops_cleanly() {
+        let _guard = host::tests::serial();
         start(Duration::from_millis(1));
         reset();
         let before = peak();

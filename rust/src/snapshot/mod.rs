@@ -188,3 +188,122 @@ impl Snapshot {
         self.gpus.iter().find(|g| g.uuid == uuid)
     }
 }
+
+/// Hand-built snapshots for unit tests: `Snapshot::take` reads the real machine.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{GpuReading, HostReading, Snapshot, TorchStats};
+
+    pub(crate) const GIB: u64 = 1 << 30;
+
+    /// A snapshot with only host figures; `peak_rss` is the VmHWM since the last reset.
+    pub(crate) fn host(taken_at: f64, rss: u64, peak_rss: u64) -> Snapshot {
+        Snapshot {
+            taken_at,
+            host: HostReading { rss, peak_rss, available: 64 * GIB, total: 128 * GIB, cgroup_limit: None },
+            gpus: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// A GPU without torch, with NVML figures that are easy to tell apart.
+    pub(crate) fn gpu(torch_index: u32, uuid: &str) -> GpuReading {
+        GpuReading {
+            torch_index,
+            nvml_index: torch_index,
+            uuid: uuid.to_string(),
+            name: "NVIDIA H100 80GB HBM3".to_string(),
+            total: 80 * GIB,
+            free: 79 * GIB,
+            reserved: 0,
+            device_used: GIB,
+            process_used: Some(0),
+            torch: None,
+        }
+    }
+
+    /// Torch allocator figures; peaks are those since torch's counters were last reset.
+    pub(crate) fn torch(allocated: u64, reserved: u64, peak_allocated: u64, peak_reserved: u64) -> TorchStats {
+        TorchStats { allocated, reserved, peak_allocated, peak_reserved, num_ooms: 0 }
+    }
+
+    impl Snapshot {
+        pub(crate) fn with_gpu(mut self, gpu: GpuReading) -> Snapshot {
+            self.gpus.push(gpu);
+            self
+        }
+
+        pub(crate) fn with_note(mut self, note: &str) -> Snapshot {
+            self.notes.push(note.to_string());
+            self
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvml::{NvmlReading, ProcessUse};
+
+    const GIB: u64 = 1 << 30;
+
+    fn ident() -> GpuIdent {
+        GpuIdent { torch_index: 0, nvml_index: 3, uuid: "GPU-aaaa".into(), name: "H200".into() }
+    }
+
+    fn nvml_reading(process: ProcessUse) -> NvmlReading {
+        NvmlReading { total: 140 * GIB, used: 10 * GIB, free: 130 * GIB, reserved: GIB / 2, process }
+    }
+
+    fn torch_holding(reserved: u64) -> Option<TorchStats> {
+        Some(TorchStats { allocated: reserved / 2, reserved, ..TorchStats::default() })
+    }
+
+    #[test]
+    fn an_unlisted_process_holding_torch_memory_is_unavailable_not_zero() {
+        // In a PID namespace the driver lists host PIDs, so ours is missing although torch holds memory.
+        let mut notes = Vec::new();
+        let reading = gpu_reading(&ident(), nvml_reading(ProcessUse::NotListed), torch_holding(GIB), &mut notes);
+        assert_eq!(reading.process_used, None);
+        assert!(notes[0].contains("PID namespace"), "{notes:?}");
+    }
+
+    #[test]
+    fn an_unlisted_process_without_torch_memory_uses_nothing() {
+        let mut notes = Vec::new();
+        for torch in [None, Some(TorchStats::default())] {
+            let reading = gpu_reading(&ident(), nvml_reading(ProcessUse::NotListed), torch, &mut notes);
+            assert_eq!(reading.process_used, Some(0));
+        }
+        assert!(notes.is_empty());
+    }
+
+    #[test]
+    fn listed_and_withheld_figures() {
+        let mut notes = Vec::new();
+        let listed = gpu_reading(&ident(), nvml_reading(ProcessUse::Listed(3 * GIB)), torch_holding(GIB), &mut notes);
+        assert_eq!((listed.process_used, listed.nvml_index, listed.device_used), (Some(3 * GIB), 3, 10 * GIB));
+        assert!(notes.is_empty());
+        let withheld = gpu_reading(&ident(), nvml_reading(ProcessUse::Unreported), None, &mut notes);
+        assert_eq!(withheld.process_used, None);
+        assert_eq!(notes.len(), 1);
+    }
+
+    #[test]
+    fn gauges_cover_every_figure_with_a_value() {
+        let gpu = gpu_reading(&ident(), nvml_reading(ProcessUse::Listed(GIB)), torch_holding(2 * GIB), &mut Vec::new());
+        let snapshot = Snapshot { taken_at: 0.0, host: HostReading::default(), gpus: vec![gpu], notes: vec![] };
+        let names: Vec<Gauge> = snapshot.gauges().into_iter().map(|(g, _, _)| g).collect();
+        let uuid = || "GPU-aaaa".to_string();
+        assert_eq!(
+            names,
+            [
+                Gauge::HostRss,
+                Gauge::TorchAllocated(uuid()),
+                Gauge::TorchReserved(uuid()),
+                Gauge::ProcessUsed(uuid()),
+                Gauge::DeviceUsed(uuid())
+            ]
+        );
+    }
+}
