@@ -22,12 +22,13 @@ class GPUExperiment:
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
         devices = _device_indices(devices) if self._gpu else None
         self._handles = ipython.assignment_targets()
-        _finish_replaced(name, self._handles)
+        creator = _creator_frame()
+        _finish_replaced(name, self._handles, in_use=ipython.names_bound_before(creator.f_lineno))
         self._id = _core.open_scope(
             name,
             gpu=self._gpu,
             devices=devices,
-            adapter=ipython.namespace_for(_creator_frame()),
+            adapter=ipython.namespace_for(creator),
             owner=self,
         )
         ipython.track(self)
@@ -105,14 +106,14 @@ def _creator_frame():
     return frame
 
 
-def _finish_replaced(name, targets):
+def _finish_replaced(name, targets, in_use):
     """Finishes the open experiment of the same name, and those about to be rebound, so the
-    new baseline doesn't include their memory."""
+    new baseline doesn't include their memory. Names in ``in_use`` are kept."""
     replaced = [e._id for e in ipython.tracked().values() if e._handles & targets]
     same_name = _core.open_scope_named(name) if name else None
     for scope_id in dict.fromkeys(replaced + ([same_name] if same_name else [])):
         if _core.is_open(scope_id):
-            for report in _core.finish(scope_id):
+            for report in _core.finish(scope_id, keep=sorted(in_use)):
                 ipython.show(report)
 
 

@@ -89,10 +89,10 @@ class ShellNamespace(_Namespace):
             if name in self.namespace:
                 refs[name] = self.namespace[name]
         if self.shell.last_execution_result is not None:
-            refs["last execution result"] = self.shell.last_execution_result
+            refs["last cell result"] = self.shell.last_execution_result
         tb = getattr(self.shell.InteractiveTB, "tb", None)
         if tb is not None:
-            refs["traceback shown last"] = tb
+            refs["last traceback"] = tb
         return refs
 
     def drop_hidden(self, label):
@@ -108,9 +108,9 @@ class ShellNamespace(_Namespace):
             setattr(self.shell.displayhook, label, "")
             if label in self.shell.user_ns_hidden:
                 self.shell.user_ns_hidden[label] = ""
-        elif label == "last execution result":
+        elif label == "last cell result":
             self.shell.last_execution_result = None
-        elif label == "traceback shown last":
+        elif label == "last traceback":
             _clear_frames(self.shell.InteractiveTB.tb)
             self.shell.InteractiveTB.tb = None
         else:
@@ -144,19 +144,26 @@ def namespace_for(frame):
     return DetachedNamespace()
 
 
+def _running_cell():
+    """The syntax tree of the cell being executed, or None outside IPython."""
+    ip = shell()
+    if ip is None:
+        return None
+    cells = ip.user_ns.get("_ih") or [""]
+    try:
+        return ast.parse(cells[-1])
+    except SyntaxError:
+        return None
+
+
 def assignment_targets():
     """Names the running cell binds to a new experiment (``exp = GPUExperiment(...)``).
 
     An open experiment already bound to one of them is about to be replaced, so it is
     finished before the new one takes its baseline.
     """
-    ip = shell()
-    if ip is None:
-        return set()
-    cells = ip.user_ns.get("_ih") or [""]
-    try:
-        tree = ast.parse(cells[-1])
-    except SyntaxError:
+    tree = _running_cell()
+    if tree is None:
         return set()
     targets = set()
     for node in ast.walk(tree):
@@ -165,6 +172,23 @@ def assignment_targets():
                 if isinstance(target, ast.Name):
                     targets.add(target.id)
     return targets
+
+
+def names_bound_before(line):
+    """Names the running cell binds above ``line`` (``bs = 128``, a loop variable): the cell
+    still uses them, so an experiment it replaces must not delete them."""
+    tree = _running_cell()
+    if tree is None:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", line) >= line:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+    return names
 
 
 def _builds_experiment(value):

@@ -347,12 +347,18 @@ fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
 
 /// Finishes a scope, and first every scope opened inside it. Returns the reports of the
 /// scopes it finished, innermost first; empty when this scope's teardown is already under way.
+/// `keep` adds names to protect, without the existence check of `keep()`: a replacing
+/// constructor passes the names its cell still uses.
 #[pyfunction]
-fn finish(py: Python, id: ScopeId) -> PyResult<Vec<ReportPy>> {
+#[pyo3(signature = (id, keep=Vec::new()))]
+fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>> {
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish(py, inner_id)?);
+        finished.extend(finish(py, inner_id, keep.clone())?);
+    }
+    if let Some(scope) = registry().scope_mut(id) {
+        scope.keep.extend(keep);
     }
     let scope = match registry().begin_finish(id) {
         Finishing::Finished(report) => return Ok(vec![ReportPy(report)]),

@@ -384,7 +384,14 @@ pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     }
     let mut lines = Vec::new();
     for gpu in &snapshot.gpus {
-        lines.push(format!("cuda:{} = NVML {} · {} · {}", gpu.torch_index, gpu.nvml_index, gpu.name, gpu.uuid));
+        lines.push(format!(
+            "cuda:{} = NVML {} · {} · {} · {} total",
+            gpu.torch_index,
+            gpu.nvml_index,
+            gpu.name,
+            gpu.uuid,
+            bytes(gpu.total)
+        ));
         let label = |what: &str| format!("cuda:{} {what}", gpu.torch_index);
         if let Some(t) = gpu.torch {
             rows.push(vec![label("torch allocated"), bytes(t.allocated), "—".into(), "—".into()]);
@@ -397,7 +404,8 @@ pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     Grid {
         title: format!("gpuexp · {title} · {}", rfc3339(snapshot.taken_at)),
         lines,
-        header: ["memory", "used", "free", "total"].map(String::from).to_vec(),
+        // Host "available" (capped by the cgroup) and NVML "free": what a new allocation can get.
+        header: ["memory", "used", "available", "total"].map(String::from).to_vec(),
         rows,
         notes: snapshot.notes.clone(),
     }

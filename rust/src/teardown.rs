@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashSet};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
     DeleteNames,
-    /// `Out` entries, `_`/`__`/`___`, the stored last exception and the last execution result.
+    /// `Out` entries, `_`/`__`/`___`, the stored last exception, the last cell result.
     DropHiddenRefs,
     CollectGarbage,
     /// torch keeps cuBLAS workspaces (32–65 MiB after a matmul) until asked to free them.

@@ -5,6 +5,7 @@ use std::sync::{Mutex, OnceLock};
 
 use nvml_wrapper::enum_wrappers::device::Brand;
 use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use super::visible::{self, DeviceOrder, PhysicalGpu, VisibleGpu};
@@ -47,7 +48,10 @@ fn library() -> Result<&'static Nvml, String> {
             .lib_path("libnvidia-ml.so.1".as_ref())
             .init()
             .or_else(|_| Nvml::init())
-            .map_err(|e| format!("NVML unavailable, so GPU rows are not shown: no NVIDIA driver found ({e})"))
+            .map_err(|e| match e {
+                NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found): GPU rows are not shown".into(),
+                e => format!("NVML unavailable ({e}): GPU rows are not shown"),
+            })
     })
     .as_ref()
     .map_err(Clone::clone)
