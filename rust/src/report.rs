@@ -198,7 +198,7 @@ impl Report {
                 lines.push("deleted: nothing".into());
             }
         }
-        lines.extend(self.gpus.iter().map(gpu_line));
+        lines.extend(self.gpus.iter().map(|g| device_line(g.torch_index, g.nvml_index, &g.name, &g.uuid, g.total)));
         let finished = self.finished;
         let mut rows = vec![metric_row("host RSS".into(), &self.host.rss, finished)];
         for gpu in &self.gpus {
@@ -238,15 +238,9 @@ impl Report {
     }
 }
 
-fn gpu_line(gpu: &GpuReport) -> String {
-    format!(
-        "cuda:{} = NVML {} · {} · {} · {} total",
-        gpu.torch_index,
-        gpu.nvml_index,
-        gpu.name,
-        gpu.uuid,
-        bytes(gpu.total)
-    )
+/// How a GPU is introduced above a table: both of its indices, so nobody confuses them.
+fn device_line(torch_index: u32, nvml_index: u32, name: &str, uuid: &str, total: u64) -> String {
+    format!("cuda:{torch_index} = NVML {nvml_index} · {name} · {uuid} · {} total", bytes(total))
 }
 
 fn metric_row(label: String, m: &Metric, finished: bool) -> Vec<String> {
@@ -384,14 +378,7 @@ pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     }
     let mut lines = Vec::new();
     for gpu in &snapshot.gpus {
-        lines.push(format!(
-            "cuda:{} = NVML {} · {} · {} · {} total",
-            gpu.torch_index,
-            gpu.nvml_index,
-            gpu.name,
-            gpu.uuid,
-            bytes(gpu.total)
-        ));
+        lines.push(device_line(gpu.torch_index, gpu.nvml_index, &gpu.name, &gpu.uuid, gpu.total));
         let label = |what: &str| format!("cuda:{} {what}", gpu.torch_index);
         if let Some(t) = gpu.torch {
             rows.push(vec![label("torch allocated"), bytes(t.allocated), "—".into(), "—".into()]);
