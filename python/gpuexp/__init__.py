@@ -5,13 +5,16 @@ and shows what it consumed, reclaimed and peaked at: host RSS, NVML (device and 
 process) and torch's allocator.
 """
 
+import atexit
+
 from . import _core, ipython
-from ._core import GpuReport, HostReport, Metric, Report, Snapshot
+from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
 from .experiment import CPUExperiment, GPUExperiment
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CellRecord",
     "CPUExperiment",
     "GPUExperiment",
     "GpuReport",
@@ -19,6 +22,8 @@ __all__ = [
     "Metric",
     "Report",
     "Snapshot",
+    "cells",
+    "config",
     "history",
     "save_history",
     "snapshot",
@@ -43,6 +48,29 @@ def save_history(path):
     return path
 
 
+def cells():
+    """Every cell record of this kernel's cell log, oldest first (``CellRecord`` list)."""
+    return _core.cells()
+
+
+def config(*, sample_interval_ms=None, cell_log_all_gpus=None):
+    """Changes settings and returns them all as a dict.
+
+    sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
+        kernel's peak can't be reset), default 1 ms, between 0.1 ms and 60 s.
+    cell_log_all_gpus: show every GPU in the cell log, not only those a cell touched.
+    """
+    if sample_interval_ms is not None and (isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))):
+        raise TypeError(f"sample_interval_ms must be a number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {sample_interval_ms!r}")
+    return _core.config(sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus)
+
+
 def load_ipython_extension(ip):
-    """``%load_ext gpuexp``: listens to cell events so that ``del exp`` is noticed."""
+    """``%load_ext gpuexp``: the cell events (``del exp``, the cell log) and the ``%gpuexp`` magics."""
     ipython.register(ip)
+
+
+# The sampler thread is joined before the interpreter goes (a kernel shutting down or restarting).
+atexit.register(_core.shutdown)
+# In a notebook, importing gpuexp is enough for `%gpuexp` and for noticing `del exp`.
+ipython.register(ipython.shell())

@@ -11,12 +11,13 @@ class GPUExperiment:
     Everything the experiment's cells create is deleted and freed when it finishes
     (``del exp``, ``exp.finish()`` or the end of a ``with`` block), and a table shows what it
     consumed, what came back and the peak. Names that existed before are never touched unless
-    the experiment rebound them.
+    the experiment rebound them. While it is open, each cell is followed by a compact memory
+    block (``cell_log=False`` turns that off).
     """
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None):
+    def __init__(self, name=None, *, devices=None, cell_log=True):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
@@ -24,15 +25,16 @@ class GPUExperiment:
         self._handles = ipython.assignment_targets()
         creator = _creator_frame()
         _finish_replaced(name, self._handles, in_use=ipython.names_bound_before(creator.f_lineno))
-        self._id = _core.open_scope(
+        self._id, start = _core.open_scope(
             name,
             gpu=self._gpu,
             devices=devices,
             adapter=ipython.namespace_for(creator),
             owner=self,
+            cell_log=cell_log,
         )
         ipython.track(self)
-        ipython.show(_core.scope_start(self._id))
+        ipython.show(start)
 
     @property
     def name(self):
@@ -42,6 +44,11 @@ class GPUExperiment:
     def data(self):
         """The report as it stands: live while open, final once finished."""
         return _core.scope_report(self._id)
+
+    @property
+    def cells(self):
+        """The per-cell log of the cells run while the experiment was open (``CellRecord`` list)."""
+        return _core.scope_cells(self._id)
 
     def keep(self, *names):
         """Protects names from deletion at finish. Each must exist; returns the experiment."""
@@ -90,8 +97,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None):
-        super().__init__(name)
+    def __init__(self, name=None, *, cell_log=True):
+        super().__init__(name, cell_log=cell_log)
 
 
 def _creator_frame():

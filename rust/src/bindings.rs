@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyModule, PyWeakrefReference};
 
-use crate::report::{self, Names, Report, Span};
+use crate::report::{self, CellRecord, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
 use crate::snapshot::{host, nvml, GpuSelection, Snapshot, TorchProbe, TorchStats};
@@ -65,11 +65,12 @@ impl<'py> PyTorch<'py> {
         })
     }
 
-    /// Resets torch's peak counters on the devices a snapshot covered.
+    /// Resets torch's peak counters on the devices a snapshot covered. The C function, not
+    /// `torch.cuda.reset_peak_memory_stats`, which gpuexp wraps to notice the user's resets.
     fn reset_peaks(&self, snapshot: &Snapshot) {
-        let Some(cuda) = self.cuda() else { return };
+        let Some(c) = self.cuda().and_then(|_| self.torch.as_ref()?.getattr("_C").ok()) else { return };
         for gpu in snapshot.gpus.iter().filter(|g| g.torch.is_some()) {
-            let _ = cuda.call_method1("reset_peak_memory_stats", (gpu.torch_index,));
+            let _ = c.call_method1("_cuda_resetPeakMemoryStats", (gpu.torch_index,));
         }
     }
 }
@@ -125,26 +126,37 @@ impl TorchProbe for PyTorch<'_> {
 fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
     let torch = PyTorch::find(py);
     let mut snapshot = Snapshot::take(selection, &torch);
-    if !host::peak_reset_supported() && sampler::is_running() {
-        snapshot.host.peak_rss = sampler::peak().max(snapshot.host.rss);
-    }
+    sampler::apply(&mut snapshot);
     (snapshot, torch)
 }
 
 /// Starts new peak windows: what the counters saw was just folded into the open windows.
 fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
-    if !host::reset_peak() {
-        sampler::reset();
-    }
+    host::reset_peak();
     torch.reset_peaks(snapshot);
+    sampler::reset(snapshot);
 }
 
-fn update_sampler(registry: &Registry) {
-    if registry.has_open() && !host::peak_reset_supported() {
-        sampler::start(sampler::HOST_INTERVAL);
-    } else if !registry.has_open() {
-        sampler::stop();
-    }
+/// Runs the sampler over what the open windows need: host RSS where VmHWM can't be reset,
+/// and the GPUs of `snapshot` (a window just opened) or those already sampled.
+///
+/// The caller must not hold the registry: the GIL is released here, and a thread that held
+/// the registry while waiting for the GIL back would deadlock with one holding the GIL while
+/// waiting for the registry.
+fn update_sampler(py: Python, snapshot: Option<&Snapshot>) {
+    let sources = {
+        let registry = registry();
+        let host = registry.has_windows() && !host::peak_reset_supported();
+        let gpus = match snapshot {
+            _ if !registry.has_gpu_windows() => Vec::new(),
+            Some(s) if !s.gpus.is_empty() => s.gpus.iter().map(|g| g.uuid.clone()).collect(),
+            _ => sampler::sampled_gpus(),
+        };
+        sampler::Sources { host, gpus }
+    };
+    // Joining with the GIL held would be safe too (the sampler never takes it), but other
+    // Python threads need not wait for the join.
+    py.detach(|| sampler::ensure(sources));
 }
 
 // ---- identity pins -------------------------------------------------------------------------
@@ -232,10 +244,10 @@ fn selection(gpu: bool, devices: Option<Vec<u32>>) -> GpuSelection {
     }
 }
 
-/// Opens a scope and returns its id. `adapter` is None outside any namespace (a function body
-/// in a script): the scope then measures and reports but deletes nothing.
+/// Opens a scope; returns its id and the state it starts from. `adapter` is None outside any
+/// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
-#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None))]
+#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true))]
 fn open_scope(
     py: Python,
     name: Option<String>,
@@ -243,7 +255,8 @@ fn open_scope(
     devices: Option<Vec<u32>>,
     adapter: Option<Bound<PyAny>>,
     owner: Option<Bound<PyAny>>,
-) -> PyResult<ScopeId> {
+    cell_log: bool,
+) -> PyResult<(ScopeId, SnapshotPy)> {
     let selection = selection(gpu, devices);
     if let GpuSelection::Only(wanted) = &selection {
         check_devices(py, wanted)?;
@@ -262,17 +275,17 @@ fn open_scope(
         owner: owner.as_ref().map(Pin::new),
     };
     let (start, torch) = take_snapshot(py, &selection);
-    let id = {
+    let (id, title) = {
         let mut registry = registry();
         let name = registry.name_or_default(name);
         let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
-        let id = registry.open(name, kind, selection, start.clone());
-        reset_counters(&torch, &start);
-        update_sampler(&registry);
-        id
+        let title = format!("{name} · started");
+        (registry.open(name, kind, selection, start.clone(), cell_log), title)
     };
+    reset_counters(&torch, &start);
+    update_sampler(py, Some(&start));
     pins().insert(id, baseline);
-    Ok(id)
+    Ok((id, SnapshotPy { snapshot: start, title }))
 }
 
 fn check_devices(py: Python, wanted: &[u32]) -> PyResult<()> {
@@ -400,8 +413,10 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         names,
     );
     report.notes.extend(notes);
+    report.cells = registry.cells_of(&scope);
     finished.push(ReportPy(registry.complete(id, report)));
-    update_sampler(&registry);
+    drop(registry);
+    update_sampler(py, None);
     Ok(finished)
 }
 
@@ -483,14 +498,113 @@ fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
     let mut registry = registry();
     registry.peaks.observe(&now);
     let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
-    let live = Report::build(
+    let mut live = Report::build(
         &scope.name,
         scope.kind == Kind::Gpu,
         Span { start: &scope.start, before_teardown: &now, end: None },
         |gauge| registry.peaks.peak(id, gauge),
         Names::default(),
     );
+    live.cells = registry.cells_of(scope);
     Ok(ReportPy(Arc::new(live)))
+}
+
+// ---- the per-cell log ----------------------------------------------------------------------
+
+#[pyfunction]
+fn cell_log_active() -> bool {
+    registry().cell_log_active()
+}
+
+/// `%gpuexp log on|off`: the cell log without an experiment.
+#[pyfunction]
+fn set_standalone_log(on: bool) {
+    registry().standalone_log = on;
+}
+
+/// Opens the window of a cell about to run (the `pre_run_cell` event).
+#[pyfunction]
+fn begin_cell(py: Python) {
+    let selection = registry().cell_selection();
+    let (start, torch) = take_snapshot(py, &selection);
+    registry().begin_cell(start.clone());
+    reset_counters(&torch, &start);
+    update_sampler(py, Some(&start));
+}
+
+/// Closes the running cell's window and returns its record (the `post_run_cell` event).
+#[pyfunction]
+fn end_cell(py: Python, execution_count: u64) -> Option<CellRecordPy> {
+    let selection = registry().open_cell_selection()?;
+    let (end, _) = take_snapshot(py, &selection);
+    let (record, all_gpus) = {
+        let mut registry = registry();
+        (registry.end_cell(execution_count, &end)?, registry.cell_log_all_gpus)
+    };
+    update_sampler(py, None);
+    Some(CellRecordPy { record, all_gpus })
+}
+
+/// Every cell record of this kernel, oldest first.
+#[pyfunction]
+fn cells() -> Vec<CellRecordPy> {
+    let registry = registry();
+    let all_gpus = registry.cell_log_all_gpus;
+    registry.cells().iter().map(|record| CellRecordPy { record: record.clone(), all_gpus }).collect()
+}
+
+/// The records of the cells that ran while a scope was open.
+#[pyfunction]
+fn scope_cells(id: ScopeId) -> PyResult<Vec<CellRecordPy>> {
+    let registry = registry();
+    let all_gpus = registry.cell_log_all_gpus;
+    let records = match registry.scope(id) {
+        Some(scope) => registry.cells_of(scope),
+        None => registry.report(id).ok_or_else(|| unknown(id))?.cells.clone(),
+    };
+    Ok(records.into_iter().map(|r| CellRecordPy { record: Arc::new(r), all_gpus }).collect())
+}
+
+/// Called by gpuexp's wrapper of `torch.cuda.reset_peak_memory_stats` just before the
+/// user's reset: the peaks seen so far are folded into the open windows, so none is lost.
+#[pyfunction]
+fn before_user_peak_reset(py: Python) {
+    let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let mut registry = registry();
+    registry.peaks.observe(&now);
+    registry.note_cell("torch.cuda.reset_peak_memory_stats() ran in this cell; gpuexp kept the peaks seen before it".into());
+}
+
+/// Reads and changes settings; returns them all.
+#[pyfunction]
+#[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None))]
+fn config<'py>(
+    py: Python<'py>,
+    sample_interval_ms: Option<f64>,
+    cell_log_all_gpus: Option<bool>,
+) -> PyResult<Bound<'py, PyDict>> {
+    if let Some(ms) = sample_interval_ms {
+        let interval = std::time::Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
+            PyValueError::new_err(format!(
+                "sample_interval_ms must be a positive number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {ms}"
+            ))
+        })?;
+        py.detach(|| sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
+    }
+    let mut registry = registry();
+    if let Some(all) = cell_log_all_gpus {
+        registry.cell_log_all_gpus = all;
+    }
+    let settings = PyDict::new(py);
+    settings.set_item("sample_interval_ms", sampler::interval().as_secs_f64() * 1e3)?;
+    settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
+    Ok(settings)
+}
+
+/// Stops the sampler thread (at interpreter exit, and when a kernel shuts down).
+#[pyfunction]
+fn shutdown(py: Python) {
+    py.detach(sampler::stop);
 }
 
 #[pyfunction]
@@ -511,13 +625,6 @@ fn snapshot(py: Python, gpu: bool) -> SnapshotPy {
     SnapshotPy { snapshot: take_snapshot(py, &selection(gpu, None)).0, title: "snapshot".into() }
 }
 
-/// The state a scope started from, as a new experiment shows it.
-#[pyfunction]
-fn scope_start(id: ScopeId) -> PyResult<SnapshotPy> {
-    let registry = registry();
-    let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
-    Ok(SnapshotPy { snapshot: scope.start.clone(), title: format!("{} · started", scope.name) })
-}
 
 /// Whether the kernel's peak RSS can be reset here (otherwise a sampler thread stands in).
 #[pyfunction]
@@ -687,6 +794,44 @@ impl ReportPy {
     }
 }
 
+/// What one cell did to memory: `str()` is the compact text block, `_repr_html_` the HTML one.
+#[pyclass(name = "CellRecord", module = "gpuexp", frozen)]
+struct CellRecordPy {
+    record: Arc<CellRecord>,
+    all_gpus: bool,
+}
+
+#[pymethods]
+impl CellRecordPy {
+    #[getter]
+    fn execution_count(&self) -> u64 {
+        self.record.execution_count
+    }
+    #[getter]
+    fn wall_s(&self) -> f64 {
+        self.record.wall_s
+    }
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.record.notes.clone()
+    }
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self.record.as_ref()).expect("a cell record always serialises")
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+    fn __str__(&self) -> String {
+        self.record.grid(self.all_gpus).to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+    fn _repr_html_(&self) -> String {
+        self.record.grid(self.all_gpus).to_html()
+    }
+}
+
 /// The state of the host and the visible GPUs at one moment.
 #[pyclass(name = "Snapshot", module = "gpuexp", frozen)]
 struct SnapshotPy {
@@ -732,7 +877,6 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open_scope, m)?)?;
     m.add_function(wrap_pyfunction!(scope_name, m)?)?;
     m.add_function(wrap_pyfunction!(bound_names, m)?)?;
-    m.add_function(wrap_pyfunction!(scope_start, m)?)?;
     m.add_function(wrap_pyfunction!(open_scope_named, m)?)?;
     m.add_function(wrap_pyfunction!(is_open, m)?)?;
     m.add_function(wrap_pyfunction!(keep, m)?)?;
@@ -743,6 +887,16 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(host_peak_exact, m)?)?;
     m.add_function(wrap_pyfunction!(sampler_running, m)?)?;
+    m.add_function(wrap_pyfunction!(cell_log_active, m)?)?;
+    m.add_function(wrap_pyfunction!(set_standalone_log, m)?)?;
+    m.add_function(wrap_pyfunction!(begin_cell, m)?)?;
+    m.add_function(wrap_pyfunction!(end_cell, m)?)?;
+    m.add_function(wrap_pyfunction!(cells, m)?)?;
+    m.add_function(wrap_pyfunction!(scope_cells, m)?)?;
+    m.add_function(wrap_pyfunction!(before_user_peak_reset, m)?)?;
+    m.add_function(wrap_pyfunction!(config, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_class::<CellRecordPy>()?;
     m.add_class::<ReportPy>()?;
     m.add_class::<MetricPy>()?;
     m.add_class::<HostReportPy>()?;

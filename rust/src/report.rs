@@ -89,6 +89,8 @@ pub struct Report {
     pub host: HostReport,
     pub gpus: Vec<GpuReport>,
     pub notes: Vec<String>,
+    /// The cell log of the cells that ran while the scope was open.
+    pub cells: Vec<CellRecord>,
 }
 
 /// The snapshots a report is built from; `end` is None while the scope is open.
@@ -174,6 +176,7 @@ impl Report {
             host,
             gpus,
             notes,
+            cells: Vec::new(),
         }
     }
 
@@ -226,6 +229,7 @@ impl Report {
                 .to_vec(),
             rows,
             notes: self.notes.clone(),
+            compact: false,
         }
     }
 
@@ -299,13 +303,15 @@ pub struct Grid {
     pub header: Vec<String>,
     pub rows: Vec<Vec<String>>,
     pub notes: Vec<String>,
+    /// Without borders: the per-cell log sits under every cell and must stay small.
+    pub compact: bool,
 }
 
 impl Grid {
     pub fn to_text(&self) -> String {
         let mut table = Table::new();
         table
-            .load_style(presets::UTF8_FULL_CONDENSED)
+            .load_style(if self.compact { presets::NOTHING } else { presets::UTF8_FULL_CONDENSED })
             .set_content_arrangement(ContentArrangement::Disabled)
             .set_header(&self.header);
         for row in &self.rows {
@@ -330,7 +336,11 @@ impl Grid {
     }
 
     pub fn to_html(&self) -> String {
-        let mut out = String::from("<div class=\"gpuexp\">");
+        let mut out = String::from(if self.compact {
+            "<div class=\"gpuexp\" style=\"font-size:smaller\">"
+        } else {
+            "<div class=\"gpuexp\">"
+        });
         out.push_str(&format!("<b>{}</b><br>", escape(&self.title)));
         for line in &self.lines {
             out.push_str(&format!("<span>{}</span><br>", escape(line)));
@@ -353,6 +363,135 @@ impl Grid {
         }
         out.push_str("</div>");
         out
+    }
+}
+
+/// One figure over one cell: how it moved, and how high it went above where the cell began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct CellMetric {
+    pub start: u64,
+    pub end: u64,
+    pub peak: u64,
+    pub consumed: i64,
+    pub peak_above_start: u64,
+}
+
+impl CellMetric {
+    fn new(start: u64, end: u64, peak: u64) -> CellMetric {
+        let peak = peak.max(start).max(end);
+        CellMetric { start, end, peak, consumed: end as i64 - start as i64, peak_above_start: peak - start }
+    }
+
+    fn moved(&self) -> bool {
+        self.consumed != 0 || self.peak_above_start != 0
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CellGpu {
+    pub torch_index: u32,
+    pub uuid: String,
+    pub torch_allocated: Option<CellMetric>,
+    pub torch_reserved: Option<CellMetric>,
+    pub process_used: Option<CellMetric>,
+}
+
+impl CellGpu {
+    /// Whether the cell did anything on this GPU (only those are shown, unless all are asked for).
+    pub fn touched(&self) -> bool {
+        [self.torch_allocated, self.torch_reserved, self.process_used].iter().flatten().any(CellMetric::moved)
+    }
+}
+
+/// What one notebook cell did to memory.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CellRecord {
+    pub execution_count: u64,
+    pub started_at: String,
+    pub wall_s: f64,
+    pub host: CellMetric,
+    pub gpus: Vec<CellGpu>,
+    pub notes: Vec<String>,
+}
+
+impl CellRecord {
+    pub fn build(
+        execution_count: u64,
+        start: &Snapshot,
+        end: &Snapshot,
+        peak: impl Fn(&Gauge) -> Option<u64>,
+        mut notes: Vec<String>,
+    ) -> CellRecord {
+        let metric = |gauge: Gauge, value: &dyn Fn(&Snapshot) -> Option<u64>| -> Option<CellMetric> {
+            let (s, e) = (value(start)?, value(end)?);
+            Some(CellMetric::new(s, e, peak(&gauge).unwrap_or(0)))
+        };
+        let gpus = end
+            .gpus
+            .iter()
+            .filter(|g| start.gpu(&g.uuid).is_some())
+            .map(|gpu| {
+                let uuid = gpu.uuid.clone();
+                let field = |pick: fn(&GpuReading) -> Option<u64>| {
+                    let uuid = uuid.clone();
+                    move |s: &Snapshot| s.gpu(&uuid).and_then(pick)
+                };
+                let torch_reset_outside = start
+                    .gpu(&uuid)
+                    .and_then(|g| g.torch)
+                    .zip(gpu.torch)
+                    .is_some_and(|(before, after)| after.peak_allocated < before.allocated);
+                if torch_reset_outside {
+                    notes.push(format!(
+                        "cuda:{}: torch's peak counters were reset behind gpuexp's back during this cell; its torch peaks are lower bounds",
+                        gpu.torch_index
+                    ));
+                }
+                CellGpu {
+                    torch_index: gpu.torch_index,
+                    uuid: uuid.clone(),
+                    torch_allocated: metric(Gauge::TorchAllocated(uuid.clone()), &field(|g| g.torch.map(|t| t.allocated))),
+                    torch_reserved: metric(Gauge::TorchReserved(uuid.clone()), &field(|g| g.torch.map(|t| t.reserved))),
+                    process_used: metric(Gauge::ProcessUsed(uuid.clone()), &field(|g| g.process_used)),
+                }
+            })
+            .collect();
+        CellRecord {
+            execution_count,
+            started_at: rfc3339(start.taken_at),
+            wall_s: end.taken_at - start.taken_at,
+            host: metric(Gauge::HostRss, &|s| Some(s.host.rss)).expect("host RSS is always read"),
+            gpus,
+            notes,
+        }
+    }
+
+    /// The compact block shown under a cell; GPUs the cell never touched are left out unless `all_gpus`.
+    pub fn grid(&self, all_gpus: bool) -> Grid {
+        let row = |label: String, m: &CellMetric| {
+            vec![label, signed_bytes(m.consumed), format!("+{}", bytes(m.peak_above_start)), bytes(m.end)]
+        };
+        let mut rows = vec![row("host RSS".into(), &self.host)];
+        for gpu in self.gpus.iter().filter(|g| all_gpus || g.touched()) {
+            let figures = [
+                ("torch allocated", &gpu.torch_allocated),
+                ("torch reserved", &gpu.torch_reserved),
+                ("NVML process", &gpu.process_used),
+            ];
+            for (what, metric) in figures {
+                if let Some(m) = metric {
+                    rows.push(row(format!("cuda:{} {what}", gpu.torch_index), m));
+                }
+            }
+        }
+        Grid {
+            title: format!("gpuexp · cell [{}] · {:.3} s", self.execution_count, self.wall_s),
+            lines: Vec::new(),
+            header: ["memory", "Δ", "peak above start", "now"].map(String::from).to_vec(),
+            rows,
+            notes: self.notes.clone(),
+            compact: true,
+        }
     }
 }
 
@@ -395,6 +534,7 @@ pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
         header: ["memory", "used", "available", "total"].map(String::from).to_vec(),
         rows,
         notes: snapshot.notes.clone(),
+        compact: false,
     }
 }
 

@@ -1,54 +1,154 @@
-//! A native thread that samples host RSS where the kernel's peak (VmHWM) cannot be reset.
-//! It never touches Python, so it never waits for the GIL and the GIL never waits for it.
+//! A native thread for what has no peak counter: NVML's device and process memory, and host
+//! RSS where the kernel's VmHWM cannot be reset. It never touches Python, so it never waits
+//! for the GIL and the GIL never waits for it. A spike shorter than the interval can fall
+//! between two samples; torch's allocator peaks and VmHWM have no such gap.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use crate::snapshot::host;
+use crate::snapshot::nvml::{self, ProcessUse};
+use crate::snapshot::{host, own_pids, Snapshot};
+
+/// What the thread samples.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Sources {
+    pub host: bool,
+    /// UUIDs of the GPUs to sample.
+    pub gpus: Vec<String>,
+}
+
+impl Sources {
+    pub fn is_empty(&self) -> bool {
+        !self.host && self.gpus.is_empty()
+    }
+}
+
+struct GpuPeak {
+    uuid: String,
+    device: AtomicU64,
+    process: AtomicU64,
+}
+
+/// Highest values seen since the last reset.
+struct Peaks {
+    host: AtomicU64,
+    gpus: Vec<GpuPeak>,
+}
 
 struct Running {
-    /// The process that started the thread: a forked child inherits this struct but not the thread.
+    /// The process that started the thread: a forked child inherits this struct, not the thread.
     pid: u32,
+    sources: Sources,
+    interval: Duration,
     stop: Arc<AtomicBool>,
     handle: JoinHandle<()>,
+    peaks: Arc<Peaks>,
 }
 
 static RUNNING: Mutex<Option<Running>> = Mutex::new(None);
-static PEAK: AtomicU64 = AtomicU64::new(0);
+/// Microseconds between samples.
+static INTERVAL_US: AtomicU64 = AtomicU64::new(1000);
 
-/// Default interval: fine enough for host allocations, which take far longer than this to fill.
-pub const HOST_INTERVAL: Duration = Duration::from_millis(2);
+pub const MIN_INTERVAL: Duration = Duration::from_micros(100);
+pub const MAX_INTERVAL: Duration = Duration::from_secs(60);
 
-fn running() -> std::sync::MutexGuard<'static, Option<Running>> {
+fn running() -> MutexGuard<'static, Option<Running>> {
     RUNNING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Starts the sampler unless it already runs in this process.
-pub fn start(interval: Duration) {
+fn current(running: &Option<Running>) -> Option<&Running> {
+    running.as_ref().filter(|r| r.pid == std::process::id())
+}
+
+pub fn interval() -> Duration {
+    Duration::from_micros(INTERVAL_US.load(Ordering::Relaxed))
+}
+
+/// Sets the interval; a running sampler restarts with it.
+pub fn set_interval(interval: Duration) -> Result<(), String> {
+    if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
+        return Err(format!(
+            "sample_interval_ms must be between {} and {} milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {}",
+            MIN_INTERVAL.as_secs_f64() * 1e3,
+            MAX_INTERVAL.as_secs_f64() * 1e3,
+            interval.as_secs_f64() * 1e3
+        ));
+    }
+    INTERVAL_US.store(interval.as_micros() as u64, Ordering::Relaxed);
+    let sources = current(&running()).map(|r| r.sources.clone());
+    if let Some(sources) = sources {
+        ensure(sources);
+    }
+    Ok(())
+}
+
+/// Runs the sampler over exactly these sources: starts it, restarts it when the sources or
+/// the interval changed, stops it when there is nothing to sample. The lock is held
+/// throughout, so that two callers never both start a thread; joining under it is safe
+/// because the thread never takes it.
+pub fn ensure(sources: Sources) {
+    let interval = interval();
     let mut running = running();
-    if running.as_ref().is_some_and(|r| r.pid == std::process::id()) {
+    if let Some(run) = current(&running) {
+        if run.sources == sources && run.interval == interval {
+            return;
+        }
+    }
+    stop_locked(&mut running);
+    if sources.is_empty() {
         return;
     }
-    PEAK.fetch_max(host::read_rss(), Ordering::Relaxed);
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let spawned = thread::Builder::new().name("gpuexp-sampler".into()).spawn(move || {
-        while !flag.load(Ordering::Relaxed) {
-            PEAK.fetch_max(host::read_rss(), Ordering::Relaxed);
-            thread::park_timeout(interval);
-        }
+    let peaks = Arc::new(Peaks {
+        host: AtomicU64::new(host::read_rss()),
+        gpus: sources
+            .gpus
+            .iter()
+            .map(|uuid| GpuPeak { uuid: uuid.clone(), device: AtomicU64::new(0), process: AtomicU64::new(0) })
+            .collect(),
     });
-    // Without a thread the peak still holds every snapshot's value; no need to fail the scope.
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread_peaks = peaks.clone();
+    let thread_stop = stop.clone();
+    let thread_sources = sources.clone();
+    let spawned = thread::Builder::new()
+        .name("gpuexp-sampler".into())
+        .spawn(move || sample(&thread_sources, &thread_peaks, &thread_stop, interval));
+    // Without a thread, peaks fall back to what the snapshots see: worse, but no reason to fail a scope.
     if let Ok(handle) = spawned {
-        *running = Some(Running { pid: std::process::id(), stop, handle });
+        *running = Some(Running { pid: std::process::id(), sources, interval, stop, handle, peaks });
     }
 }
 
-/// Stops and joins the thread; a no-op where it does not run (or belongs to a parent process).
+fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duration) {
+    let devices: Vec<_> = sources.gpus.iter().map(|uuid| nvml::open(uuid).ok()).collect();
+    let pids = own_pids();
+    while !stop.load(Ordering::Relaxed) {
+        if sources.host {
+            peaks.host.fetch_max(host::read_rss(), Ordering::Relaxed);
+        }
+        for (slot, device) in peaks.gpus.iter().zip(&devices) {
+            let Some(device) = device else { continue };
+            if let Ok(reading) = nvml::read(device, &pids) {
+                slot.device.fetch_max(reading.used, Ordering::Relaxed);
+                if let ProcessUse::Listed(bytes) = reading.process {
+                    slot.process.fetch_max(bytes, Ordering::Relaxed);
+                }
+            }
+        }
+        thread::park_timeout(interval);
+    }
+}
+
+/// Stops and joins the thread; a no-op where none runs (or it belongs to a parent process).
+/// Callers from Python release the GIL first, though the thread never needs it.
 pub fn stop() {
-    let Some(run) = running().take() else { return };
+    stop_locked(&mut running());
+}
+
+fn stop_locked(running: &mut Option<Running>) {
+    let Some(run) = running.take() else { return };
     if run.pid != std::process::id() {
         return;
     }
@@ -57,37 +157,91 @@ pub fn stop() {
     let _ = run.handle.join();
 }
 
+/// UUIDs of the GPUs being sampled.
+pub fn sampled_gpus() -> Vec<String> {
+    current(&running()).map(|r| r.sources.gpus.clone()).unwrap_or_default()
+}
+
 pub fn is_running() -> bool {
-    running().as_ref().is_some_and(|r| r.pid == std::process::id())
+    current(&running()).is_some()
 }
 
-/// Highest RSS seen since the last reset.
-pub fn peak() -> u64 {
-    PEAK.load(Ordering::Relaxed)
+/// Raises a snapshot's peaks to what the sampler saw since the last reset.
+pub fn apply(snapshot: &mut Snapshot) {
+    let running = running();
+    let Some(run) = current(&running) else { return };
+    if run.sources.host {
+        let host = &mut snapshot.host;
+        host.peak_rss = host.peak_rss.max(run.peaks.host.load(Ordering::Relaxed));
+    }
+    for gpu in &mut snapshot.gpus {
+        let Some(slot) = run.peaks.gpus.iter().find(|s| s.uuid == gpu.uuid) else { continue };
+        gpu.device_used_peak = gpu.device_used_peak.max(slot.device.load(Ordering::Relaxed));
+        if let Some(peak) = gpu.process_used_peak.as_mut() {
+            *peak = (*peak).max(slot.process.load(Ordering::Relaxed));
+        }
+    }
 }
 
-/// Starts a new window at the current RSS.
-pub fn reset() {
-    PEAK.store(host::read_rss(), Ordering::Relaxed);
+/// Starts new windows at the snapshot's current values.
+pub fn reset(snapshot: &Snapshot) {
+    let running = running();
+    let Some(run) = current(&running) else { return };
+    if run.sources.host {
+        run.peaks.host.store(snapshot.host.rss, Ordering::Relaxed);
+    }
+    for gpu in &snapshot.gpus {
+        if let Some(slot) = run.peaks.gpus.iter().find(|s| s.uuid == gpu.uuid) {
+            slot.device.store(gpu.device_used, Ordering::Relaxed);
+            slot.process.store(gpu.process_used.unwrap_or(0), Ordering::Relaxed);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn host_only() -> Sources {
+        Sources { host: true, gpus: Vec::new() }
+    }
+
+    fn snapshot() -> Snapshot {
+        Snapshot { taken_at: 0.0, host: host::read(), gpus: Vec::new(), notes: Vec::new() }
+    }
+
     #[test]
     fn sees_a_short_spike_and_stops_cleanly() {
         let _guard = host::tests::serial();
-        start(Duration::from_millis(1));
-        reset();
-        let before = peak();
+        INTERVAL_US.store(1000, Ordering::Relaxed);
+        ensure(host_only());
+        let start = snapshot();
+        reset(&start);
         let spike: Vec<u8> = vec![1; 256 << 20];
         thread::sleep(Duration::from_millis(30));
         drop(spike);
-        assert!(peak() >= before + (200 << 20), "peak {} before {}", peak(), before);
+        let mut later = snapshot();
+        later.host.peak_rss = later.host.rss; // as if VmHWM had just been reset
+        apply(&mut later);
+        assert!(later.host.peak_rss >= start.host.rss + (200 << 20), "{later:?}");
         stop();
         assert!(!is_running());
-        reset();
-        assert!(peak() < before + (200 << 20));
+    }
+
+    #[test]
+    fn restarts_only_when_asked_for_something_else() {
+        let _guard = host::tests::serial();
+        ensure(host_only());
+        let first = running().as_ref().map(|r| r.handle.thread().id());
+        ensure(host_only());
+        assert_eq!(running().as_ref().map(|r| r.handle.thread().id()), first);
+        ensure(Sources::default());
+        assert!(!is_running());
+    }
+
+    #[test]
+    fn the_interval_is_checked() {
+        assert!(set_interval(Duration::from_micros(10)).unwrap_err().contains("sample_interval_ms"));
+        assert!(set_interval(Duration::from_secs(61)).is_err());
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::report::Report;
+use crate::report::{CellRecord, Report};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 
 pub type ScopeId = u64;
@@ -66,6 +66,18 @@ pub struct Scope {
     pub keep: BTreeSet<String>,
     /// Set once teardown has begun: a second finish (say from `__del__` during teardown) waits for none.
     pub closing: bool,
+    /// Whether the scope asks for the per-cell log.
+    pub cell_log: bool,
+    /// Index of the first cell record made while the scope was open.
+    pub first_cell: usize,
+}
+
+/// The cell being run while the log is on.
+#[derive(Clone, Debug)]
+pub struct OpenCell {
+    pub window: u64,
+    pub start: Snapshot,
+    pub notes: Vec<String>,
 }
 
 /// Where a scope stands when someone asks to finish it.
@@ -84,6 +96,12 @@ pub struct Registry {
     open: Vec<Scope>,
     finished: Vec<(ScopeId, Arc<Report>)>,
     pub peaks: PeakBook,
+    cell: Option<OpenCell>,
+    cells: Vec<Arc<CellRecord>>,
+    /// `%gpuexp log on`: the cell log without an experiment.
+    pub standalone_log: bool,
+    /// Show every GPU in the cell log, not only those the cell touched.
+    pub cell_log_all_gpus: bool,
 }
 
 impl Registry {
@@ -94,11 +112,16 @@ impl Registry {
         })
     }
 
-    pub fn open(&mut self, name: String, kind: Kind, selection: GpuSelection, start: Snapshot) -> ScopeId {
+    fn next_window(&mut self) -> u64 {
         self.next_id += 1;
-        let id = self.next_id;
+        self.next_id
+    }
+
+    pub fn open(&mut self, name: String, kind: Kind, selection: GpuSelection, start: Snapshot, cell_log: bool) -> ScopeId {
+        let id = self.next_window();
         self.peaks.open(id, &start);
-        self.open.push(Scope { id, name, kind, selection, start, keep: BTreeSet::new(), closing: false });
+        let first_cell = self.cells.len();
+        self.open.push(Scope { id, name, kind, selection, start, keep: BTreeSet::new(), closing: false, cell_log, first_cell });
         id
     }
 
@@ -159,9 +182,77 @@ impl Registry {
         self.finished.iter().map(|(_, r)| r.clone()).collect()
     }
 
-    /// Whether any scope is open: the host sampler is needed only then.
-    pub fn has_open(&self) -> bool {
-        !self.open.is_empty()
+    /// Whether any peak window is open (a scope or a logged cell): samplers are needed only then.
+    pub fn has_windows(&self) -> bool {
+        !self.peaks.is_empty()
+    }
+
+    /// Whether an open window covers GPUs.
+    pub fn has_gpu_windows(&self) -> bool {
+        self.open.iter().any(|s| s.kind == Kind::Gpu) || self.cell.as_ref().is_some_and(|c| !c.start.gpus.is_empty())
+    }
+
+    // ---- the per-cell log ----
+
+    pub fn cell_log_active(&self) -> bool {
+        self.standalone_log || self.open.iter().any(|s| s.cell_log && !s.closing)
+    }
+
+    /// What the cell log measures: GPUs too, unless only CPU experiments asked for it.
+    pub fn cell_selection(&self) -> GpuSelection {
+        let gpu_wanted = self.standalone_log || self.open.iter().any(|s| s.cell_log && s.kind == Kind::Gpu);
+        if gpu_wanted {
+            GpuSelection::AllVisible
+        } else {
+            GpuSelection::None
+        }
+    }
+
+    /// Opens the cell's peak window at `start`, taken just before the counters are reset.
+    pub fn begin_cell(&mut self, start: Snapshot) {
+        if let Some(stale) = self.cell.take() {
+            self.peaks.close(stale.window);
+        }
+        let window = self.next_window();
+        self.peaks.open(window, &start);
+        self.cell = Some(OpenCell { window, start, notes: Vec::new() });
+    }
+
+    /// What the running cell's start snapshot covered: its end snapshot must cover the same.
+    pub fn open_cell_selection(&self) -> Option<GpuSelection> {
+        let cell = self.cell.as_ref()?;
+        Some(if cell.start.gpus.is_empty() { GpuSelection::None } else { GpuSelection::AllVisible })
+    }
+
+    /// Something the record of the running cell should say.
+    pub fn note_cell(&mut self, note: String) {
+        if let Some(cell) = self.cell.as_mut() {
+            if !cell.notes.contains(&note) {
+                cell.notes.push(note);
+            }
+        }
+    }
+
+    /// Closes the running cell's window and records it under the shell's number for the cell.
+    pub fn end_cell(&mut self, execution_count: u64, end: &Snapshot) -> Option<Arc<CellRecord>> {
+        let cell = self.cell.take()?;
+        self.peaks.observe(end);
+        let peaks = &self.peaks;
+        let record = CellRecord::build(execution_count, &cell.start, end, |g| peaks.peak(cell.window, g), cell.notes);
+        self.peaks.close(cell.window);
+        let record = Arc::new(record);
+        self.cells.push(record.clone());
+        Some(record)
+    }
+
+    /// Every cell record of this kernel, oldest first.
+    pub fn cells(&self) -> &[Arc<CellRecord>] {
+        &self.cells
+    }
+
+    /// The records of the cells that ran while the scope was open.
+    pub fn cells_of(&self, scope: &Scope) -> Vec<CellRecord> {
+        self.cells[scope.first_cell.min(self.cells.len())..].iter().map(|c| c.as_ref().clone()).collect()
     }
 }
 
@@ -204,7 +295,7 @@ mod tests {
     }
 
     fn open_cpu(registry: &mut Registry, name: &str) -> ScopeId {
-        registry.open(name.to_string(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB))
+        registry.open(name.to_string(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false)
     }
 
     // --- PeakBook -------------------------------------------------------------------------
@@ -355,7 +446,7 @@ mod tests {
     fn open_keeps_what_the_scope_needs_and_ids_are_distinct() {
         let mut registry = Registry::default();
         let start = host(42.0, 100 * MIB, 100 * MIB).with_gpu(gpu(0, "GPU-aaaa"));
-        let a = registry.open("a".into(), Kind::Gpu, GpuSelection::Only(vec![0]), start.clone());
+        let a = registry.open("a".into(), Kind::Gpu, GpuSelection::Only(vec![0]), start.clone(), false);
         let b = open_cpu(&mut registry, "b");
         assert_ne!(a, b);
         assert_eq!(registry.open_ids(), vec![a, b]);
@@ -375,8 +466,8 @@ mod tests {
     #[test]
     fn opening_a_scope_opens_its_peak_window_and_completing_closes_it() {
         let mut registry = Registry::default();
-        let outer = registry.open("outer".into(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB));
-        let inner = registry.open("inner".into(), Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB));
+        let outer = registry.open("outer".into(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false);
+        let inner = registry.open("inner".into(), Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB), false);
         registry.peaks.observe(&host(2.0, 130 * MIB, 300 * MIB));
         assert_eq!(registry.peaks.peak(outer, &Gauge::HostRss), Some(500 * MIB));
         assert_eq!(registry.peaks.peak(inner, &Gauge::HostRss), Some(300 * MIB));
@@ -439,7 +530,7 @@ mod tests {
         assert!(registry.scope(id).unwrap().closing);
         assert!(matches!(registry.begin_finish(id), Finishing::InProgress));
         assert!(matches!(registry.begin_finish(id), Finishing::InProgress));
-        assert!(registry.has_open(), "the scope stays open until its report is recorded");
+        assert!(registry.has_windows(), "the scope stays open until its report is recorded");
 
         let recorded = registry.complete(id, report_named("a"));
         match registry.begin_finish(id) {
@@ -475,16 +566,16 @@ mod tests {
     }
 
     #[test]
-    fn has_open_is_true_exactly_while_a_scope_is_open() {
+    fn has_windows_is_true_exactly_while_a_scope_is_open() {
         let mut registry = Registry::default();
-        assert!(!registry.has_open());
+        assert!(!registry.has_windows());
         let a = open_cpu(&mut registry, "a");
         let b = open_cpu(&mut registry, "b");
-        assert!(registry.has_open());
+        assert!(registry.has_windows());
         registry.complete(a, report_named("a"));
-        assert!(registry.has_open());
+        assert!(registry.has_windows());
         registry.complete(b, report_named("b"));
-        assert!(!registry.has_open());
+        assert!(!registry.has_windows());
         assert!(registry.open_ids().is_empty());
     }
 }

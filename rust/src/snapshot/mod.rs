@@ -27,8 +27,12 @@ pub struct GpuReading {
     /// NVML's "reserved": set aside by the driver, counted in neither used nor free.
     pub reserved: u64,
     pub device_used: u64,
+    /// Highest `device_used` since the last reset, as the sampler saw it (NVML has no peak counter).
+    pub device_used_peak: u64,
     /// None when NVML cannot tell (see [`Snapshot::notes`]); never a made-up zero.
     pub process_used: Option<u64>,
+    /// Highest `process_used` since the last reset, as the sampler saw it.
+    pub process_used_peak: Option<u64>,
     /// None when torch is not imported.
     pub torch: Option<TorchStats>,
 }
@@ -123,7 +127,9 @@ fn gpu_reading(ident: &GpuIdent, nvml: nvml::NvmlReading, torch: Option<TorchSta
         free: nvml.free,
         reserved: nvml.reserved,
         device_used: nvml.used,
+        device_used_peak: nvml.used,
         process_used,
+        process_used_peak: process_used,
         torch,
     }
 }
@@ -137,7 +143,7 @@ fn no_gpu_note() -> String {
 
 /// This process's PID in each PID namespace it belongs to (/proc's NSpid), read once per
 /// process: a forked child reads its own.
-fn own_pids() -> Vec<u32> {
+pub(crate) fn own_pids() -> Vec<u32> {
     static CACHE: Mutex<Option<(u32, Vec<u32>)>> = Mutex::new(None);
     let pid = std::process::id();
     let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -177,9 +183,10 @@ impl Snapshot {
                 out.push((Gauge::TorchReserved(gpu.uuid.clone()), t.reserved, t.peak_reserved.max(t.reserved)));
             }
             if let Some(used) = gpu.process_used {
-                out.push((Gauge::ProcessUsed(gpu.uuid.clone()), used, used));
+                let peak = gpu.process_used_peak.unwrap_or(used).max(used);
+                out.push((Gauge::ProcessUsed(gpu.uuid.clone()), used, peak));
             }
-            out.push((Gauge::DeviceUsed(gpu.uuid.clone()), gpu.device_used, gpu.device_used));
+            out.push((Gauge::DeviceUsed(gpu.uuid.clone()), gpu.device_used, gpu.device_used_peak.max(gpu.device_used)));
         }
         out
     }
@@ -217,7 +224,10 @@ pub(crate) mod testing {
             free: 79 * GIB,
             reserved: 0,
             device_used: GIB,
+            // No sampler: the gauges take the current values as the peaks.
+            device_used_peak: 0,
             process_used: Some(0),
+            process_used_peak: None,
             torch: None,
         }
     }

@@ -175,6 +175,11 @@ fn by_uuid(physical: &[PhysicalGpu], uuid: &str) -> Option<VisibleGpu> {
     })
 }
 
+/// A handle of its own for a device, by UUID (the sampler's thread keeps one per GPU).
+pub fn open(uuid: &str) -> Result<Device<'static>, String> {
+    library()?.device_by_uuid(uuid).map_err(|e| format!("NVML could not open {uuid}: {e}"))
+}
+
 /// One device's memory, and this process's share of it. `pids` are this process's PIDs in
 /// every PID namespace it belongs to: drivers report host PIDs in some containers.
 pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading, String> {

@@ -1,0 +1,181 @@
+"""The per-cell memory log, its magics and its sampler thread, in real kernels (host figures)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from nbclient.util import run_sync
+
+MiB = 1 << 20
+
+SETUP = """\
+import sys, threading, time
+import numpy as np
+import gpuexp
+from gpuexp import CPUExperiment, GPUExperiment
+"""
+
+
+def test_an_experiment_logs_each_cell_and_keeps_the_records(kernel):
+    kernel.run(SETUP)
+    kernel.run('exp = CPUExperiment("logged")')
+    shown = kernel.run("spike = bytearray(300 << 20)\ndel spike\nkept = bytearray(20 << 20)")
+    assert "gpuexp · cell [" in shown.text and "host RSS" in shown.text
+    assert "peak above start" in shown.html
+    record = kernel.value("exp.cells[-1].to_dict()")
+    host = record["host"]
+    assert 19 * MiB <= host["consumed"] <= 24 * MiB
+    assert host["peak_above_start"] >= 290 * MiB  # other memory may be freed before the spike
+    assert host["peak_above_start"] <= 330 * MiB
+    assert record["wall_s"] > 0
+    kernel.run("del exp")
+    report = kernel.value("gpuexp.history()[-1].to_dict()")
+    # The constructor's cell began before the log was on: the spike cell and the value cell are logged.
+    assert [c["execution_count"] for c in report["cells"]] == [3, 4]
+
+
+def test_a_1_gib_bytearray_peaks_at_1_gib_within_1_percent(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    kernel.run("b = bytearray(1 << 30)\ndel b")
+    peak = kernel.value("gpuexp.cells()[-1].to_dict()['host']['peak_above_start']")
+    assert abs(peak - (1 << 30)) <= 0.01 * (1 << 30), peak
+
+
+def test_cell_log_false_and_log_off_print_nothing(kernel):
+    kernel.run(SETUP)
+    kernel.run('exp = CPUExperiment("quiet", cell_log=False)')
+    quiet = kernel.run("x = bytearray(8 << 20)")
+    assert "gpuexp · cell" not in quiet.text
+    assert kernel.value("len(exp.cells)") == 0
+    kernel.run("%gpuexp log on")
+    assert "gpuexp · cell" in kernel.run("y = 1").text
+    kernel.run("%gpuexp log off")
+    assert "gpuexp · cell" not in kernel.run("z = 1").text
+
+
+def test_nested_experiments_and_cells_keep_their_own_peaks(kernel):
+    kernel.run(SETUP)
+    kernel.run('outer = CPUExperiment("outer")')
+    kernel.run("a = bytearray(400 << 20)\ndel a")
+    kernel.run('inner = CPUExperiment("inner")')
+    kernel.run("b = bytearray(100 << 20)\ndel b")
+    kernel.run("c = bytearray(50 << 20)\ndel c")
+    last_cell = kernel.value("gpuexp.cells()[-1].to_dict()['host']")
+    kernel.run("del inner")
+    kernel.run("del outer")
+    outer, inner = (kernel.value(f"gpuexp.history()[{i}].to_dict()['host']['rss']") for i in (1, 0))
+    assert 48 * MiB <= last_cell["peak_above_start"] <= 60 * MiB
+    assert 95 * MiB <= inner["peak"] - inner["start"] <= 115 * MiB
+    assert outer["peak"] - outer["start"] >= 390 * MiB
+
+
+def test_a_failing_cell_and_an_interrupted_cell_are_logged(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    failed = kernel.run("buf = bytearray(10 << 20)\nraise ValueError('boom')", expect_error=True)
+    assert "ValueError" in failed.error and "gpuexp · cell [" in failed.text
+    interrupted = kernel.run("raise KeyboardInterrupt", expect_error=True)
+    assert "KeyboardInterrupt" in interrupted.error and "gpuexp · cell [" in interrupted.text
+    assert kernel.value("gpuexp._core.sampler_running()") is False  # nothing to sample on this host
+    assert kernel.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]") == []
+
+
+def test_cell_magic_runs_one_cell_as_an_experiment(kernel):
+    kernel.run(SETUP)
+    shown = kernel.run("%%gpuexp one cell\nbig = np.ones(64 << 20, dtype=np.uint8)")
+    assert "one cell · finished" in shown.text and "deleted: big" in shown.text
+    assert kernel.value("'big' in globals()") is False
+    assert "host RSS" in kernel.run("%gpuexp status").text
+    bad = kernel.run("%gpuexp bogus")
+    assert "unknown command" in bad.text and "%gpuexp log on" in bad.text
+
+
+def test_config_checks_the_sample_interval(kernel):
+    kernel.run(SETUP)
+    assert kernel.value("gpuexp.config()['sample_interval_ms']") == 1.0
+    assert kernel.value("gpuexp.config(sample_interval_ms=5)['sample_interval_ms']") == 5.0
+    for bad in ("0", "-1", "float('nan')", "10**9"):
+        failed = kernel.run(f"gpuexp.config(sample_interval_ms={bad})", expect_error=True)
+        assert failed.error.startswith("ValueError") and "sample_interval_ms" in failed.error, failed.error
+    wrong_type = kernel.run("gpuexp.config(sample_interval_ms='1ms')", expect_error=True)
+    assert wrong_type.error.startswith("TypeError")
+
+
+def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
+    """Many Python threads open and finish scopes (each starting and joining the sampler) while
+    others run pure Python and read snapshots: a lock order that could deadlock with the GIL hangs
+    here, and the timeout catches it."""
+    script = tmp_path / "stress.py"
+    script.write_text(textwrap.dedent("""
+        import os, threading, time
+        os.environ["GPUEXP_HOST_PEAK"] = "sampled"   # the sampler thread then runs with every scope
+        import gpuexp
+        from gpuexp import _core
+        stop = time.monotonic() + 3
+        def scopes():
+            while time.monotonic() < stop:
+                with gpuexp.CPUExperiment("stress", cell_log=False):
+                    _core.snapshot(False)
+        def configure():
+            while time.monotonic() < stop:
+                gpuexp.config(sample_interval_ms=0.2)
+                gpuexp.config(sample_interval_ms=1)
+        def python_work():
+            n = 0
+            while time.monotonic() < stop:
+                n += sum(range(1000))
+        threads = [threading.Thread(target=f) for f in (scopes, scopes, configure, python_work, python_work)]
+        import contextlib, io
+        with contextlib.redirect_stdout(io.StringIO()):
+            for t in threads: t.start()
+            for t in threads: t.join()
+        assert not _core.sampler_running()
+        assert [t.name for t in threading.enumerate()] == ["MainThread"]
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        assert "gpuexp-sampler" not in names, names
+        print("ok")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_sampler_is_joined_at_exit_and_after_fork(tmp_path):
+    script = tmp_path / "lifecycle.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        os.environ["GPUEXP_HOST_PEAK"] = "sampled"
+        import gpuexp
+        from gpuexp import _core
+        exp = gpuexp.CPUExperiment("left open", cell_log=False)
+        assert _core.sampler_running()
+        pid = os.fork()
+        if pid == 0:
+            # The child has no sampler thread and must not think it has one.
+            code = 0 if not _core.sampler_running() else 3
+            with gpuexp.CPUExperiment("child", cell_log=False):
+                code = code or (0 if _core.sampler_running() else 4)
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, status
+        assert _core.sampler_running()
+        print("exiting with the sampler running")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "exiting with the sampler running" in done.stdout
+
+
+def test_a_kernel_restart_leaves_no_stuck_process(make_kernel):
+    kernel = make_kernel(GPUEXP_HOST_PEAK="sampled")
+    kernel.run(SETUP + "exp = CPUExperiment('across a restart')")
+    assert kernel.value("gpuexp._core.sampler_running()") is True
+    old_pid = kernel.value("__import__('os').getpid()")
+    started = time.monotonic()
+    run_sync(kernel.client.km.restart_kernel)(now=False)
+    # A kernel that does not exit by itself is killed after shutdown_wait_time: it must not come to that.
+    assert time.monotonic() - started < kernel.client.km.shutdown_wait_time
+    run_sync(kernel.client.kc.wait_for_ready)(timeout=60)
+    assert kernel.value("__import__('os').getpid()") != old_pid
+    with pytest.raises(ProcessLookupError):
+        __import__("os").kill(old_pid, 0)
