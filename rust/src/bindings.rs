@@ -137,26 +137,41 @@ fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
     sampler::reset(snapshot);
 }
 
-/// Runs the sampler over what the open windows need: host RSS where VmHWM can't be reset,
-/// and the GPUs of `snapshot` (a window just opened) or those already sampled.
+/// Runs the sampler over what gpuexp needs now. While a window is open or about to open
+/// (`opening`), or the cell log is on, that is host RSS where VmHWM can't be reset, and the
+/// GPUs when a window or the log covers them. The thread stays up between logged cells, so a
+/// cell never pays for starting it. Returns whether a thread was started anew.
 ///
 /// The caller must not hold the registry: the GIL is released here, and a thread that held
 /// the registry while waiting for the GIL back would deadlock with one holding the GIL while
 /// waiting for the registry.
-fn update_sampler(py: Python, snapshot: Option<&Snapshot>) {
+fn update_sampler(py: Python, opening: Option<&Snapshot>) -> bool {
     let sources = {
         let registry = registry();
-        let host = registry.has_windows() && !host::peak_reset_supported();
-        let gpus = match snapshot {
-            _ if !registry.has_gpu_windows() => Vec::new(),
+        let log_gpus = registry.cell_log_active() && registry.cell_selection() != GpuSelection::None;
+        let needed = opening.is_some() || registry.has_windows() || registry.cell_log_active();
+        let gpu_wanted = registry.has_gpu_windows() || log_gpus || opening.is_some_and(|s| !s.gpus.is_empty());
+        let gpus = match opening {
+            _ if !(needed && gpu_wanted) => Vec::new(),
             Some(s) if !s.gpus.is_empty() => s.gpus.iter().map(|g| g.uuid.clone()).collect(),
             _ => sampler::sampled_gpus(),
         };
-        sampler::Sources { host, gpus }
+        sampler::Sources { host: needed && !host::peak_reset_supported(), gpus }
     };
     // Joining with the GIL held would be safe too (the sampler never takes it), but other
     // Python threads need not wait for the join.
-    py.detach(|| sampler::ensure(sources));
+    py.detach(|| sampler::ensure(sources))
+}
+
+/// The snapshot a window opens at. A sampler started for it starts first, so that the
+/// thread's own memory (its stack, NVML's per-thread state) is not charged to the window.
+fn opening_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    let (probe, torch) = take_snapshot(py, selection);
+    if update_sampler(py, Some(&probe)) {
+        take_snapshot(py, selection)
+    } else {
+        (probe, torch)
+    }
 }
 
 // ---- identity pins -------------------------------------------------------------------------
@@ -274,7 +289,7 @@ fn open_scope(
         adapter: adapter.map(Bound::unbind),
         owner: owner.as_ref().map(Pin::new),
     };
-    let (start, torch) = take_snapshot(py, &selection);
+    let (start, torch) = opening_snapshot(py, &selection);
     let (id, title) = {
         let mut registry = registry();
         let name = registry.name_or_default(name);
@@ -283,7 +298,6 @@ fn open_scope(
         (registry.open(name, kind, selection, start.clone(), cell_log), title)
     };
     reset_counters(&torch, &start);
-    update_sampler(py, Some(&start));
     pins().insert(id, baseline);
     Ok((id, SnapshotPy { snapshot: start, title }))
 }
@@ -518,18 +532,20 @@ fn cell_log_active() -> bool {
 
 /// `%gpuexp log on|off`: the cell log without an experiment.
 #[pyfunction]
-fn set_standalone_log(on: bool) {
+fn set_standalone_log(py: Python, on: bool) {
     registry().standalone_log = on;
+    if !on {
+        update_sampler(py, None);
+    }
 }
 
 /// Opens the window of a cell about to run (the `pre_run_cell` event).
 #[pyfunction]
 fn begin_cell(py: Python) {
     let selection = registry().cell_selection();
-    let (start, torch) = take_snapshot(py, &selection);
+    let (start, torch) = opening_snapshot(py, &selection);
     registry().begin_cell(start.clone());
     reset_counters(&torch, &start);
-    update_sampler(py, Some(&start));
 }
 
 /// Closes the running cell's window and returns its record (the `post_run_cell` event).

@@ -85,20 +85,21 @@ pub fn set_interval(interval: Duration) -> Result<(), String> {
 }
 
 /// Runs the sampler over exactly these sources: starts it, restarts it when the sources or
-/// the interval changed, stops it when there is nothing to sample. The lock is held
+/// the interval changed, stops it when there is nothing to sample. Returns whether a thread
+/// was started; it has then opened its devices and taken a first sample. The lock is held
 /// throughout, so that two callers never both start a thread; joining under it is safe
 /// because the thread never takes it.
-pub fn ensure(sources: Sources) {
+pub fn ensure(sources: Sources) -> bool {
     let interval = interval();
     let mut running = running();
     if let Some(run) = current(&running) {
         if run.sources == sources && run.interval == interval {
-            return;
+            return false;
         }
     }
     stop_locked(&mut running);
     if sources.is_empty() {
-        return;
+        return false;
     }
     let peaks = Arc::new(Peaks {
         host: AtomicU64::new(host::read_rss()),
@@ -112,18 +113,21 @@ pub fn ensure(sources: Sources) {
     let thread_peaks = peaks.clone();
     let thread_stop = stop.clone();
     let thread_sources = sources.clone();
+    let (ready, set_up) = std::sync::mpsc::channel();
     let spawned = thread::Builder::new()
         .name("gpuexp-sampler".into())
-        .spawn(move || sample(&thread_sources, &thread_peaks, &thread_stop, interval));
+        .spawn(move || sample(&thread_sources, &thread_peaks, &thread_stop, interval, ready));
     // Without a thread, peaks fall back to what the snapshots see: worse, but no reason to fail a scope.
-    if let Ok(handle) = spawned {
-        *running = Some(Running { pid: std::process::id(), sources, interval, stop, handle, peaks });
-    }
+    let Ok(handle) = spawned else { return false };
+    let _ = set_up.recv();
+    *running = Some(Running { pid: std::process::id(), sources, interval, stop, handle, peaks });
+    true
 }
 
-fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duration) {
+fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duration, ready: std::sync::mpsc::Sender<()>) {
     let devices: Vec<_> = sources.gpus.iter().map(|uuid| nvml::open(uuid).ok()).collect();
     let pids = own_pids();
+    let mut ready = Some(ready);
     while !stop.load(Ordering::Relaxed) {
         if sources.host {
             peaks.host.fetch_max(host::read_rss(), Ordering::Relaxed);
@@ -136,6 +140,9 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
                     slot.process.fetch_max(bytes, Ordering::Relaxed);
                 }
             }
+        }
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(());
         }
         thread::park_timeout(interval);
     }
