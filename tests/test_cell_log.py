@@ -182,3 +182,22 @@ def test_a_kernel_restart_leaves_no_stuck_process(make_kernel):
     assert kernel.value("__import__('os').getpid()") != old_pid
     with pytest.raises(ProcessLookupError):
         __import__("os").kill(old_pid, 0)
+
+
+def test_a_cell_interrupted_by_the_kernel_manager_is_logged_and_the_log_goes_on(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    kc, km = kernel.client.kc, kernel.client.km
+    msg_id = kc.execute("buf = bytearray(16 << 20)\ntime.sleep(30)")
+    time.sleep(1.5)
+    run_sync(km.interrupt_kernel)()
+    while True:
+        reply = run_sync(kc.get_shell_msg)(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    interrupted = reply["content"]["execution_count"]
+    record = kernel.value(f"[c.to_dict() for c in gpuexp.cells() if c.execution_count == {interrupted}]")
+    assert len(record) == 1 and record[0]["wall_s"] >= 1.0
+    assert record[0]["host"]["consumed"] >= 15 * MiB
+    assert "gpuexp · cell [" in kernel.run("after = 1").text
+    assert kernel.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]") == []
