@@ -53,16 +53,18 @@ def cells():
     return _core.cells()
 
 
-def config(*, sample_interval_ms=None, cell_log_all_gpus=None):
+def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
         kernel's peak can't be reset), default 1 ms, between 0.1 ms and 60 s.
     cell_log_all_gpus: show every GPU in the cell log, not only those a cell touched.
+    oom_rescue: after a CUDA out-of-memory error, clear the failed cell's frames and free its
+        memory (default True). Turn it off to inspect the frames with %debug.
     """
     if sample_interval_ms is not None and (isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))):
         raise TypeError(f"sample_interval_ms must be a number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {sample_interval_ms!r}")
-    return _core.config(sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus)
+    return _core.config(sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue)
 
 
 def load_ipython_extension(ip):

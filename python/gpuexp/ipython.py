@@ -61,6 +61,25 @@ class _Namespace:
                 if hasattr(sys, name):
                     delattr(sys, name)
 
+    def drop_exception(self, error):
+        """After an OOM: clears the frames of the exception (and those it chains) and drops the
+        stored references to it. Returns what it cleared."""
+        cleared = ["frames of the failed call"]
+        seen = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if error.__traceback__ is not None:
+                _clear_frames(error.__traceback__)
+                # Clearing alone left the failed call's array alive in our tests (CPython
+                # 3.11, IPython 9); dropping the traceback frees it. ipykernel's reply
+                # needs only the exception's name and text.
+                error.__traceback__ = None
+            error = error.__cause__ or error.__context__
+        if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+            self.drop_hidden("last exception")
+            cleared.append("last exception")
+        return cleared
+
 
 def _clear_frames(tb):
     # The frames of a failed call keep its locals (an OOM's tensors) alive for as long as
@@ -115,6 +134,13 @@ class ShellNamespace(_Namespace):
             self.shell.InteractiveTB.tb = None
         else:
             super().drop_hidden(label)
+
+    def drop_exception(self, error):
+        cleared = super().drop_exception(error)
+        if getattr(self.shell.InteractiveTB, "tb", None) is not None:
+            self.drop_hidden("last traceback")
+            cleared.append("last traceback")
+        return cleared
 
 
 class ModuleNamespace(_Namespace):
@@ -240,10 +266,21 @@ def _before_cell(info=None):
         _core.begin_cell()
 
 
+def is_cuda_oom(error):
+    """torch.OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message."""
+    if not isinstance(error, RuntimeError):
+        return False
+    return type(error).__name__ == "OutOfMemoryError" or ("CUDA" in str(error) and "out of memory" in str(error))
+
+
 def _after_cell(result=None):
     ip = shell()
     if ip is None:
         return
+    error = getattr(result, "error_in_exec", None)
+    # Rescue first: the cell's memory block then shows what the failed cell really kept.
+    if is_cuda_oom(error) and _core.oom_rescue_enabled():
+        show(_core.rescue_oom(error, ShellNamespace(ip)))
     record = _core.end_cell(getattr(result, "execution_count", None) or 0)
     # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
     if record is not None and _core.cell_log_active():

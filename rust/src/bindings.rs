@@ -11,7 +11,7 @@ use pyo3::types::{PyDict, PyList, PyModule, PyWeakrefReference};
 use crate::report::{self, CellRecord, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
-use crate::snapshot::{host, nvml, GpuSelection, Snapshot, TorchProbe, TorchStats};
+use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, Snapshot, TorchProbe, TorchStats};
 use crate::teardown::{self, Binding, NameState, Step};
 
 static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
@@ -404,9 +404,7 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         let done = match step {
             Step::DeleteNames => delete_names(py, scope_pins.as_ref(), &scope.keep, &mut names),
             Step::DropHiddenRefs => drop_hidden_refs(py, scope_pins.as_ref(), &mut names),
-            Step::CollectGarbage => py.import("gc").and_then(|gc| gc.call_method0("collect")).map(drop),
-            Step::FreeCublasWorkspaces => free_cublas_workspaces(py),
-            Step::EmptyCache => empty_cache(py),
+            Step::CollectGarbage | Step::FreeCublasWorkspaces | Step::EmptyCache => release(py, step),
             Step::EndSnapshot => {
                 end = Some(take_snapshot(py, &scope.selection).0);
                 Ok(())
@@ -479,23 +477,76 @@ fn drop_hidden_refs(py: Python, pins: Option<&Pins>, names: &mut Names) -> PyRes
     Ok(())
 }
 
-fn free_cublas_workspaces(py: Python) -> PyResult<()> {
+/// One of the steps that give memory back once nothing refers to it ([`teardown::RELEASE`]).
+fn release(py: Python, step: Step) -> PyResult<()> {
     let torch = PyTorch::find(py);
-    if torch.cuda().is_none() {
-        return Ok(());
+    match (step, torch.cuda()) {
+        (Step::CollectGarbage, _) => py.import("gc")?.call_method0("collect").map(drop),
+        (Step::FreeCublasWorkspaces, Some(_)) => {
+            let c = torch.torch.as_ref().expect("cuda implies torch").getattr("_C")?;
+            if c.hasattr("_cuda_clearCublasWorkspaces")? {
+                c.call_method0("_cuda_clearCublasWorkspaces")?;
+            }
+            Ok(())
+        }
+        (Step::EmptyCache, Some(cuda)) => cuda.call_method0("empty_cache").map(drop),
+        _ => Ok(()),
     }
-    let c = torch.torch.as_ref().expect("cuda implies torch").getattr("_C")?;
-    if c.hasattr("_cuda_clearCublasWorkspaces")? {
-        c.call_method0("_cuda_clearCublasWorkspaces")?;
-    }
-    Ok(())
 }
 
-fn empty_cache(py: Python) -> PyResult<()> {
-    match PyTorch::find(py).cuda() {
-        Some(cuda) => cuda.call_method0("empty_cache").map(drop),
-        None => Ok(()),
+/// The rescue after a CUDA out-of-memory error: the adapter clears the failed cell's frames
+/// and the references to its exception, then memory is released as at a teardown. Returns
+/// the diagnosis: what was asked for, what the device had, what came back.
+#[pyfunction]
+#[pyo3(signature = (error, adapter=None))]
+fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<PyAny>>) -> PyResult<OomPy> {
+    let message = error.str()?.to_string();
+    let (requested, device) = report::parse_oom_message(&message);
+    let (before, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let cleared = match &adapter {
+        Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
+        None => Vec::new(),
+    };
+    let mut hints = Vec::new();
+    for step in teardown::RELEASE {
+        if let Err(e) = release(py, step) {
+            hints.push(format!("rescue step {step:?} failed: {e}"));
+        }
     }
+    let (after, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let pick = |s: &Snapshot| -> Option<GpuReading> {
+        s.gpus.iter().find(|g| Some(g.torch_index) == device).or(s.gpus.first()).cloned()
+    };
+    let (gpu_before, gpu_after) = (pick(&before), pick(&after));
+    let others = gpu_before
+        .as_ref()
+        .map(|g| nvml::other_processes(&g.uuid, &own_pids()))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used })
+        .collect();
+    let mut diagnosis = report::OomDiagnosis {
+        message,
+        torch_index: gpu_before.as_ref().map(|g| g.torch_index).or(device),
+        requested,
+        total: gpu_before.as_ref().map(|g| g.total),
+        free_before: gpu_before.as_ref().map(|g| g.free),
+        free_after: gpu_after.as_ref().map(|g| g.free),
+        torch_allocated_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_allocated_after: gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_reserved_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.reserved),
+        process_used_before: gpu_before.as_ref().and_then(|g| g.process_used),
+        others,
+        hints: Vec::new(),
+        cleared,
+    };
+    diagnosis.hints = diagnosis.hints();
+    diagnosis.hints.extend(hints);
+    Ok(OomPy(diagnosis))
+}
+
+fn process_name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|n| n.trim().to_string()).unwrap_or_else(|_| "?".into())
 }
 
 /// The report of a scope as it stands: live while open, final once finished.
@@ -593,11 +644,12 @@ fn before_user_peak_reset(py: Python) {
 
 /// Reads and changes settings; returns them all.
 #[pyfunction]
-#[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None))]
+#[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None))]
 fn config<'py>(
     py: Python<'py>,
     sample_interval_ms: Option<f64>,
     cell_log_all_gpus: Option<bool>,
+    oom_rescue: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     if let Some(ms) = sample_interval_ms {
         let interval = std::time::Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
@@ -611,9 +663,13 @@ fn config<'py>(
     if let Some(all) = cell_log_all_gpus {
         registry.cell_log_all_gpus = all;
     }
+    if let Some(rescue) = oom_rescue {
+        registry.oom_rescue = rescue;
+    }
     let settings = PyDict::new(py);
     settings.set_item("sample_interval_ms", sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
+    settings.set_item("oom_rescue", registry.oom_rescue)?;
     Ok(settings)
 }
 
@@ -848,6 +904,42 @@ impl CellRecordPy {
     }
 }
 
+#[pyfunction]
+fn oom_rescue_enabled() -> bool {
+    registry().oom_rescue
+}
+
+/// The diagnosis shown under a CUDA out-of-memory traceback.
+#[pyclass(name = "OomDiagnosis", module = "gpuexp", frozen)]
+struct OomPy(report::OomDiagnosis);
+
+#[pymethods]
+impl OomPy {
+    #[getter]
+    fn requested(&self) -> Option<u64> {
+        self.0.requested
+    }
+    #[getter]
+    fn hints(&self) -> Vec<String> {
+        self.0.hints.clone()
+    }
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.0).expect("a diagnosis always serialises")
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+    fn __str__(&self) -> String {
+        self.0.grid().to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+    fn _repr_html_(&self) -> String {
+        self.0.grid().to_html()
+    }
+}
+
 /// The state of the host and the visible GPUs at one moment.
 #[pyclass(name = "Snapshot", module = "gpuexp", frozen)]
 struct SnapshotPy {
@@ -912,6 +1004,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(before_user_peak_reset, m)?)?;
     m.add_function(wrap_pyfunction!(config, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(rescue_oom, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_rescue_enabled, m)?)?;
+    m.add_class::<OomPy>()?;
     m.add_class::<CellRecordPy>()?;
     m.add_class::<ReportPy>()?;
     m.add_class::<MetricPy>()?;

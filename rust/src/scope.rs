@@ -89,7 +89,6 @@ pub enum Finishing {
     Unknown,
 }
 
-#[derive(Default)]
 pub struct Registry {
     next_id: ScopeId,
     unnamed: u64,
@@ -102,6 +101,25 @@ pub struct Registry {
     pub standalone_log: bool,
     /// Show every GPU in the cell log, not only those the cell touched.
     pub cell_log_all_gpus: bool,
+    /// Rescue after a CUDA OOM (on unless the user wants `%debug` on the failed frames).
+    pub oom_rescue: bool,
+}
+
+impl Default for Registry {
+    fn default() -> Registry {
+        Registry {
+            next_id: 0,
+            unnamed: 0,
+            open: Vec::new(),
+            finished: Vec::new(),
+            peaks: PeakBook::default(),
+            cell: None,
+            cells: Vec::new(),
+            standalone_log: false,
+            cell_log_all_gpus: false,
+            oom_rescue: true,
+        }
+    }
 }
 
 impl Registry {

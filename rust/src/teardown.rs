@@ -25,6 +25,10 @@ pub const ORDER: [Step; 6] = [
     Step::EndSnapshot,
 ];
 
+/// What gives memory back once the references are gone: the tail of a teardown, and all
+/// of an OOM rescue (after the failed cell's frames are cleared).
+pub const RELEASE: [Step; 3] = [Step::CollectGarbage, Step::FreeCublasWorkspaces, Step::EmptyCache];
+
 /// How a name's binding now compares with the scope's start, judged by object identity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Binding {
@@ -164,5 +168,6 @@ mod tests {
         assert!(at(Step::CollectGarbage) < at(Step::FreeCublasWorkspaces));
         assert!(at(Step::FreeCublasWorkspaces) < at(Step::EmptyCache));
         assert_eq!(ORDER.last(), Some(&Step::EndSnapshot));
+        assert!(ORDER.windows(RELEASE.len()).any(|w| w == RELEASE), "a rescue releases as a teardown does");
     }
 }

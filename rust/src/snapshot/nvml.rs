@@ -175,6 +175,20 @@ fn by_uuid(physical: &[PhysicalGpu], uuid: &str) -> Option<VisibleGpu> {
     })
 }
 
+/// Compute processes on the device other than this one, with what they hold.
+pub fn other_processes(uuid: &str, own: &[u32]) -> Vec<(u32, Option<u64>)> {
+    let Ok(device) = open(uuid) else { return Vec::new() };
+    let Ok(processes) = device.running_compute_processes() else { return Vec::new() };
+    processes
+        .into_iter()
+        .filter(|p| !own.contains(&p.pid))
+        .map(|p| match p.used_gpu_memory {
+            UsedGpuMemory::Used(bytes) => (p.pid, Some(bytes)),
+            UsedGpuMemory::Unavailable => (p.pid, None),
+        })
+        .collect()
+}
+
 /// A handle of its own for a device, by UUID (the sampler's thread keeps one per GPU).
 pub fn open(uuid: &str) -> Result<Device<'static>, String> {
     library()?.device_by_uuid(uuid).map_err(|e| format!("NVML could not open {uuid}: {e}"))

@@ -1,0 +1,65 @@
+"""OOM rescue, on the host: a RuntimeError with CUDA's out-of-memory text takes the same path
+as torch.OutOfMemoryError, so the frames, references and diagnosis are checked here too."""
+
+import pytest
+
+SETUP = "import builtins, weakref\nimport numpy as np\nimport gpuexp\n"
+
+OOM_CELL = (
+    "def forward():\n"
+    "    activations = np.ones(128 << 20, dtype=np.uint8)\n"
+    "    builtins.held = weakref.ref(activations)\n"
+    "    raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+    "capacity of 79.19 GiB of which 1.50 GiB is free.')\n"
+    "forward()"
+)
+
+
+def test_an_oom_frees_what_the_failed_frames_held_and_explains_itself(kernel):
+    kernel.run(SETUP)
+    failed = kernel.run(OOM_CELL, expect_error=True)
+    assert failed.error.startswith("RuntimeError: CUDA out of memory")
+    assert failed.text.index("RuntimeError") < failed.text.index("CUDA out of memory on cuda:0 · rescued")
+    assert "requested" in failed.text and "2.00 GiB" in failed.text
+    assert kernel.value("builtins.held() is None")
+
+
+def test_other_errors_are_left_alone(kernel):
+    kernel.run(SETUP)
+    failed = kernel.run(OOM_CELL.replace("CUDA out of memory", "shape mismatch"), expect_error=True)
+    assert "rescued" not in failed.text
+    assert kernel.value("builtins.held() is not None")
+
+
+def test_oom_rescue_can_be_turned_off_for_debugging(kernel):
+    kernel.run(SETUP + "gpuexp.config(oom_rescue=False)")
+    failed = kernel.run(OOM_CELL, expect_error=True)
+    assert "rescued" not in failed.text
+    assert kernel.value("builtins.held() is not None")  # %debug can still see the frames
+
+
+def test_the_cell_log_shows_memory_after_the_rescue(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    kernel.run(OOM_CELL, expect_error=True)
+    record = kernel.value("gpuexp.cells()[-1].to_dict()['host']")
+    assert record["peak_above_start"] >= 120 << 20
+    assert record["consumed"] < 16 << 20
+
+
+@pytest.mark.parametrize(
+    "message, requested, device",
+    [
+        ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity", 2 << 30, 0),
+        ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 1; 79.19 GiB total capacity", 20 << 20, 1),
+        ("CUDA error: out of memory", None, None),
+    ],
+)
+def test_the_request_is_read_from_torchs_message(kernel, message, requested, device):
+    kernel.run(SETUP)
+    failed = kernel.run(f"raise RuntimeError({message!r})", expect_error=True)
+    if requested is None:
+        assert "requested" in failed.text and "n/a" in failed.text.split("requested")[1].splitlines()[0]
+    else:
+        expected = "2.00 GiB" if requested == 2 << 30 else "20.00 MiB"
+        assert expected in failed.text.split("requested")[1].splitlines()[0]
+        assert f"cuda:{device}" in failed.text
