@@ -68,7 +68,8 @@ def test_a_displayed_tensor_held_by_out_and_underscore(gpu):
 
 
 def test_an_oom_inside_a_function_that_held_2_gib(gpu):
-    gpu.run('exp = GPUExperiment("oom")')
+    # Without the rescue (tests/test_gpu_oom.py), the traceback keeps the 2 GiB until teardown.
+    gpu.run('gpuexp.config(oom_rescue=False)\nexp = GPUExperiment("oom")')
     oom = gpu.run(
         "def step():\n"
         "    held = torch.empty(2 << 30, dtype=torch.uint8, device='cuda')\n"

@@ -30,7 +30,7 @@ def test_an_oom_in_a_function_holding_2_gib_with_no_experiment_open(kernel):
     assert "OutOfMemoryError" in failed.error
     assert allocated(kernel) == before
     diagnosis = failed.text.split("rescued")[1]
-    assert "1024.00 TiB" in diagnosis.split("requested")[1].splitlines()[0]  # 1 << 50 bytes
+    assert "1.00 PiB" in diagnosis.split("requested")[1].splitlines()[0]  # 1 << 50 bytes
     free = kernel.value("__import__('gpuexp').snapshot().to_dict()['gpus'][0]['free']")
     total = kernel.value("torch.cuda.get_device_properties(0).total_memory")
     assert free > total * 0.5  # the 2 GiB came back to the device

@@ -130,6 +130,19 @@ fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, P
     (snapshot, torch)
 }
 
+/// A snapshot for the per-cell log: NVML figures from the sampler's latest sample (at most
+/// two intervals old) where it has one, since reading the driver again after every cell
+/// would cost more than the rest of the cell log.
+fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    let torch = PyTorch::find(py);
+    let mut snapshot = Snapshot::take_with(selection, &torch, &|ident, device, pids| match sampler::latest(&ident.uuid) {
+        Some(reading) => Ok(reading),
+        None => nvml::read(device, pids),
+    });
+    sampler::apply(&mut snapshot);
+    (snapshot, torch)
+}
+
 /// Starts new peak windows: what the counters saw was just folded into the open windows.
 fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
     host::reset_peak();
@@ -163,12 +176,17 @@ fn update_sampler(py: Python, opening: Option<&Snapshot>) -> bool {
     py.detach(|| sampler::ensure(sources))
 }
 
-/// The snapshot a window opens at. A sampler started for it starts first, so that the
-/// thread's own memory (its stack, NVML's per-thread state) is not charged to the window.
-fn opening_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    let (probe, torch) = take_snapshot(py, selection);
+/// The snapshot a window opens at, taken by `take`. A sampler started for it starts first,
+/// so that the thread's own memory (its stack, NVML's per-thread state) is not charged to
+/// the window.
+fn opening_snapshot<'py>(
+    py: Python<'py>,
+    selection: &GpuSelection,
+    take: fn(Python<'py>, &GpuSelection) -> (Snapshot, PyTorch<'py>),
+) -> (Snapshot, PyTorch<'py>) {
+    let (probe, torch) = take(py, selection);
     if update_sampler(py, Some(&probe)) {
-        take_snapshot(py, selection)
+        take(py, selection)
     } else {
         (probe, torch)
     }
@@ -289,7 +307,7 @@ fn open_scope(
         adapter: adapter.map(Bound::unbind),
         owner: owner.as_ref().map(Pin::new),
     };
-    let (start, torch) = opening_snapshot(py, &selection);
+    let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
     let (id, title) = {
         let mut registry = registry();
         let name = registry.name_or_default(name);
@@ -594,7 +612,7 @@ fn set_standalone_log(py: Python, on: bool) {
 #[pyfunction]
 fn begin_cell(py: Python) {
     let selection = registry().cell_selection();
-    let (start, torch) = opening_snapshot(py, &selection);
+    let (start, torch) = opening_snapshot(py, &selection, take_cell_snapshot);
     registry().begin_cell(start.clone());
     reset_counters(&torch, &start);
 }
@@ -603,7 +621,7 @@ fn begin_cell(py: Python) {
 #[pyfunction]
 fn end_cell(py: Python, execution_count: u64) -> Option<CellRecordPy> {
     let selection = registry().open_cell_selection()?;
-    let (end, _) = take_snapshot(py, &selection);
+    let (end, _) = take_cell_snapshot(py, &selection);
     let (record, all_gpus) = {
         let mut registry = registry();
         (registry.end_cell(execution_count, &end)?, registry.cell_log_all_gpus)

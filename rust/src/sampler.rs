@@ -6,9 +6,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::snapshot::nvml::{self, ProcessUse};
+use crate::snapshot::nvml::{self, NvmlReading, ProcessUse};
 use crate::snapshot::{host, own_pids, Snapshot};
 
 /// What the thread samples.
@@ -29,6 +29,8 @@ struct GpuPeak {
     uuid: String,
     device: AtomicU64,
     process: AtomicU64,
+    /// The latest sample, and when it was taken.
+    latest: Mutex<Option<(Instant, NvmlReading)>>,
 }
 
 /// Highest values seen since the last reset.
@@ -106,7 +108,12 @@ pub fn ensure(sources: Sources) -> bool {
         gpus: sources
             .gpus
             .iter()
-            .map(|uuid| GpuPeak { uuid: uuid.clone(), device: AtomicU64::new(0), process: AtomicU64::new(0) })
+            .map(|uuid| GpuPeak {
+                uuid: uuid.clone(),
+                device: AtomicU64::new(0),
+                process: AtomicU64::new(0),
+                latest: Mutex::new(None),
+            })
             .collect(),
     });
     let stop = Arc::new(AtomicBool::new(false));
@@ -139,6 +146,7 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
                 if let ProcessUse::Listed(bytes) = reading.process {
                     slot.process.fetch_max(bytes, Ordering::Relaxed);
                 }
+                *slot.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), reading));
             }
         }
         if let Some(ready) = ready.take() {
@@ -171,6 +179,16 @@ pub fn sampled_gpus() -> Vec<String> {
 
 pub fn is_running() -> bool {
     current(&running()).is_some()
+}
+
+/// The latest sample of a GPU, if the sampler took one within the last two intervals:
+/// the per-cell log reads it instead of asking the driver again.
+pub fn latest(uuid: &str) -> Option<NvmlReading> {
+    let running = running();
+    let run = current(&running)?;
+    let slot = run.peaks.gpus.iter().find(|s| s.uuid == uuid)?;
+    let latest = *slot.latest.lock().unwrap_or_else(|p| p.into_inner());
+    latest.filter(|(at, _)| at.elapsed() <= run.interval * 2).map(|(_, reading)| reading)
 }
 
 /// Raises a snapshot's peaks to what the sampler saw since the last reset.

@@ -47,6 +47,9 @@ pub struct Snapshot {
     pub notes: Vec<String>,
 }
 
+/// Where a snapshot gets a device's NVML figures from, given the device and this process's PIDs.
+pub type NvmlSource = dyn Fn(&GpuIdent, &nvml_wrapper::Device<'static>, &[u32]) -> Result<nvml::NvmlReading, String>;
+
 /// Which GPUs a snapshot covers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GpuSelection {
@@ -62,6 +65,12 @@ pub fn now() -> f64 {
 
 impl Snapshot {
     pub fn take(selection: &GpuSelection, torch: &dyn TorchProbe) -> Snapshot {
+        Self::take_with(selection, torch, &|_, device, pids| nvml::read(device, pids))
+    }
+
+    /// A snapshot whose NVML figures come from `read_nvml` (the per-cell log takes the sampler's
+    /// latest sample instead of asking the driver again).
+    pub fn take_with(selection: &GpuSelection, torch: &dyn TorchProbe, read_nvml: &NvmlSource) -> Snapshot {
         let mut snapshot = Snapshot { taken_at: now(), host: host::read(), gpus: Vec::new(), notes: Vec::new() };
         if *selection == GpuSelection::None {
             return snapshot;
@@ -76,7 +85,7 @@ impl Snapshot {
                         continue;
                     }
                 }
-                match nvml::read(device, &pids) {
+                match read_nvml(ident, device, &pids) {
                     Ok(reading) => gpus.push(gpu_reading(ident, reading, torch.stats(ident.torch_index), &mut notes)),
                     Err(e) => notes.push(format!("cuda:{} could not be read through NVML: {e}", ident.torch_index)),
                 }
