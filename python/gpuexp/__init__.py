@@ -6,10 +6,11 @@ process) and torch's allocator.
 """
 
 import atexit
+import sys
 
 from . import _core, ipython
 from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
-from .experiment import CPUExperiment, GPUExperiment
+from .experiment import CPUExperiment, GPUExperiment, _device_indices
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "Snapshot",
     "cells",
     "config",
+    "holders",
     "history",
     "save_history",
     "snapshot",
@@ -46,6 +48,40 @@ def save_history(path):
         out.write(_core.history_json())
         out.write("\n")
     return path
+
+
+def holders(device=None, min_bytes=1 << 20):
+    """What still holds memory, largest first, each with the path a person would write to reach
+    it: ``cache[0]``, ``Out[12]``, ``model.encoder.layers.3.weight``, ``opt.state[...]['exp_avg']``,
+    a closure cell, a module global ``mymod.CACHE``, a frame of the stored traceback.
+
+    device: a GPU (``0``, ``'cuda:1'``, a ``torch.device``) or ``'cpu'`` for host memory (CPU
+        tensors and numpy arrays). By default, torch's current GPU once CUDA is initialised,
+        else the host. Each storage counts once, however many tensors view it.
+    min_bytes: the smallest holder worth listing (1 MiB).
+
+    Also shows what no reachable Python object accounts for: tensors only C++ holds, memory
+    torch allocated with no Python tensor (saved for backward, CUDA graphs, workspaces) and its
+    reserved-but-unallocated cache. Keeps no reference to anything it found.
+    """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be a number of bytes, e.g. holders(min_bytes=1 << 20); got {min_bytes!r}")
+    adapter = ipython.namespace_for(sys._getframe(1))
+    return _core.holders(_holder_memory(device), min_bytes, adapter=adapter)
+
+
+def _holder_memory(device):
+    """A torch index for a GPU, None for the host."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)
+        return cuda.current_device() if cuda is not None and cuda.is_initialized() else None
+    if isinstance(device, str) and device.strip().lower() in ("cpu", "host"):
+        return None
+    indices = _device_indices(device)
+    if len(indices) != 1:
+        raise ValueError(f"holders(device={device!r}): name one device, e.g. device=0, 'cuda:1' or 'cpu'")
+    return indices[0]
 
 
 def cells():

@@ -51,9 +51,8 @@ class GPUExperiment:
         return _core.scope_cells(self._id)
 
     def keep(self, *names):
-        """Protects names from deletion at finish. Each must exist; returns the experiment."""
+        """Protects names from deletion at finish. Each must exist."""
         _core.keep(self._id, list(names))
-        return self
 
     def finish(self):
         """Deletes what the experiment created, frees it, shows and returns the report.

@@ -8,7 +8,11 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyModule, PyWeakrefReference};
 
-use crate::report::{self, CellRecord, Names, Report, Span};
+mod hunter;
+
+use hunter::{Buffer, Memory};
+
+use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
 use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, Snapshot, TorchProbe, TorchStats};
@@ -225,6 +229,9 @@ struct Pins {
     names: HashMap<String, Pin>,
     hidden: HashMap<String, Pin>,
     owner: Option<Pin>,
+    /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
+    /// only what came after.
+    buffers: HashSet<Buffer>,
 }
 
 static PINS: LazyLock<Mutex<HashMap<ScopeId, Pins>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -261,6 +268,73 @@ fn user_names<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'
 fn hidden_refs<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
     let refs = adapter.call_method0("hidden_refs")?.cast_into::<PyDict>()?;
     refs.iter().map(|(label, object)| Ok((label.extract()?, object))).collect()
+}
+
+/// Where a leak hunt starts: the notebook's names, then IPython's hidden references.
+fn hunt_roots<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let mut roots = user_names(adapter)?;
+    roots.sort_by(|a, b| a.0.cmp(&b.0));
+    roots.extend(hidden_refs(adapter)?);
+    Ok(roots)
+}
+
+fn tensors_or_arrays_imported(py: Python) -> bool {
+    let Ok(modules) = py.import("sys").and_then(|sys| sys.getattr("modules")) else { return false };
+    ["torch", "numpy"].iter().any(|name| modules.contains(*name).unwrap_or(false))
+}
+
+/// Names what still holds memory the scope created, where its end shows memory not back.
+fn hunt_leaks(py: Python, report: &Report, pins: Option<&Pins>) -> PyResult<Vec<Holders>> {
+    const GPU_SLACK: i64 = 1 << 20;
+    const HOST_SLACK: i64 = 64 << 20;
+    let Some(pins) = pins else { return Ok(Vec::new()) };
+    let Some(adapter) = pins.adapter.as_ref().map(|a| a.bind(py)) else { return Ok(Vec::new()) };
+    if !tensors_or_arrays_imported(py) {
+        return Ok(Vec::new());
+    }
+    let kept_above_start = |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
+    let mut memories: Vec<Memory> = report
+        .gpus
+        .iter()
+        .filter(|gpu| gpu.torch_allocated.as_ref().is_some_and(|m| kept_above_start(m, GPU_SLACK)))
+        .map(|gpu| Memory::Cuda(gpu.torch_index))
+        .collect();
+    if kept_above_start(&report.host.rss, HOST_SLACK) {
+        memories.push(Memory::Host);
+    }
+    let mut found = Vec::new();
+    for memory in memories {
+        let (holders, _) = hunter::hunt(py, memory, hunt_roots(adapter)?, 1 << 20, &pins.buffers)?;
+        if !holders.holders.is_empty() || holders.unreachable > 0 {
+            found.push(holders);
+        }
+    }
+    Ok(found)
+}
+
+/// What holds memory on a GPU (by torch index) or the host, largest first.
+#[pyfunction]
+#[pyo3(signature = (memory, min_bytes, adapter=None))]
+fn holders(py: Python, memory: Option<u32>, min_bytes: u64, adapter: Option<Bound<PyAny>>) -> PyResult<HoldersPy> {
+    let memory = match memory {
+        Some(index) => Memory::Cuda(index),
+        None => Memory::Host,
+    };
+    let roots = match &adapter {
+        Some(a) => hunt_roots(a)?,
+        None => Vec::new(),
+    };
+    let (mut found, python_bytes) = hunter::hunt(py, memory.clone(), roots, min_bytes, &HashSet::new())?;
+    if let Memory::Cuda(index) = memory {
+        let torch = PyTorch::find(py);
+        if torch.cuda().is_some() {
+            if let Ok(stats) = torch.read_stats(index) {
+                found.no_python_tensor = Some(stats.allocated.saturating_sub(python_bytes));
+                found.cached = Some(stats.reserved.saturating_sub(stats.allocated));
+            }
+        }
+    }
+    Ok(HoldersPy(found))
 }
 
 fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin> {
@@ -303,6 +377,10 @@ fn open_scope(
         hidden: match &adapter {
             Some(a) => pin_all(hidden_refs(a)?),
             None => HashMap::new(),
+        },
+        buffers: match &adapter {
+            Some(a) if tensors_or_arrays_imported(py) => hunter::inventory(py, hunt_roots(a)?)?,
+            _ => HashSet::new(),
         },
         adapter: adapter.map(Bound::unbind),
         owner: owner.as_ref().map(Pin::new),
@@ -432,20 +510,27 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
             notes.push(format!("teardown step {step:?} failed: {e}"));
         }
     }
-    drop(scope_pins);
     let end = end.expect("EndSnapshot is a step of every teardown");
-    let mut registry = registry();
-    let mut report = Report::build(
-        &scope.name,
-        scope.kind == Kind::Gpu,
-        Span { start: &scope.start, before_teardown: &before, end: Some(&end) },
-        |gauge| registry.peaks.peak(id, gauge),
-        names,
-    );
+    let mut report = {
+        let registry = registry();
+        let mut report = Report::build(
+            &scope.name,
+            scope.kind == Kind::Gpu,
+            Span { start: &scope.start, before_teardown: &before, end: Some(&end) },
+            |gauge| registry.peaks.peak(id, gauge),
+            names,
+        );
+        report.cells = registry.cells_of(&scope);
+        report
+    };
     report.notes.extend(notes);
-    report.cells = registry.cells_of(&scope);
-    finished.push(ReportPy(registry.complete(id, report)));
-    drop(registry);
+    // The hunt runs Python code, so the registry is not held (see `registry`).
+    match hunt_leaks(py, &report, scope_pins.as_ref()) {
+        Ok(still_held) => report.still_held = still_held,
+        Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
+    }
+    drop(scope_pins);
+    finished.push(ReportPy(registry().complete(id, report)));
     update_sampler(py, None);
     Ok(finished)
 }
@@ -922,6 +1007,37 @@ impl CellRecordPy {
     }
 }
 
+/// What holds memory: the result of `gpuexp.holders()`.
+#[pyclass(name = "Holders", module = "gpuexp", frozen)]
+struct HoldersPy(Holders);
+
+#[pymethods]
+impl HoldersPy {
+    /// The paths, largest holder first.
+    #[getter]
+    fn paths(&self) -> Vec<String> {
+        self.0.holders.iter().map(|h| h.path.clone()).collect()
+    }
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.0).expect("holders always serialise")
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+    fn __len__(&self) -> usize {
+        self.0.holders.len()
+    }
+    fn __str__(&self) -> String {
+        self.0.grid("holders").to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+    fn _repr_html_(&self) -> String {
+        self.0.grid("holders").to_html()
+    }
+}
+
 #[pyfunction]
 fn oom_rescue_enabled() -> bool {
     registry().oom_rescue
@@ -1024,6 +1140,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(rescue_oom, m)?)?;
     m.add_function(wrap_pyfunction!(oom_rescue_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(holders, m)?)?;
+    m.add_class::<HoldersPy>()?;
     m.add_class::<OomPy>()?;
     m.add_class::<CellRecordPy>()?;
     m.add_class::<ReportPy>()?;

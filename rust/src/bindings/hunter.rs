@@ -1,0 +1,468 @@
+//! The leak hunter's walk: breadth-first from roots a person recognises (notebook names,
+//! `Out`, the stored traceback, module globals) through the objects that hold tensors in
+//! practice, to every live tensor and numpy array, keeping the path to each. It keeps no
+//! reference once it returns: the result is paths and sizes.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PyModule, PySet, PyString, PyTuple, PyType};
+
+use crate::report::{render_path, Holder, Holders, PathEdge};
+
+/// Enough for a kernel with a few million objects; a walk that hits it says so.
+const VISIT_LIMIT: usize = 5_000_000;
+
+/// Which memory to hunt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// A CUDA device, by torch index.
+    Cuda(u32),
+    /// Host memory: CPU tensors and numpy arrays.
+    Host,
+}
+
+impl Memory {
+    pub fn label(&self) -> String {
+        match self {
+            Memory::Cuda(index) => format!("cuda:{index}"),
+            Memory::Host => "host".into(),
+        }
+    }
+}
+
+/// Identifies a buffer, so that views and aliases count once: a tensor's storage, an array's base.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buffer {
+    Storage(usize),
+    Array(usize),
+}
+
+struct Found {
+    node: usize,
+    bytes: u64,
+    kind: &'static str,
+    shape: String,
+    device: String,
+}
+
+struct Node<'py> {
+    object: Bound<'py, PyAny>,
+    parent: Option<usize>,
+    edge: PathEdge,
+    /// The dict key this node was reached by, rendered when the path is: by then the walk
+    /// may have reached the key itself (an optimizer's state is keyed by parameters).
+    key: Option<Bound<'py, PyAny>>,
+}
+
+/// Types the walk recognises, looked up once per hunt. torch and numpy only if already imported.
+struct Types<'py> {
+    tensor: Option<Bound<'py, PyType>>,
+    ndarray: Option<Bound<'py, PyType>>,
+    traceback: Bound<'py, PyType>,
+    frame: Bound<'py, PyType>,
+    function: Bound<'py, PyType>,
+    method: Bound<'py, PyType>,
+    cell: Bound<'py, PyType>,
+}
+
+impl<'py> Types<'py> {
+    fn new(py: Python<'py>) -> PyResult<Types<'py>> {
+        let modules = py.import("sys")?.getattr("modules")?;
+        let find = |module: &str, name: &str| -> Option<Bound<'py, PyType>> {
+            modules.get_item(module).ok()?.getattr(name).ok()?.cast_into::<PyType>().ok()
+        };
+        let types = py.import("types")?;
+        let get = |name: &str| -> PyResult<Bound<'py, PyType>> { Ok(types.getattr(name)?.cast_into::<PyType>()?) };
+        Ok(Types {
+            tensor: find("torch", "Tensor"),
+            ndarray: find("numpy", "ndarray"),
+            traceback: get("TracebackType")?,
+            frame: get("FrameType")?,
+            function: get("FunctionType")?,
+            method: get("MethodType")?,
+            cell: get("CellType")?,
+        })
+    }
+}
+
+/// A walk in progress.
+struct Walk<'py> {
+    types: Types<'py>,
+    memory: Memory,
+    nodes: Vec<Node<'py>>,
+    /// Object address → its node: each object is reached once, by its shortest path.
+    visited: HashMap<usize, usize>,
+    queue: VecDeque<usize>,
+    found: HashMap<Buffer, Found>,
+}
+
+impl<'py> Walk<'py> {
+    fn new(py: Python<'py>, memory: Memory) -> PyResult<Walk<'py>> {
+        Ok(Walk {
+            types: Types::new(py)?,
+            memory,
+            nodes: Vec::new(),
+            visited: HashMap::new(),
+            queue: VecDeque::new(),
+            found: HashMap::new(),
+        })
+    }
+
+    fn push(&mut self, object: Bound<'py, PyAny>, parent: Option<usize>, edge: PathEdge) {
+        let address = object.as_ptr() as usize;
+        if is_atomic(&object) || self.visited.contains_key(&address) {
+            return;
+        }
+        self.visited.insert(address, self.nodes.len());
+        self.nodes.push(Node { object, parent, edge, key: None });
+        self.queue.push_back(self.nodes.len() - 1);
+    }
+
+    fn push_keyed(&mut self, value: Bound<'py, PyAny>, parent: usize, key: Bound<'py, PyAny>) {
+        let before = self.nodes.len();
+        self.push(value, Some(parent), PathEdge::Key(String::new()));
+        if self.nodes.len() > before {
+            self.nodes[before].key = Some(key);
+        }
+    }
+
+    fn is_a(&self, object: &Bound<'py, PyAny>, class: &Option<Bound<'py, PyType>>) -> bool {
+        class.as_ref().is_some_and(|c| object.is_instance(c).unwrap_or(false))
+    }
+
+    fn path(&self, mut node: usize) -> String {
+        let mut edges = Vec::new();
+        loop {
+            edges.push(match &self.nodes[node].key {
+                Some(key) => PathEdge::Key(self.render_key(key)),
+                None => self.nodes[node].edge.clone(),
+            });
+            match self.nodes[node].parent {
+                Some(parent) => node = parent,
+                None => break,
+            }
+        }
+        edges.reverse();
+        render_path(&edges)
+    }
+
+    /// Walks until `done` says every wanted buffer is found, or everything reachable is seen.
+    fn run(&mut self, done: impl Fn(&HashMap<Buffer, Found>) -> bool) -> PyResult<()> {
+        while let Some(index) = self.queue.pop_front() {
+            if done(&self.found) || self.nodes.len() > VISIT_LIMIT {
+                break;
+            }
+            let object = self.nodes[index].object.clone();
+            self.expand(index, &object)?;
+        }
+        Ok(())
+    }
+
+    fn expand(&mut self, index: usize, object: &Bound<'py, PyAny>) -> PyResult<()> {
+        let parent = Some(index);
+        if self.is_a(object, &self.types.tensor) {
+            self.record_tensor(index, object);
+            if let Ok(grad) = object.getattr("grad") {
+                self.push(grad, parent, PathEdge::Attr("grad".into()));
+            }
+            return Ok(());
+        }
+        if self.is_a(object, &self.types.ndarray) {
+            match object.getattr("base") {
+                Ok(base) if !base.is_none() => self.push(base, parent, PathEdge::Attr("base".into())),
+                _ => self.record_array(index, object),
+            }
+            return Ok(());
+        }
+        if let Ok(dict) = object.cast::<PyDict>() {
+            for (key, value) in dict.iter() {
+                self.push_keyed(value, index, key);
+            }
+        } else if let Ok(list) = object.cast::<PyList>() {
+            for (i, item) in list.iter().enumerate() {
+                self.push(item, parent, PathEdge::Index(i));
+            }
+        } else if let Ok(tuple) = object.cast::<PyTuple>() {
+            for (i, item) in tuple.iter().enumerate() {
+                self.push(item, parent, PathEdge::Index(i));
+            }
+        } else if object.is_instance_of::<PySet>() || object.is_instance_of::<PyFrozenSet>() {
+            for (i, item) in object.try_iter()?.enumerate() {
+                self.push(item?, parent, PathEdge::Index(i));
+            }
+        } else if object.is_instance_of::<PyModule>() {
+            // Reached as a value: its globals are roots of their own, walked later.
+        } else if object.is_instance(&self.types.traceback)? {
+            let mut tb = Some(object.clone());
+            while let Some(current) = tb.filter(|t| !t.is_none()) {
+                let frame = current.getattr("tb_frame")?;
+                let label = frame_label(&frame, current.getattr("tb_lineno")?.extract::<u32>().unwrap_or(0));
+                self.push(frame, parent, PathEdge::Frame(label));
+                tb = current.getattr("tb_next").ok();
+            }
+        } else if object.is_instance(&self.types.frame)? {
+            if let Ok(locals) = object.getattr("f_locals").and_then(|l| Ok(l.cast_into::<PyDict>()?)) {
+                for (name, value) in locals.iter() {
+                    self.push(value, parent, PathEdge::Local(name.to_string()));
+                }
+            }
+        } else if object.is_instance(&self.types.function)? {
+            let closure = object.getattr("__closure__")?;
+            if !closure.is_none() {
+                let names: Vec<String> = object.getattr("__code__")?.getattr("co_freevars")?.extract()?;
+                for (name, cell) in names.into_iter().zip(closure.try_iter()?) {
+                    if let Ok(contents) = cell?.getattr("cell_contents") {
+                        self.push(contents, parent, PathEdge::Closure(name));
+                    }
+                }
+            }
+        } else if object.is_instance(&self.types.method)? {
+            self.push(object.getattr("__self__")?, parent, PathEdge::Attr("__self__".into()));
+        } else if object.is_instance(&self.types.cell)? {
+            if let Ok(contents) = object.getattr("cell_contents") {
+                self.push(contents, parent, PathEdge::Attr("cell_contents".into()));
+            }
+        } else if object.is_instance_of::<PyType>() {
+            // Classes defined in the notebook can keep caches as class attributes; library classes are skipped.
+            let defined_here = object.getattr("__module__").ok().is_some_and(|m| m.to_string() == "__main__");
+            if defined_here {
+                self.push_attributes(index, &object.getattr("__dict__")?)?;
+            }
+        } else if let Ok(attributes) = object.getattr("__dict__") {
+            self.push_attributes(index, &attributes)?;
+        }
+        Ok(())
+    }
+
+    fn push_attributes(&mut self, index: usize, attributes: &Bound<'py, PyAny>) -> PyResult<()> {
+        for item in attributes.call_method0("items")?.try_iter()? {
+            let (name, value): (Bound<PyAny>, Bound<PyAny>) = item?.extract()?;
+            self.push(value, Some(index), PathEdge::Attr(name.to_string()));
+        }
+        Ok(())
+    }
+
+    /// A dict key as a person reads it; a tensor key (an optimizer's state) by the path it
+    /// was reached by when the walk has been there, else by its shape.
+    fn render_key(&self, key: &Bound<'py, PyAny>) -> String {
+        if key.is_instance_of::<PyString>() {
+            return key.repr().map(|r| r.to_string()).unwrap_or_default();
+        }
+        if let Some(&known) = self.visited.get(&(key.as_ptr() as usize)) {
+            if self.nodes[known].key.as_ref().is_none_or(|k| !k.is(key)) {
+                return self.path(known);
+            }
+        }
+        if self.is_a(key, &self.types.tensor) {
+            return format!("<tensor {}>", key.getattr("shape").map(|s| shape_text(&s)).unwrap_or_default());
+        }
+        match key.repr().map(|r| r.to_string()) {
+            Ok(text) if text.len() <= 40 => text,
+            _ => format!("<{}>", key.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
+        }
+    }
+
+    fn record_tensor(&mut self, node: usize, tensor: &Bound<'py, PyAny>) {
+        let Ok(Some((buffer, bytes, device))) = tensor_buffer(tensor, &self.memory) else { return };
+        let shape = tensor.getattr("shape").map(|s| shape_text(&s)).unwrap_or_default();
+        self.found.entry(buffer).or_insert(Found { node, bytes, kind: "tensor", shape, device });
+    }
+
+    fn record_array(&mut self, node: usize, array: &Bound<'py, PyAny>) {
+        if self.memory != Memory::Host {
+            return;
+        }
+        let bytes = array.getattr("nbytes").and_then(|b| b.extract::<u64>()).unwrap_or(0);
+        let shape = array.getattr("shape").map(|s| shape_text(&s)).unwrap_or_default();
+        let buffer = Buffer::Array(array.as_ptr() as usize);
+        self.found.entry(buffer).or_insert(Found { node, bytes, kind: "ndarray", shape, device: "cpu".into() });
+    }
+}
+
+/// A tensor's storage if it lives in `memory`: (buffer, bytes, device label).
+fn tensor_buffer(tensor: &Bound<PyAny>, memory: &Memory) -> PyResult<Option<(Buffer, u64, String)>> {
+    let device = tensor.getattr("device")?;
+    let kind: String = device.getattr("type")?.extract()?;
+    let index: Option<u32> = device.getattr("index")?.extract()?;
+    let wanted = match memory {
+        Memory::Cuda(want) => kind == "cuda" && index.unwrap_or(0) == *want,
+        Memory::Host => kind == "cpu",
+    };
+    if !wanted {
+        return Ok(None);
+    }
+    let storage = tensor.call_method0("untyped_storage")?;
+    let pointer: usize = storage.call_method0("data_ptr")?.extract()?;
+    let bytes: u64 = storage.call_method0("nbytes")?.extract()?;
+    if pointer == 0 || bytes == 0 {
+        return Ok(None);
+    }
+    let label = match index {
+        Some(i) => format!("{kind}:{i}"),
+        None => kind,
+    };
+    Ok(Some((Buffer::Storage(pointer), bytes, label)))
+}
+
+fn shape_text(shape: &Bound<PyAny>) -> String {
+    let dims: Vec<i64> = shape.extract().unwrap_or_default();
+    format!("[{}]", dims.iter().map(i64::to_string).collect::<Vec<_>>().join(", "))
+}
+
+fn frame_label(frame: &Bound<PyAny>, line: u32) -> String {
+    let name = frame.getattr("f_code").and_then(|c| c.getattr("co_name")).map(|n| n.to_string()).unwrap_or_default();
+    format!("{name}(), line {line}")
+}
+
+/// Objects that refer to nothing worth following.
+fn is_atomic(object: &Bound<PyAny>) -> bool {
+    object.is_none()
+        || object.is_instance_of::<PyString>()
+        || object.is_instance_of::<pyo3::types::PyBytes>()
+        || object.is_instance_of::<pyo3::types::PyInt>()
+        || object.is_instance_of::<pyo3::types::PyFloat>()
+        || object.is_instance_of::<pyo3::types::PyBool>()
+}
+
+/// Every tensor storage in `memory` that Python can see, from the collector's list of
+/// objects: the buffers a walk should find. Arrays are not tracked by the collector.
+fn live_tensor_buffers(py: Python, memory: &Memory) -> PyResult<HashMap<Buffer, u64>> {
+    let mut buffers = HashMap::new();
+    let Some(tensor_type) = Types::new(py)?.tensor else { return Ok(buffers) };
+    let objects = py.import("gc")?.call_method0("get_objects")?.cast_into::<PyList>()?;
+    for object in objects.iter() {
+        if object.is_instance(&tensor_type)? {
+            if let Ok(Some((buffer, bytes, _))) = tensor_buffer(&object, memory) {
+                buffers.insert(buffer, bytes);
+            }
+        }
+    }
+    Ok(buffers)
+}
+
+/// The roots, most recognisable first: the caller's (notebook names, Out, the traceback), then
+/// every module's globals, the user's own modules before libraries.
+fn module_roots<'py>(py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let sys = py.import("sys")?;
+    let prefixes: Vec<String> = ["prefix", "base_prefix", "exec_prefix"]
+        .iter()
+        .filter_map(|name| sys.getattr(*name).ok()?.extract().ok())
+        .collect();
+    let mut user = Vec::new();
+    let mut library = Vec::new();
+    let modules = sys.getattr("modules")?.call_method0("copy")?.cast_into::<PyDict>()?;
+    for (name, module) in modules.iter() {
+        let name = name.to_string();
+        if name == "__main__" || !module.is_instance_of::<PyModule>() {
+            continue;
+        }
+        let file: Option<String> = module.getattr("__file__").ok().and_then(|f| f.extract().ok());
+        let is_library = match &file {
+            Some(file) => prefixes.iter().any(|p| file.starts_with(p.as_str())) || file.contains("-packages"),
+            None => true,
+        };
+        let Ok(globals) = module.getattr("__dict__").and_then(|d| Ok(d.cast_into::<PyDict>()?)) else { continue };
+        let target = if is_library { &mut library } else { &mut user };
+        for (key, value) in globals.iter() {
+            let key = key.to_string();
+            if !key.starts_with("__") {
+                target.push((format!("{name}.{key}"), value));
+            }
+        }
+    }
+    user.extend(library);
+    Ok(user)
+}
+
+/// Finds what holds the memory of `memory`, largest first; `exclude` are buffers that existed
+/// before (an experiment's start), `min_bytes` the smallest worth naming. Also returns the
+/// bytes of every live Python tensor there, for what no Python tensor accounts for.
+pub fn hunt<'py>(
+    py: Python<'py>,
+    memory: Memory,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+    min_bytes: u64,
+    exclude: &HashSet<Buffer>,
+) -> PyResult<(Holders, u64)> {
+    let started = Instant::now();
+    // Some library globals warn on any attribute access (deprecated aliases); a hunt is not the user's code.
+    let warnings = py.import("warnings")?;
+    let quiet = warnings.call_method0("catch_warnings")?;
+    quiet.call_method0("__enter__")?;
+    warnings.call_method1("simplefilter", ("ignore",))?;
+    let result = hunt_quietly(py, memory, roots, min_bytes, exclude, started);
+    quiet.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    result
+}
+
+fn hunt_quietly<'py>(
+    py: Python<'py>,
+    memory: Memory,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+    min_bytes: u64,
+    exclude: &HashSet<Buffer>,
+    started: Instant,
+) -> PyResult<(Holders, u64)> {
+    let live = live_tensor_buffers(py, &memory)?;
+    let wanted: HashSet<Buffer> = live.keys().copied().filter(|b| !exclude.contains(b)).collect();
+    let mut walk = Walk::new(py, memory.clone())?;
+    let roots = roots.into_iter().chain(module_roots(py)?);
+    for (label, object) in roots {
+        walk.push(object, None, PathEdge::Root(label));
+    }
+    // Arrays are not known in advance, so a host hunt walks everything it can reach.
+    let host = memory == Memory::Host;
+    walk.run(|found| !host && wanted.iter().all(|b| found.contains_key(b)))?;
+    let mut holders: Vec<Holder> = walk
+        .found
+        .iter()
+        .filter(|(buffer, found)| !exclude.contains(buffer) && found.bytes >= min_bytes)
+        .map(|(_, found)| Holder {
+            path: walk.path(found.node),
+            bytes: found.bytes,
+            device: found.device.clone(),
+            kind: found.kind.into(),
+            shape: found.shape.clone(),
+        })
+        .collect();
+    holders.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.path.cmp(&b.path)));
+    let unreachable = wanted.iter().filter(|b| !walk.found.contains_key(b)).map(|b| live[b]).sum();
+    let python_bytes = live.values().sum();
+    let holders = Holders {
+        device: memory.label(),
+        holders,
+        unreachable,
+        no_python_tensor: None,
+        cached: None,
+        objects_visited: walk.nodes.len() as u64,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok((holders, python_bytes))
+}
+
+/// The buffers reachable from `roots` now (an experiment's start), so that a later hunt names
+/// only what came after. Module globals are left out: they are walked at the hunt.
+pub fn inventory<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) -> PyResult<HashSet<Buffer>> {
+    let mut buffers: HashSet<Buffer> = HashSet::new();
+    let mut walk = Walk::new(py, Memory::Host)?;
+    for (label, object) in roots {
+        walk.push(object, None, PathEdge::Root(label));
+    }
+    walk.run(|_| false)?;
+    buffers.extend(walk.found.keys().copied());
+    if let Some(tensor_type) = &walk.types.tensor {
+        // Device tensors reachable from the roots too, whatever their device.
+        for node in &walk.nodes {
+            if node.object.is_instance(tensor_type)? {
+                if let Ok(storage) = node.object.call_method0("untyped_storage") {
+                    if let Ok(pointer) = storage.call_method0("data_ptr").and_then(|p| p.extract::<usize>()) {
+                        buffers.insert(Buffer::Storage(pointer));
+                    }
+                }
+            }
+        }
+    }
+    Ok(buffers)
+}

@@ -1,0 +1,100 @@
+"""The leak hunter on host memory (CPU tensors and numpy arrays), in real kernels."""
+
+import textwrap
+
+MiB = 1 << 20
+
+SETUP = """\
+import builtins, sys, weakref
+import numpy as np
+import gpuexp
+"""
+
+
+def holder_paths(kernel, expression="gpuexp.holders('cpu')"):
+    return kernel.value(f"{expression}.paths")
+
+
+def test_paths_read_as_a_person_writes_them(kernel, tmp_path):
+    (tmp_path / "mymod.py").write_text("CACHE = {}\n")
+    kernel.run(SETUP + f"sys.path.insert(0, {str(tmp_path)!r})\nimport mymod, torch")
+    kernel.run(
+        "cache = [np.ones(3 << 20, dtype=np.uint8)]\n"
+        "mymod.CACHE['x'] = np.ones(5 << 20, dtype=np.uint8)\n"
+        "def make():\n"
+        "    buf = np.ones(7 << 20, dtype=np.uint8)\n"
+        "    return lambda: buf\n"
+        "fn = make()\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "model(torch.randn(2, 1024)).sum().backward()\n"
+        "opt.step()"
+    )
+    kernel.run("np.ones(9 << 20, dtype=np.uint8)")  # displayed: only Out holds it
+    kernel.run(
+        "def fail():\n"
+        "    held = np.ones(11 << 20, dtype=np.uint8)\n"
+        "    raise ValueError('boom')\n"
+        "fail()",
+        expect_error=True,
+    )
+    paths = holder_paths(kernel)
+    for expected in (
+        "cache[0]",
+        "mymod.CACHE['x']",
+        "fn (closure cell buf)",
+        "model.0.weight",
+        "model.2.weight.grad",
+        "opt.state[model.0.weight]['exp_avg']",
+        "Out[3]",
+        "last traceback → fail(), line 3 → local held",
+    ):
+        assert expected in paths, (expected, paths)
+    sizes = kernel.value("[h['bytes'] for h in gpuexp.holders('cpu').to_dict()['holders']]")
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_each_storage_counts_once_and_small_ones_are_left_out(kernel):
+    kernel.run(SETUP + "import torch")
+    kernel.run("base = torch.ones(4 << 20)\nview = base[: 1 << 20]\ntiny = torch.ones(10)")
+    found = kernel.value("gpuexp.holders('cpu').to_dict()['holders']")
+    storages = [h for h in found if h["path"] in ("base", "view")]
+    assert len(storages) == 1 and storages[0]["bytes"] == 16 * MiB
+    assert all(h["path"] != "tiny" for h in found)
+    assert "tiny" in holder_paths(kernel, "gpuexp.holders('cpu', min_bytes=0)")
+
+
+def test_the_hunter_keeps_nothing_alive(kernel):
+    kernel.run(SETUP + "import torch")
+    kernel.run("t = torch.ones(8 << 20)\na = np.ones(32 << 20, dtype=np.uint8)\nwt, wa = weakref.ref(t), weakref.ref(a)")
+    kernel.run("found = gpuexp.holders('cpu')")
+    assert "t" in kernel.value("found.paths") and "a" in kernel.value("found.paths")
+    kernel.run("del t, a")
+    assert kernel.value("[wt() is None, wa() is None]") == [True, True]
+
+
+def test_a_finished_experiment_names_what_still_holds_its_memory(kernel):
+    kernel.run(SETUP + "cache = []")
+    kernel.run('exp = gpuexp.CPUExperiment("leaky")')
+    kernel.run("big = np.ones(256 << 20, dtype=np.uint8)\ncache.append(big)")
+    shown = kernel.run("del exp")
+    assert "still held on host: cache[0] (256.00 MiB)" in shown.text
+    report = kernel.value("gpuexp.history()[-1].to_dict()")
+    assert report["still_held"][0]["holders"][0]["path"] == "cache[0]"
+    assert kernel.value("len(cache)") == 1  # named, never deleted: it is user data outside the scope
+
+
+def test_nothing_is_named_when_everything_came_back(kernel):
+    kernel.run(SETUP)
+    kernel.run('exp = gpuexp.CPUExperiment("clean")')
+    kernel.run("big = np.ones(256 << 20, dtype=np.uint8)")
+    shown = kernel.run("del exp")
+    assert "still held" not in shown.text
+    assert kernel.value("gpuexp.history()[-1].to_dict()['still_held']") == []
+
+
+def test_bad_arguments_get_clear_errors(kernel):
+    kernel.run(SETUP)
+    assert kernel.run("gpuexp.holders(min_bytes=-1)", expect_error=True).error.startswith("ValueError")
+    bad = kernel.run("gpuexp.holders(device='gpu')", expect_error=True)
+    assert bad.error.startswith("ValueError") and "device" in bad.error
