@@ -135,7 +135,12 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
             for t in threads: t.join()
         assert not _core.sampler_running()
         assert [t.name for t in threading.enumerate()] == ["MainThread"]
-        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:  # a thread may exit while we list: gone is not stuck
+                names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+            except FileNotFoundError:
+                pass
         assert "gpuexp-sampler" not in names, names
         print("ok")
     """))

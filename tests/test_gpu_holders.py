@@ -49,8 +49,12 @@ def test_memory_no_python_tensor_holds_is_reported_as_such(kernel):
         "loss = (torch.relu(x @ w) @ w).sum()"  # autograd keeps the activations, in C++
     )
     found = kernel.value("gpuexp.holders(0).to_dict()")
-    assert found["no_python_tensor"] >= 64 << 20, found
-    assert "(no Python tensor)" in kernel.run("print(gpuexp.holders(0))").text
+    # Saved activations whose Python object torch preserves are live but unreachable; the rest
+    # have no Python object at all. Either way no name holds them.
+    assert found["unreachable"] + found["no_python_tensor"] >= 64 << 20, found
+    assert all(h["bytes"] < 64 << 20 or h["path"] in ("w", "x") for h in found["holders"]), found
+    text = kernel.run("print(gpuexp.holders(0))").text
+    assert "(no Python tensor)" in text or "(no reachable referrer)" in text
 
 
 def test_the_hunter_leaves_no_reference_behind(kernel):

@@ -617,8 +617,12 @@ fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<PyAny>>) ->
         }
     }
     let (after, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    // The device torch's message names; another GPU's figures would only mislead.
     let pick = |s: &Snapshot| -> Option<GpuReading> {
-        s.gpus.iter().find(|g| Some(g.torch_index) == device).or(s.gpus.first()).cloned()
+        match device {
+            Some(index) => s.gpus.iter().find(|g| g.torch_index == index).cloned(),
+            None => s.gpus.first().cloned(),
+        }
     };
     let (gpu_before, gpu_after) = (pick(&before), pick(&after));
     let others = gpu_before
