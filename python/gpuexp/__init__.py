@@ -10,7 +10,7 @@ import sys
 
 from . import _core, ipython
 from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
-from .experiment import CPUExperiment, GPUExperiment, _device_indices
+from .experiment import CPUExperiment, GPUExperiment, _device_indices, find_batch_size
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "Snapshot",
     "cells",
     "config",
+    "find_batch_size",
     "holders",
     "history",
     "save_history",

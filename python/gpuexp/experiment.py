@@ -1,6 +1,7 @@
 """The public experiment scopes. State and teardown live in ``gpuexp._core``."""
 
 import sys
+import time
 
 from . import _core, ipython
 
@@ -17,7 +18,7 @@ class GPUExperiment:
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
@@ -32,6 +33,7 @@ class GPUExperiment:
             adapter=ipython.namespace_for(creator),
             owner=self,
             cell_log=cell_log,
+            limit=_size(limit, "limit"),
         )
         ipython.track(self)
         ipython.show(start)
@@ -98,6 +100,81 @@ class CPUExperiment(GPUExperiment):
 
     def __init__(self, name=None, *, cell_log=True):
         super().__init__(name, cell_log=cell_log)
+
+
+def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_of_two=False,
+                    multiple_of=1, device=None, verifications=2, progress=True):
+    """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
+    prediction rather than by trying until it fails.
+
+    ``step`` runs one real step at a batch size (a training step with its backward and
+    optimizer, an inference step, or a step over (batch, seq_len) where only the batch varies).
+    Two small sizes are probed for torch's exact peak, a line is fitted and checked by a further
+    probe, the largest size under the budget is predicted and verified by running it
+    ``verifications`` times; an out-of-memory error or an overshoot falls back to bisection.
+    Every out-of-memory error is cleaned up as the OOM rescue does. A step that raises anything
+    else stops the search with that error.
+
+    The budget is what torch holds plus what is free on the device, or ``limit`` (``"24GiB"``:
+    aim for a smaller card; torch's allocations are capped there during the search), less
+    ``margin`` of it. ``power_of_two`` and ``multiple_of`` round the answer down.
+    Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        raise RuntimeError("find_batch_size measures torch's CUDA allocator: import torch on a machine with a CUDA GPU")
+    if not callable(step):
+        raise TypeError(f"step must be a function of the batch size, e.g. find_batch_size(train_step); got {step!r}")
+    index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
+    limit_bytes = _size(limit, "limit")
+    search = _core.BatchSizeResult(start, max, _core.batch_budget(index, limit_bytes, margin),
+                                   power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
+    memory = torch.cuda.memory
+    before = memory.get_per_process_memory_fraction(index) if hasattr(memory, "get_per_process_memory_fraction") else 1.0
+    if limit_bytes is not None:
+        torch.cuda.set_per_process_memory_fraction(limit_bytes / torch.cuda.get_device_properties(index).total_memory, index)
+    try:
+        while (trial := search.next_trial()) is not None:
+            batch, role = trial
+            peak, seconds = _run_trial(torch, step, batch, index)
+            search.record(batch, role, peak, seconds)
+            if progress:
+                outcome = "out of memory" if peak is None else f"peak {peak / 2**30:.2f} GiB"
+                print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
+    finally:
+        if limit_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(before, index)
+    return search
+
+
+def _run_trial(torch, step, batch, index):
+    """One step at a batch size: torch's exact peak allocated, or None if it ran out of memory."""
+    window = _core.measure_begin()
+    started = time.perf_counter()
+    try:
+        step(batch)
+        torch.cuda.synchronize(index)
+    except Exception as error:
+        _core.measure_end(window, index)
+        if not ipython.is_cuda_oom(error):
+            raise
+        # As the OOM rescue does: the failed step's frames must let go of its tensors.
+        ipython.DetachedNamespace().drop_exception(error)
+        del error
+        _core.release_memory()
+        return None, time.perf_counter() - started
+    return _core.measure_end(window, index), time.perf_counter() - started
+
+
+def _size(value, name):
+    """Bytes from an int or a string such as "24GiB"; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _core.parse_size(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes")
 
 
 def _creator_frame():

@@ -93,6 +93,8 @@ pub struct Report {
     pub cells: Vec<CellRecord>,
     /// Where memory the scope created did not come back: what still holds it.
     pub still_held: Vec<Holders>,
+    /// Bytes torch could allocate on each GPU while the scope was open (`limit=`).
+    pub limit: Option<u64>,
 }
 
 /// The snapshots a report is built from; `end` is None while the scope is open.
@@ -180,6 +182,7 @@ impl Report {
             notes,
             cells: Vec::new(),
             still_held: Vec::new(),
+            limit: None,
         }
     }
 
@@ -205,6 +208,9 @@ impl Report {
             }
         }
         lines.extend(self.gpus.iter().map(|g| device_line(g.torch_index, g.nvml_index, &g.name, &g.uuid, g.total)));
+        if let Some(limit) = self.limit {
+            lines.push(format!("limit: torch could allocate {} per GPU (a smaller card, rehearsed)", bytes(limit)));
+        }
         for held in &self.still_held {
             let named: Vec<String> = held.holders.iter().take(5).map(|h| format!("{} ({})", h.path, bytes(h.bytes))).collect();
             let mut line = format!("still held on {}: {}", held.device, named.join(", "));

@@ -70,6 +70,8 @@ pub struct Scope {
     pub cell_log: bool,
     /// Index of the first cell record made while the scope was open.
     pub first_cell: usize,
+    /// Bytes torch may allocate on each of the scope's GPUs (`limit=`), while it is open.
+    pub limit: Option<u64>,
 }
 
 /// The cell being run while the log is on.
@@ -139,7 +141,18 @@ impl Registry {
         let id = self.next_window();
         self.peaks.open(id, &start);
         let first_cell = self.cells.len();
-        self.open.push(Scope { id, name, kind, selection, start, keep: BTreeSet::new(), closing: false, cell_log, first_cell });
+        self.open.push(Scope {
+            id,
+            name,
+            kind,
+            selection,
+            start,
+            keep: BTreeSet::new(),
+            closing: false,
+            cell_log,
+            first_cell,
+            limit: None,
+        });
         id
     }
 
@@ -224,6 +237,22 @@ impl Registry {
         } else {
             GpuSelection::None
         }
+    }
+
+    /// Opens a peak window of its own (one trial of the batch-size finder) at `start`, taken
+    /// just before the counters are reset.
+    pub fn open_window(&mut self, start: &Snapshot) -> u64 {
+        let window = self.next_window();
+        self.peaks.open(window, start);
+        window
+    }
+
+    /// Closes a window opened by [`Registry::open_window`], returning its peak of `gauge`.
+    pub fn close_window(&mut self, window: u64, end: &Snapshot, gauge: &Gauge) -> Option<u64> {
+        self.peaks.observe(end);
+        let peak = self.peaks.peak(window, gauge);
+        self.peaks.close(window);
+        peak
     }
 
     /// Opens the cell's peak window at `start`, taken just before the counters are reset.

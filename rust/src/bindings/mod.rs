@@ -12,6 +12,7 @@ mod hunter;
 
 use hunter::{Buffer, Memory};
 
+use crate::finder;
 use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
@@ -232,6 +233,8 @@ struct Pins {
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
     buffers: HashSet<Buffer>,
+    /// Torch's per-process memory fraction of each GPU before the scope's `limit`, restored at finish.
+    limited: Vec<(u32, f64)>,
 }
 
 static PINS: LazyLock<Mutex<HashMap<ScopeId, Pins>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -268,6 +271,52 @@ fn user_names<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'
 fn hidden_refs<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
     let refs = adapter.call_method0("hidden_refs")?.cast_into::<PyDict>()?;
     refs.iter().map(|(label, object)| Ok((label.extract()?, object))).collect()
+}
+
+/// Caps torch's allocations on the scope's GPUs at `limit` bytes each (its per-process memory
+/// fraction), to rehearse a smaller card; returns the fractions to restore.
+fn apply_limit(py: Python, selection: &GpuSelection, limit: u64) -> PyResult<Vec<(u32, f64)>> {
+    let torch = PyTorch::find(py);
+    let Some(torch_module) = torch.torch.as_ref() else {
+        return Err(PyValueError::new_err("limit= caps torch's allocations: import torch first"));
+    };
+    let cuda = torch_module.getattr("cuda")?;
+    let count: u32 = cuda.call_method0("device_count")?.extract()?;
+    let devices: Vec<u32> = match selection {
+        GpuSelection::Only(devices) => devices.clone(),
+        GpuSelection::AllVisible => (0..count).collect(),
+        GpuSelection::None => return Err(PyValueError::new_err("limit= applies to GPUs: use GPUExperiment")),
+    };
+    let memory = cuda.getattr("memory")?;
+    let mut previous = Vec::new();
+    for device in devices {
+        let total: u64 = cuda.call_method1("get_device_properties", (device,))?.getattr("total_memory")?.extract()?;
+        if limit > total {
+            return Err(PyValueError::new_err(format!(
+                "limit={} is more than cuda:{device} has ({}): pass a smaller size",
+                report::bytes(limit),
+                report::bytes(total)
+            )));
+        }
+        let before = match memory.getattr("get_per_process_memory_fraction") {
+            Ok(get) => get.call1((device,))?.extract()?,
+            Err(_) => 1.0,
+        };
+        cuda.call_method1("set_per_process_memory_fraction", (limit as f64 / total as f64, device))?;
+        previous.push((device, before));
+    }
+    Ok(previous)
+}
+
+fn restore_limit(py: Python, limited: &[(u32, f64)]) -> PyResult<()> {
+    if limited.is_empty() {
+        return Ok(());
+    }
+    let cuda = py.import("torch")?.getattr("cuda")?;
+    for (device, fraction) in limited {
+        cuda.call_method1("set_per_process_memory_fraction", (*fraction, *device))?;
+    }
+    Ok(())
 }
 
 /// Where a leak hunt starts: the notebook's names, then IPython's hidden references.
@@ -354,7 +403,8 @@ fn selection(gpu: bool, devices: Option<Vec<u32>>) -> GpuSelection {
 /// Opens a scope; returns its id and the state it starts from. `adapter` is None outside any
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
-#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true))]
+#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None))]
+#[allow(clippy::too_many_arguments)]
 fn open_scope(
     py: Python,
     name: Option<String>,
@@ -363,6 +413,7 @@ fn open_scope(
     adapter: Option<Bound<PyAny>>,
     owner: Option<Bound<PyAny>>,
     cell_log: bool,
+    limit: Option<u64>,
 ) -> PyResult<(ScopeId, SnapshotPy)> {
     let selection = selection(gpu, devices);
     if let GpuSelection::Only(wanted) = &selection {
@@ -384,6 +435,10 @@ fn open_scope(
         },
         adapter: adapter.map(Bound::unbind),
         owner: owner.as_ref().map(Pin::new),
+        limited: match limit {
+            Some(limit) => apply_limit(py, &selection, limit)?,
+            None => Vec::new(),
+        },
     };
     let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
     let (id, title) = {
@@ -391,7 +446,11 @@ fn open_scope(
         let name = registry.name_or_default(name);
         let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
         let title = format!("{name} · started");
-        (registry.open(name, kind, selection, start.clone(), cell_log), title)
+        let id = registry.open(name, kind, selection, start.clone(), cell_log);
+        if let Some(scope) = registry.scope_mut(id) {
+            scope.limit = limit;
+        }
+        (id, title)
     };
     reset_counters(&torch, &start);
     pins().insert(id, baseline);
@@ -511,6 +570,11 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         }
     }
     let end = end.expect("EndSnapshot is a step of every teardown");
+    if let Some(pins) = scope_pins.as_ref() {
+        if let Err(e) = restore_limit(py, &pins.limited) {
+            notes.push(format!("restoring torch's memory fraction failed: {e}"));
+        }
+    }
     let mut report = {
         let registry = registry();
         let mut report = Report::build(
@@ -521,6 +585,7 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
             names,
         );
         report.cells = registry.cells_of(&scope);
+        report.limit = scope.limit;
         report
     };
     report.notes.extend(notes);
@@ -1011,6 +1076,126 @@ impl CellRecordPy {
     }
 }
 
+// ---- the batch-size finder ----------------------------------------------------------------
+
+/// The search of `gpuexp.find_batch_size`, driven from Python one trial at a time. Its table
+/// is the result a user sees.
+#[pyclass(name = "BatchSizeResult", module = "gpuexp")]
+struct BatchSearchPy(finder::Search);
+
+#[pymethods]
+impl BatchSearchPy {
+    #[new]
+    #[pyo3(signature = (start, max, budget, power_of_two=false, multiple_of=1, verifications=2))]
+    fn new(start: u64, max: u64, budget: u64, power_of_two: bool, multiple_of: u64, verifications: u32) -> PyResult<Self> {
+        let settings = finder::Settings { start, max, budget, power_of_two, multiple_of, verifications };
+        finder::Search::new(settings).map(BatchSearchPy).map_err(PyValueError::new_err)
+    }
+
+    /// The next trial as (batch size, why), or None when the search is done.
+    fn next_trial(&mut self) -> Option<(u64, String)> {
+        match self.0.next() {
+            finder::Next::Try(batch, role) => Some((batch, role.label().to_string())),
+            finder::Next::Done => None,
+        }
+    }
+
+    /// Records a trial: `peak` is torch's exact peak allocated, None after an out-of-memory error.
+    fn record(&mut self, batch: u64, role: &str, peak: Option<u64>, seconds: f64) -> PyResult<()> {
+        let Some(role) = finder::Role::ALL.into_iter().find(|r| r.label() == role) else {
+            return Err(PyValueError::new_err(format!("unknown trial role {role:?}")));
+        };
+        let outcome = match peak {
+            Some(peak) => finder::Outcome::Fit { peak },
+            None => finder::Outcome::OutOfMemory,
+        };
+        self.0.record(finder::Trial { batch, outcome, seconds, role });
+        Ok(())
+    }
+
+    /// The largest batch size that ran within the budget (None if none did).
+    #[getter]
+    fn batch_size(&self) -> Option<u64> {
+        self.0.batch_size
+    }
+    #[getter]
+    fn trials(&self) -> usize {
+        self.0.trials.len()
+    }
+    #[getter]
+    fn verdict(&self) -> &str {
+        &self.0.verdict
+    }
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.0).expect("a search always serialises")
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+    fn __str__(&self) -> String {
+        self.0.grid().to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+    fn _repr_html_(&self) -> String {
+        self.0.grid().to_html()
+    }
+}
+
+/// Opens a peak window for one trial on a GPU; returns its id.
+#[pyfunction]
+fn measure_begin(py: Python) -> u64 {
+    let (start, torch) = take_snapshot(py, &GpuSelection::AllVisible);
+    let window = registry().open_window(&start);
+    reset_counters(&torch, &start);
+    window
+}
+
+/// Closes a trial's window: torch's exact peak allocated on the GPU during it.
+#[pyfunction]
+fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Option<u64>> {
+    let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let Some(gpu) = end.gpus.iter().find(|g| g.torch_index == device) else {
+        registry().peaks.close(window);
+        return Err(PyValueError::new_err(format!("cuda:{device} is not a visible GPU")));
+    };
+    let gauge = crate::snapshot::Gauge::TorchAllocated(gpu.uuid.clone());
+    Ok(registry().close_window(window, &end, &gauge))
+}
+
+/// The most a step's torch peak may reach on a GPU: what torch holds and NVML has free, or
+/// `limit`, less `margin` of it.
+#[pyfunction]
+#[pyo3(signature = (device, limit=None, margin=0.05))]
+fn batch_budget(py: Python, device: u32, limit: Option<u64>, margin: f64) -> PyResult<u64> {
+    if !(0.0..1.0).contains(&margin) {
+        return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
+    }
+    let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let gpu = now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
+        PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
+    })?;
+    let torch = gpu.torch.unwrap_or_default();
+    let usable = match limit {
+        Some(limit) => limit,
+        None => torch.reserved + gpu.free,
+    };
+    Ok((usable as f64 * (1.0 - margin)) as u64)
+}
+
+/// Bytes from "24GiB", "512MiB" or a number.
+#[pyfunction]
+fn parse_size(text: &str) -> PyResult<u64> {
+    finder::parse_size(text).map_err(PyValueError::new_err)
+}
+
+/// gc, the cuBLAS workspaces and torch's cache: what gives memory back after a failed trial.
+#[pyfunction]
+fn release_memory(py: Python) -> PyResult<()> {
+    teardown::RELEASE.iter().try_for_each(|step| release(py, *step))
+}
+
 /// What holds memory: the result of `gpuexp.holders()`.
 #[pyclass(name = "Holders", module = "gpuexp", frozen)]
 struct HoldersPy(Holders);
@@ -1145,6 +1330,12 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rescue_oom, m)?)?;
     m.add_function(wrap_pyfunction!(oom_rescue_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(holders, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_begin, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_end, m)?)?;
+    m.add_function(wrap_pyfunction!(batch_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_class::<BatchSearchPy>()?;
     m.add_class::<HoldersPy>()?;
     m.add_class::<OomPy>()?;
     m.add_class::<CellRecordPy>()?;

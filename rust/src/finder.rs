@@ -1,0 +1,433 @@
+//! The batch-size finder's search: a few exact measurements predict the answer, instead of
+//! doubling until an out-of-memory error. Peak memory grows nearly linearly with the batch for
+//! most models, so small probes give the line, one further probe checks it, and the predicted
+//! size is verified before it is trusted; a failed verification falls back to bisection.
+
+use serde::Serialize;
+
+use crate::report::{bytes, Grid};
+
+/// How one trial of the step went.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum Outcome {
+    /// It ran; `peak` is torch's exact peak allocated during the step, in bytes.
+    Fit { peak: u64 },
+    OutOfMemory,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Trial {
+    pub batch: u64,
+    pub outcome: Outcome,
+    pub seconds: f64,
+    /// Why this size was tried.
+    pub role: Role,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Role {
+    Probe,
+    LinearityCheck,
+    Verify,
+    Bisect,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect];
+
+    /// The word shown in tables and passed to the Python driver.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Probe => "probe",
+            Role::LinearityCheck => "check",
+            Role::Verify => "verify",
+            Role::Bisect => "bisect",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Line {
+    /// Bytes at batch size 0: weights, optimizer state, workspaces.
+    pub intercept: f64,
+    /// Bytes per sample.
+    pub slope: f64,
+}
+
+impl Line {
+    fn at(&self, batch: u64) -> f64 {
+        self.intercept + self.slope * batch as f64
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Settings {
+    pub start: u64,
+    pub max: u64,
+    /// The most the step's peak may reach, in bytes (free memory or the limit, less the margin).
+    pub budget: u64,
+    pub power_of_two: bool,
+    pub multiple_of: u64,
+    /// How many times the predicted size must run before it is trusted.
+    pub verifications: u32,
+}
+
+/// What to do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    Try(u64, Role),
+    Done,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Search {
+    pub settings: Settings,
+    pub trials: Vec<Trial>,
+    pub line: Option<Line>,
+    pub linear: Option<bool>,
+    pub predicted: Option<u64>,
+    /// The answer once the search is done: the largest size that ran within the budget.
+    pub batch_size: Option<u64>,
+    /// Why the search ended where it did, in words.
+    pub verdict: String,
+}
+
+/// A check passes when the line predicts the further probe within this share.
+const LINEAR_TOLERANCE: f64 = 0.03;
+
+impl Search {
+    pub fn new(settings: Settings) -> Result<Search, String> {
+        if settings.start == 0 || settings.max < settings.start {
+            return Err(format!(
+                "start={} and max={}: start must be at least 1 and max at least start, e.g. find_batch_size(step, start=8, max=4096)",
+                settings.start, settings.max
+            ));
+        }
+        if settings.multiple_of == 0 {
+            return Err("multiple_of must be at least 1, e.g. multiple_of=8".into());
+        }
+        Ok(Search { settings, trials: Vec::new(), line: None, linear: None, predicted: None, batch_size: None, verdict: String::new() })
+    }
+
+    pub fn record(&mut self, trial: Trial) {
+        self.trials.push(trial);
+    }
+
+    fn fits(&self, trial: &Trial) -> bool {
+        matches!(trial.outcome, Outcome::Fit { peak } if peak <= self.settings.budget)
+    }
+
+    /// The largest size that ran within the budget, and the smallest that did not.
+    fn bounds(&self) -> (Option<u64>, Option<u64>) {
+        let good = self.trials.iter().filter(|t| self.fits(t)).map(|t| t.batch).max();
+        let bad = self.trials.iter().filter(|t| !self.fits(t)).map(|t| t.batch).min();
+        (good, bad)
+    }
+
+    fn tried(&self, batch: u64, role: Role) -> usize {
+        self.trials.iter().filter(|t| t.batch == batch && t.role == role).count()
+    }
+
+    /// Rounds down to what the user asked sizes to be.
+    pub fn round(&self, batch: u64) -> u64 {
+        let mut batch = batch.min(self.settings.max);
+        if self.settings.power_of_two && batch > 0 {
+            batch = 1 << (63 - batch.leading_zeros());
+        }
+        let step = self.settings.multiple_of;
+        if step > 1 {
+            batch -= batch % step;
+        }
+        batch
+    }
+
+    fn finish(&mut self, verdict: String) -> Next {
+        self.batch_size = self.bounds().0.map(|b| self.round(b)).filter(|b| *b > 0);
+        self.verdict = verdict;
+        Next::Done
+    }
+
+    pub fn next(&mut self) -> Next {
+        let start = self.settings.start;
+        let probes = [start, start * 2];
+        // 1. Two small probes give the line; a third, twice as far, checks it.
+        for batch in probes {
+            if self.tried(batch, Role::Probe) == 0 && batch <= self.settings.max {
+                if let (_, Some(bad)) = self.bounds() {
+                    if bad <= batch {
+                        return self.bisect_or_finish();
+                    }
+                }
+                return Next::Try(batch, Role::Probe);
+            }
+        }
+        if self.line.is_none() {
+            let points: Vec<(u64, u64)> = self
+                .trials
+                .iter()
+                .filter_map(|t| match t.outcome {
+                    Outcome::Fit { peak } if t.role == Role::Probe => Some((t.batch, peak)),
+                    _ => None,
+                })
+                .collect();
+            if points.len() < 2 {
+                return self.bisect_or_finish();
+            }
+            let (b1, p1) = (points[0].0 as f64, points[0].1 as f64);
+            let (b2, p2) = (points[1].0 as f64, points[1].1 as f64);
+            let slope = (p2 - p1) / (b2 - b1);
+            self.line = Some(Line { intercept: p1 - slope * b1, slope });
+        }
+        let line = self.line.expect("set above");
+        if line.slope <= 0.0 {
+            // Memory does not grow with the batch: the largest allowed size is the answer, if it runs.
+            self.linear = Some(false);
+            return self.verify(self.round(self.settings.max));
+        }
+        let check = start * 4;
+        if self.linear.is_none() {
+            if check <= self.settings.max && self.tried(check, Role::LinearityCheck) == 0 && self.bounds().1.is_none_or(|bad| bad > check) {
+                return Next::Try(check, Role::LinearityCheck);
+            }
+            let checked = self.trials.iter().find(|t| t.role == Role::LinearityCheck);
+            self.linear = Some(match checked.map(|t| t.outcome) {
+                Some(Outcome::Fit { peak }) => ((peak as f64 - line.at(check)) / peak as f64).abs() <= LINEAR_TOLERANCE,
+                _ => false,
+            });
+        }
+        // 2. The largest size the line puts under the budget.
+        if self.predicted.is_none() {
+            let room = (self.settings.budget as f64 - line.intercept) / line.slope;
+            let predicted = if room >= 1.0 { self.round(room.floor() as u64) } else { 0 };
+            self.predicted = Some(predicted);
+        }
+        let predicted = self.predicted.expect("set above");
+        if predicted == 0 {
+            return self.bisect_or_finish();
+        }
+        self.verify(predicted)
+    }
+
+    /// 3. The prediction runs `verifications` times before it is trusted.
+    fn verify(&mut self, predicted: u64) -> Next {
+        let verified: Vec<&Trial> = self.trials.iter().filter(|t| t.batch == predicted && t.role == Role::Verify).collect();
+        if verified.iter().any(|t| !self.fits(t)) {
+            return self.bisect_or_finish();
+        }
+        if (verified.len() as u32) < self.settings.verifications {
+            return Next::Try(predicted, Role::Verify);
+        }
+        let at_max = predicted == self.round(self.settings.max);
+        self.finish(if at_max {
+            format!("max={} fits: the search stops at the largest size allowed", self.settings.max)
+        } else {
+            format!("the prediction {predicted} ran {} times within the budget", verified.len())
+        })
+    }
+
+    /// 4. Between the largest size that fit and the smallest that did not.
+    fn bisect_or_finish(&mut self) -> Next {
+        let (good, bad) = self.bounds();
+        let Some(bad) = bad else {
+            return self.finish("every size tried fit".into());
+        };
+        let low = good.unwrap_or(0);
+        let middle = self.round(low + (bad - low) / 2);
+        if middle <= low || middle >= bad {
+            return match good {
+                Some(good) => self.finish(format!("bisected: {good} fits, {bad} does not")),
+                None => self.finish(format!("even batch size {} does not fit in the budget", self.settings.start.min(bad))),
+            };
+        }
+        Next::Try(middle, Role::Bisect)
+    }
+}
+
+impl Search {
+    /// The table shown while and after searching: every trial, the fit, the verdict.
+    pub fn grid(&self) -> Grid {
+        let rows = self
+            .trials
+            .iter()
+            .map(|t| {
+                let (peak, result) = match t.outcome {
+                    Outcome::Fit { peak } if peak <= self.settings.budget => (bytes(peak), "fits"),
+                    Outcome::Fit { peak } => (bytes(peak), "over budget"),
+                    Outcome::OutOfMemory => ("—".to_string(), "out of memory"),
+                };
+                vec![t.batch.to_string(), t.role.label().into(), peak, format!("{:.2} s", t.seconds), result.into()]
+            })
+            .collect();
+        let mut lines = vec![format!("budget: {} of torch peak allocated", bytes(self.settings.budget))];
+        if let Some(line) = self.line {
+            let linear = match self.linear {
+                Some(true) => "linear (checked by a further probe)",
+                Some(false) => "not linear: verified and bisected instead",
+                None => "not yet checked",
+            };
+            lines.push(format!(
+                "fit: peak ≈ {} + {} × batch, {linear}",
+                bytes(line.intercept.max(0.0) as u64),
+                bytes(line.slope.max(0.0) as u64)
+            ));
+        }
+        if let Some(predicted) = self.predicted {
+            lines.push(format!("predicted: {predicted}"));
+        }
+        let title = match self.batch_size {
+            Some(batch) => format!("gpuexp · batch size {batch} · {} trials", self.trials.len()),
+            None if self.verdict.is_empty() => format!("gpuexp · searching · {} trials", self.trials.len()),
+            None => "gpuexp · no batch size fits".to_string(),
+        };
+        let notes = if self.verdict.is_empty() { Vec::new() } else { vec![format!("verdict: {}", self.verdict)] };
+        Grid {
+            title,
+            lines,
+            header: ["batch size", "trial", "torch peak", "time", "result"].map(String::from).to_vec(),
+            rows,
+            notes,
+            compact: false,
+        }
+    }
+}
+
+/// Bytes from "24GiB", "512 MiB", "1.5GB" or a plain number: how people write memory sizes.
+/// GB and MB are read as GiB and MiB, as nvidia-smi and torch's messages mean them.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| size_error(text))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(size_error(text)),
+    };
+    let value = number * scale;
+    if !value.is_finite() || value < 1.0 {
+        return Err(size_error(text));
+    }
+    Ok(value as u64)
+}
+
+fn size_error(text: &str) -> String {
+    format!("{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn settings(budget: u64) -> Settings {
+        Settings { start: 8, max: 4096, budget, power_of_two: false, multiple_of: 1, verifications: 2 }
+    }
+
+    /// Runs a search against a model of the step: `peak(batch)` bytes, and an OOM above `capacity`.
+    fn run(settings: Settings, capacity: u64, peak: impl Fn(u64) -> u64) -> Search {
+        let mut search = Search::new(settings).unwrap();
+        for _ in 0..100 {
+            match search.next() {
+                Next::Done => return search,
+                Next::Try(batch, role) => {
+                    let bytes = peak(batch);
+                    let outcome = if bytes > capacity { Outcome::OutOfMemory } else { Outcome::Fit { peak: bytes } };
+                    search.record(Trial { batch, outcome, seconds: 0.1, role });
+                }
+            }
+        }
+        panic!("the search did not end: {search:?}")
+    }
+
+    fn true_max(budget: u64, peak: impl Fn(u64) -> u64) -> u64 {
+        (1..=4096).take_while(|b| peak(*b) <= budget).last().unwrap_or(0)
+    }
+
+    #[test]
+    fn a_linear_model_is_found_in_five_trials() {
+        let budget = 24 << 30;
+        let peak = |b: u64| 2 * (1 << 30) + b * 90 * MIB;
+        let search = run(settings(budget), 26 << 30, peak);
+        assert_eq!(search.trials.len(), 5, "{search:?}");
+        assert_eq!(search.linear, Some(true));
+        assert_eq!(search.batch_size, Some(true_max(budget, peak)));
+    }
+
+    #[test]
+    fn a_prediction_that_overshoots_is_bisected_down() {
+        // Superlinear: the line from small probes predicts too high.
+        let budget = 8 << 30;
+        let peak = |b: u64| (1 << 30) + b * 20 * MIB + b * b * 64 * 1024;
+        let search = run(settings(budget), 10 << 30, peak);
+        let truth = true_max(budget, peak);
+        let found = search.batch_size.unwrap();
+        assert!(found <= truth && found as f64 >= truth as f64 * 0.95, "found {found}, true {truth}: {search:?}");
+        assert!(search.trials.iter().any(|t| t.role == Role::Bisect));
+    }
+
+    #[test]
+    fn an_oom_at_the_prediction_falls_back_to_bisection() {
+        // The budget is optimistic: the device runs out before the budget is reached.
+        let peak = |b: u64| (1 << 30) + b * 100 * MIB;
+        let search = run(settings(40 << 30), 20 << 30, peak);
+        let found = search.batch_size.unwrap();
+        assert!(peak(found) <= 20 << 30 && peak(found + 1) > 20 << 30, "found {found}: {search:?}");
+    }
+
+    #[test]
+    fn rounding_to_powers_of_two_and_multiples() {
+        let peak = |b: u64| (1 << 30) + b * 10 * MIB;
+        let mut s = settings(4 << 30);
+        s.power_of_two = true;
+        let search = run(s.clone(), 5 << 30, peak);
+        assert_eq!(search.batch_size, Some(256), "{search:?}"); // the true max is 307
+        s.power_of_two = false;
+        s.multiple_of = 24;
+        assert_eq!(run(s, 5 << 30, peak).batch_size, Some(288));
+    }
+
+    #[test]
+    fn max_caps_the_answer_and_a_start_that_does_not_fit_says_so() {
+        let mut s = settings(64 << 30);
+        s.max = 100;
+        let search = run(s, 80 << 30, |b| b * MIB);
+        assert_eq!(search.batch_size, Some(100));
+        assert!(search.verdict.contains("max=100"));
+        let tiny = run(settings(1 << 20), 2 << 20, |b| b * 10 * MIB);
+        assert_eq!(tiny.batch_size, None);
+        assert!(tiny.verdict.contains("even batch size 1 does not fit"), "{}", tiny.verdict); // it bisected below start
+    }
+
+    #[test]
+    fn sizes_are_read_as_people_write_them() {
+        assert_eq!(parse_size("24GiB"), Ok(24 << 30));
+        assert_eq!(parse_size(" 1.5 GB "), Ok(3 << 29));
+        assert_eq!(parse_size("512mib"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        for bad in ["", "GiB", "24 parsecs", "-3GiB", "0"] {
+            assert!(parse_size(bad).unwrap_err().contains("24GiB"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_table_shows_every_trial_and_the_fit() {
+        let search = run(settings(24 << 30), 26 << 30, |b| 2 * (1 << 30) + b * 90 * MIB);
+        let text = search.grid().to_text();
+        assert!(text.contains("batch size 250 · 5 trials") && text.contains("linear (checked"), "{text}");
+        assert_eq!(text.matches("verify").count(), 2, "{text}");
+    }
+
+    #[test]
+    fn bad_settings_are_refused_with_the_fix() {
+        let mut s = settings(1);
+        s.start = 0;
+        assert!(Search::new(s.clone()).unwrap_err().contains("start must be at least 1"));
+        s.start = 8;
+        s.multiple_of = 0;
+        assert!(Search::new(s).unwrap_err().contains("multiple_of"));
+    }
+}
