@@ -115,9 +115,10 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
     Every out-of-memory error is cleaned up as the OOM rescue does. A step that raises anything
     else stops the search with that error.
 
-    The budget is what torch holds plus what is free on the device, or ``limit`` (``"24GiB"``:
-    aim for a smaller card; torch's allocations are capped there during the search), less
-    ``margin`` of it. ``power_of_two`` and ``multiple_of`` round the answer down.
+    The memory a step may use is what torch holds plus what is free on the device, or ``limit``
+    (``"24GiB"``: aim for a smaller card; torch's allocations are capped there during the
+    search). ``margin`` of the part that grows with the batch is held back. ``power_of_two``
+    and ``multiple_of`` round the answer down.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
     torch = sys.modules.get("torch")
@@ -127,7 +128,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
         raise TypeError(f"step must be a function of the batch size, e.g. find_batch_size(train_step); got {step!r}")
     index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
     limit_bytes = _size(limit, "limit")
-    search = _core.BatchSizeResult(start, max, _core.batch_budget(index, limit_bytes, margin),
+    search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
                                    power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
     memory = torch.cuda.memory
     before = memory.get_per_process_memory_fraction(index) if hasattr(memory, "get_per_process_memory_fraction") else 1.0

@@ -64,8 +64,10 @@ impl Line {
 pub struct Settings {
     pub start: u64,
     pub max: u64,
-    /// The most the step's peak may reach, in bytes (free memory or the limit, less the margin).
-    pub budget: u64,
+    /// Bytes the step's peak may use: what torch holds plus what is free, or the limit.
+    pub usable: u64,
+    /// The share of the batch-dependent memory held back, for steps whose memory varies a little.
+    pub margin: f64,
     pub power_of_two: bool,
     pub multiple_of: u64,
     /// How many times the predicted size must run before it is trusted.
@@ -113,8 +115,20 @@ impl Search {
         self.trials.push(trial);
     }
 
+    /// The most a trial's peak may reach. The margin applies to the part that grows with the
+    /// batch: held back from everything, it would cost more than the margin in batch size
+    /// whenever weights and optimizer state take room too.
+    pub fn budget(&self) -> u64 {
+        let usable = self.settings.usable as f64;
+        let held_back = match self.line {
+            Some(line) if line.intercept > 0.0 && line.intercept < usable => (usable - line.intercept) * self.settings.margin,
+            _ => usable * self.settings.margin,
+        };
+        (usable - held_back) as u64
+    }
+
     fn fits(&self, trial: &Trial) -> bool {
-        matches!(trial.outcome, Outcome::Fit { peak } if peak <= self.settings.budget)
+        matches!(trial.outcome, Outcome::Fit { peak } if peak <= self.budget())
     }
 
     /// The largest size that ran within the budget, and the smallest that did not.
@@ -197,7 +211,7 @@ impl Search {
         }
         // 2. The largest size the line puts under the budget.
         if self.predicted.is_none() {
-            let room = (self.settings.budget as f64 - line.intercept) / line.slope;
+            let room = (self.budget() as f64 - line.intercept) / line.slope;
             let predicted = if room >= 1.0 { self.round(room.floor() as u64) } else { 0 };
             self.predicted = Some(predicted);
         }
@@ -251,14 +265,19 @@ impl Search {
             .iter()
             .map(|t| {
                 let (peak, result) = match t.outcome {
-                    Outcome::Fit { peak } if peak <= self.settings.budget => (bytes(peak), "fits"),
+                    Outcome::Fit { peak } if peak <= self.budget() => (bytes(peak), "fits"),
                     Outcome::Fit { peak } => (bytes(peak), "over budget"),
                     Outcome::OutOfMemory => ("—".to_string(), "out of memory"),
                 };
                 vec![t.batch.to_string(), t.role.label().into(), peak, format!("{:.2} s", t.seconds), result.into()]
             })
             .collect();
-        let mut lines = vec![format!("budget: {} of torch peak allocated", bytes(self.settings.budget))];
+        let mut lines = vec![format!(
+            "budget: {} of torch peak allocated ({} usable, {:.0}% of the batch-dependent part held back)",
+            bytes(self.budget()),
+            bytes(self.settings.usable),
+            self.settings.margin * 100.0
+        )];
         if let Some(line) = self.line {
             let linear = match self.linear {
                 Some(true) => "linear (checked by a further probe)",
@@ -323,8 +342,8 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    fn settings(budget: u64) -> Settings {
-        Settings { start: 8, max: 4096, budget, power_of_two: false, multiple_of: 1, verifications: 2 }
+    fn settings(usable: u64) -> Settings {
+        Settings { start: 8, max: 4096, usable, margin: 0.0, power_of_two: false, multiple_of: 1, verifications: 2 }
     }
 
     /// Runs a search against a model of the step: `peak(batch)` bytes, and an OOM above `capacity`.
@@ -400,6 +419,17 @@ mod tests {
         let tiny = run(settings(1 << 20), 2 << 20, |b| b * 10 * MIB);
         assert_eq!(tiny.batch_size, None);
         assert!(tiny.verdict.contains("even batch size 1 does not fit"), "{}", tiny.verdict); // it bisected below start
+    }
+
+    #[test]
+    fn the_margin_costs_at_most_its_share_of_the_batch_size() {
+        // 6 GiB of weights and optimizer state, 20 MiB a sample, 24 GiB usable.
+        let peak = |b: u64| (6 << 30) + b * 20 * MIB;
+        let mut s = settings(24 << 30);
+        s.margin = 0.05;
+        let found = run(s, 24 << 30, peak).batch_size.unwrap() as f64;
+        let truth = true_max(24 << 30, peak) as f64;
+        assert!(found >= truth * 0.949 && found < truth, "found {found}, true {truth}");
     }
 
     #[test]

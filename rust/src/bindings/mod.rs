@@ -1086,9 +1086,20 @@ struct BatchSearchPy(finder::Search);
 #[pymethods]
 impl BatchSearchPy {
     #[new]
-    #[pyo3(signature = (start, max, budget, power_of_two=false, multiple_of=1, verifications=2))]
-    fn new(start: u64, max: u64, budget: u64, power_of_two: bool, multiple_of: u64, verifications: u32) -> PyResult<Self> {
-        let settings = finder::Settings { start, max, budget, power_of_two, multiple_of, verifications };
+    #[pyo3(signature = (start, max, usable, margin=0.05, power_of_two=false, multiple_of=1, verifications=2))]
+    fn new(
+        start: u64,
+        max: u64,
+        usable: u64,
+        margin: f64,
+        power_of_two: bool,
+        multiple_of: u64,
+        verifications: u32,
+    ) -> PyResult<Self> {
+        if !(0.0..1.0).contains(&margin) {
+            return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
+        }
+        let settings = finder::Settings { start, max, usable, margin, power_of_two, multiple_of, verifications };
         finder::Search::new(settings).map(BatchSearchPy).map_err(PyValueError::new_err)
     }
 
@@ -1164,24 +1175,16 @@ fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Option<u64>> {
     Ok(registry().close_window(window, &end, &gauge))
 }
 
-/// The most a step's torch peak may reach on a GPU: what torch holds and NVML has free, or
-/// `limit`, less `margin` of it.
+/// What a step's torch peak may use on a GPU: what torch holds plus what NVML has free, or `limit`.
 #[pyfunction]
-#[pyo3(signature = (device, limit=None, margin=0.05))]
-fn batch_budget(py: Python, device: u32, limit: Option<u64>, margin: f64) -> PyResult<u64> {
-    if !(0.0..1.0).contains(&margin) {
-        return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
-    }
+#[pyo3(signature = (device, limit=None))]
+fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
     let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let gpu = now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
         PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
     })?;
     let torch = gpu.torch.unwrap_or_default();
-    let usable = match limit {
-        Some(limit) => limit,
-        None => torch.reserved + gpu.free,
-    };
-    Ok((usable as f64 * (1.0 - margin)) as u64)
+    Ok(limit.unwrap_or(torch.reserved + gpu.free))
 }
 
 /// Bytes from "24GiB", "512MiB" or a number.
@@ -1332,7 +1335,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(holders, m)?)?;
     m.add_function(wrap_pyfunction!(measure_begin, m)?)?;
     m.add_function(wrap_pyfunction!(measure_end, m)?)?;
-    m.add_function(wrap_pyfunction!(batch_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(usable_memory, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_class::<BatchSearchPy>()?;

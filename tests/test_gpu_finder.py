@@ -1,0 +1,98 @@
+"""The batch-size finder and `limit=` on an NVIDIA GPU (`pytest -m gpu`), in real kernels."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+GiB = 1 << 30
+
+MODELS = {
+    "conv": """\
+model = torch.nn.Sequential(
+    torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+    torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.BatchNorm2d(128), torch.nn.ReLU(),
+    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(128, 10)).cuda()
+def make_inputs(bs):
+    return torch.randn(bs, 3, 64, 64, device="cuda"), torch.randint(0, 10, (bs,), device="cuda")
+""",
+    "transformer": """\
+layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)
+model = torch.nn.Sequential(torch.nn.Embedding(4096, 256), torch.nn.TransformerEncoder(layer, 2),
+                            torch.nn.Flatten(), torch.nn.LazyLinear(10)).cuda()
+SEQ = 128
+def make_inputs(bs, seq_len=SEQ):
+    return torch.randint(0, 4096, (bs, seq_len), device="cuda"), torch.randint(0, 10, (bs,), device="cuda")
+model(make_inputs(2)[0])
+""",
+}
+
+STEP = """\
+import gc, torch, gpuexp
+torch.manual_seed(0)
+{model}
+opt = torch.optim.AdamW(model.parameters())
+def step(bs):
+    x, y = make_inputs(bs)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+def fits(bs):
+    try:
+        step(bs); step(bs); torch.cuda.synchronize()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        gc.collect(); torch.cuda.empty_cache()
+def true_max(limit, high):
+    frac = limit / torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(frac)
+    low = 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return low
+"""
+
+LIMIT = 4 * GiB
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_answer_is_near_the_true_maximum_in_few_trials_and_never_ooms(kernel, model):
+    kernel.run(STEP.format(model=MODELS[model]))
+    kernel.run(f"result = gpuexp.find_batch_size(step, start=8, max=8192, limit={LIMIT}, progress=False)")
+    found, trials = kernel.value("[result.batch_size, result.trials]")
+    truth = kernel.value(f"true_max({LIMIT}, 8192)")
+    assert found <= truth and found >= 0.95 * truth, (found, truth, kernel.run("print(result)").text)
+    assert trials <= 5, kernel.run("print(result)").text
+    frac = LIMIT / kernel.value("torch.cuda.get_device_properties(0).total_memory")
+    kernel.run(f"torch.cuda.set_per_process_memory_fraction({frac})")
+    assert kernel.value(f"[fits({found}) for _ in range(3)]") == [True, True, True]
+
+
+def test_a_step_with_a_sequence_length_varies_only_the_batch(kernel):
+    kernel.run(STEP.format(model=MODELS["transformer"]))
+    kernel.run("def long_step(bs):\n    x, y = make_inputs(bs, SEQ)\n    torch.nn.functional.cross_entropy(model(x), y).backward()")
+    kernel.run(f"result = gpuexp.find_batch_size(long_step, limit={LIMIT}, multiple_of=8, progress=False)")
+    assert kernel.value("result.batch_size") % 8 == 0
+    assert kernel.value("result.batch_size") >= 8
+
+
+def test_an_error_other_than_oom_stops_the_search(kernel):
+    kernel.run("import torch, gpuexp\ndef step(bs):\n    if bs > 8:\n        raise ValueError('shape mismatch')\n    torch.ones(bs, device='cuda')")
+    failed = kernel.run("gpuexp.find_batch_size(step, progress=False)", expect_error=True)
+    assert failed.error == "ValueError: shape mismatch"
+
+
+def test_a_limit_rehearses_a_smaller_card_and_is_restored(kernel):
+    kernel.run("import torch, gpuexp\ntorch.ones(1, device='cuda');")
+    kernel.run("exp = gpuexp.GPUExperiment('small card', limit='2GiB')")
+    failed = kernel.run("t = torch.empty(3 << 30, dtype=torch.uint8, device='cuda')", expect_error=True)
+    assert "OutOfMemoryError" in failed.error
+    shown = kernel.run("del exp")
+    assert "limit: torch could allocate 2.00 GiB per GPU" in shown.text
+    assert kernel.value("gpuexp.history()[-1].to_dict()['limit']") == 2 * GiB
+    kernel.run("t = torch.empty(3 << 30, dtype=torch.uint8, device='cuda')")  # the cap is gone
+    assert kernel.value("t.numel()") == 3 * GiB
