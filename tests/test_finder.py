@@ -32,7 +32,8 @@ def test_the_search_can_be_driven_without_a_gpu(kernel):
         "search = gpuexp._core.BatchSizeResult(8, 4096, 24 << 30, margin=0.0)\n"
         "while (trial := search.next_trial()) is not None:\n"
         "    bs, role = trial\n"
-        "    search.record(bs, role, (2 << 30) + bs * (90 << 20), 0.1)"
+        "    peak = (2 << 30) + bs * (90 << 20)\n"
+        "    search.record(bs, role, (peak, peak), 0.1)"
     )
     assert kernel.value("[search.batch_size, search.trials]") == [250, 5]
     assert "gpuexp · batch size 250 · 5 trials" in kernel.run("print(search)").text

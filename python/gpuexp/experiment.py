@@ -102,7 +102,7 @@ class CPUExperiment(GPUExperiment):
         super().__init__(name, cell_log=cell_log)
 
 
-def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_of_two=False,
+def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
                     multiple_of=1, device=None, verifications=2, progress=True):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
@@ -115,10 +115,11 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
     Every out-of-memory error is cleaned up as the OOM rescue does. A step that raises anything
     else stops the search with that error.
 
-    The memory a step may use is what torch holds plus what is free on the device, or ``limit``
-    (``"24GiB"``: aim for a smaller card; torch's allocations are capped there during the
-    search). ``margin`` of the part that grows with the batch is held back. ``power_of_two``
-    and ``multiple_of`` round the answer down.
+    The memory a step may use is what torch holds plus what is free on the device, less
+    ``margin`` (default 5%) of the part that grows with the batch, or ``limit`` (``"24GiB"``:
+    aim for a smaller card; torch's allocations are capped there during the search, so the
+    limit itself is the budget and ``margin`` defaults to 0). ``power_of_two`` and
+    ``multiple_of`` round the answer down.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
     torch = sys.modules.get("torch")
@@ -128,6 +129,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
         raise TypeError(f"step must be a function of the batch size, e.g. find_batch_size(train_step); got {step!r}")
     index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
     limit_bytes = _size(limit, "limit")
+    if margin is None:
+        margin = 0.0 if limit_bytes is not None else 0.05
     search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
                                    power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
     memory = torch.cuda.memory
@@ -135,12 +138,17 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
     if limit_bytes is not None:
         torch.cuda.set_per_process_memory_fraction(limit_bytes / torch.cuda.get_device_properties(index).total_memory, index)
     try:
+        previous = None
         while (trial := search.next_trial()) is not None:
             batch, role = trial
-            peak, seconds = _run_trial(torch, step, batch, index)
-            search.record(batch, role, peak, seconds)
+            if batch != previous:
+                # Blocks cached at another size would fragment this one; repeats keep the steady state.
+                _core.release_memory()
+            previous = batch
+            peaks, seconds = _run_trial(torch, step, batch, index)
+            search.record(batch, role, peaks, seconds)
             if progress:
-                outcome = "out of memory" if peak is None else f"peak {peak / 2**30:.2f} GiB"
+                outcome = "out of memory" if peaks is None else f"peak {peaks[0] / 2**30:.2f} GiB"
                 print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
     finally:
         if limit_bytes is not None:
@@ -149,7 +157,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=0.05, power_o
 
 
 def _run_trial(torch, step, batch, index):
-    """One step at a batch size: torch's exact peak allocated, or None if it ran out of memory."""
+    """One step at a batch size: torch's exact peaks (allocated, reserved), or None if it ran out of memory."""
     window = _core.measure_begin()
     started = time.perf_counter()
     try:

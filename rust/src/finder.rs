@@ -10,8 +10,9 @@ use crate::report::{bytes, Grid};
 /// How one trial of the step went.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub enum Outcome {
-    /// It ran; `peak` is torch's exact peak allocated during the step, in bytes.
-    Fit { peak: u64 },
+    /// It ran: torch's exact peaks during the step, in bytes. `reserved` matters too: a cap or
+    /// the device's free memory limits what the allocator reserves, fragmentation included.
+    Fit { peak: u64, reserved: u64 },
     OutOfMemory,
 }
 
@@ -52,12 +53,6 @@ pub struct Line {
     pub intercept: f64,
     /// Bytes per sample.
     pub slope: f64,
-}
-
-impl Line {
-    fn at(&self, batch: u64) -> f64 {
-        self.intercept + self.slope * batch as f64
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -128,14 +123,37 @@ impl Search {
     }
 
     fn fits(&self, trial: &Trial) -> bool {
-        matches!(trial.outcome, Outcome::Fit { peak } if peak <= self.budget())
+        matches!(trial.outcome, Outcome::Fit { peak, reserved } if peak <= self.budget() && reserved <= self.settings.usable)
     }
 
-    /// The largest size that ran within the budget, and the smallest that did not.
+    /// The largest size that ran within the budget every time it was tried and lies below every
+    /// failure, and the smallest size that failed at least once.
     fn bounds(&self) -> (Option<u64>, Option<u64>) {
-        let good = self.trials.iter().filter(|t| self.fits(t)).map(|t| t.batch).max();
         let bad = self.trials.iter().filter(|t| !self.fits(t)).map(|t| t.batch).min();
+        let good = self.trials.iter().filter(|t| self.fits(t) && bad.is_none_or(|bad| t.batch < bad)).map(|t| t.batch).max();
         (good, bad)
+    }
+
+    fn peak_at(&self, batch: u64) -> Option<u64> {
+        self.trials.iter().find_map(|t| match t.outcome {
+            Outcome::Fit { peak, .. } if t.batch == batch => Some(peak),
+            _ => None,
+        })
+    }
+
+    fn line_through(&self, (b1, p1): (u64, u64), (b2, p2): (u64, u64)) -> Line {
+        let slope = (p2 as f64 - p1 as f64) / (b2 as f64 - b1 as f64);
+        Line { intercept: p1 as f64 - slope * b1 as f64, slope }
+    }
+
+    /// The largest size `line` puts under the budget, rounded as asked; 0 when none.
+    fn predict(&self, line: Line) -> u64 {
+        let room = (self.budget() as f64 - line.intercept) / line.slope;
+        if room >= 1.0 {
+            self.round(room.floor() as u64)
+        } else {
+            0
+        }
     }
 
     fn tried(&self, batch: u64, role: Role) -> usize {
@@ -163,57 +181,50 @@ impl Search {
 
     pub fn next(&mut self) -> Next {
         let start = self.settings.start;
-        let probes = [start, start * 2];
-        // 1. Two small probes give the line; a third, twice as far, checks it.
-        for batch in probes {
+        // 1. Two small probes give a first line.
+        for batch in [start, start * 2] {
             if self.tried(batch, Role::Probe) == 0 && batch <= self.settings.max {
-                if let (_, Some(bad)) = self.bounds() {
-                    if bad <= batch {
-                        return self.bisect_or_finish();
-                    }
+                if self.bounds().1.is_some_and(|bad| bad <= batch) {
+                    return self.bisect_or_finish();
                 }
                 return Next::Try(batch, Role::Probe);
             }
         }
-        if self.line.is_none() {
-            let points: Vec<(u64, u64)> = self
-                .trials
-                .iter()
-                .filter_map(|t| match t.outcome {
-                    Outcome::Fit { peak } if t.role == Role::Probe => Some((t.batch, peak)),
-                    _ => None,
-                })
-                .collect();
-            if points.len() < 2 {
-                return self.bisect_or_finish();
-            }
-            let (b1, p1) = (points[0].0 as f64, points[0].1 as f64);
-            let (b2, p2) = (points[1].0 as f64, points[1].1 as f64);
-            let slope = (p2 - p1) / (b2 - b1);
-            self.line = Some(Line { intercept: p1 - slope * b1, slope });
-        }
-        let line = self.line.expect("set above");
-        if line.slope <= 0.0 {
+        let (Some(p1), Some(p2)) = (self.peak_at(start), self.peak_at(start * 2)) else {
+            return self.bisect_or_finish();
+        };
+        let first = self.line_through((start, p1), (start * 2, p2));
+        if first.slope <= 0.0 {
             // Memory does not grow with the batch: the largest allowed size is the answer, if it runs.
+            self.line = Some(first);
             self.linear = Some(false);
             return self.verify(self.round(self.settings.max));
         }
-        let check = start * 4;
+        // 2. A further probe near half the first prediction checks the line where it matters;
+        // small batches carry fixed costs that a line through them overstates.
+        if self.line.is_none() {
+            self.line = Some(first);
+        }
+        let check = self.round((self.predict(first) / 2).max(start * 4)).min(self.settings.max);
         if self.linear.is_none() {
-            if check <= self.settings.max && self.tried(check, Role::LinearityCheck) == 0 && self.bounds().1.is_none_or(|bad| bad > check) {
+            if check > start * 2 && self.tried(check, Role::LinearityCheck) == 0 {
+                if self.bounds().1.is_some_and(|bad| bad <= check) {
+                    return self.bisect_or_finish();
+                }
                 return Next::Try(check, Role::LinearityCheck);
             }
-            let checked = self.trials.iter().find(|t| t.role == Role::LinearityCheck);
-            self.linear = Some(match checked.map(|t| t.outcome) {
-                Some(Outcome::Fit { peak }) => ((peak as f64 - line.at(check)) / peak as f64).abs() <= LINEAR_TOLERANCE,
-                _ => false,
-            });
+            let Some(at_check) = self.peak_at(check).filter(|_| check > start * 2) else {
+                self.linear = Some(false);
+                return self.bisect_or_finish();
+            };
+            let expected = first.intercept + first.slope * check as f64;
+            self.linear = Some(((at_check as f64 - expected) / at_check as f64).abs() <= LINEAR_TOLERANCE);
+            // 3. The line through the two largest sizes measured predicts the answer.
+            self.line = Some(self.line_through((start * 2, p2), (check, at_check)));
         }
-        // 2. The largest size the line puts under the budget.
         if self.predicted.is_none() {
-            let room = (self.budget() as f64 - line.intercept) / line.slope;
-            let predicted = if room >= 1.0 { self.round(room.floor() as u64) } else { 0 };
-            self.predicted = Some(predicted);
+            let line = self.line.expect("set above");
+            self.predicted = Some(if line.slope > 0.0 { self.predict(line) } else { self.round(self.settings.max) });
         }
         let predicted = self.predicted.expect("set above");
         if predicted == 0 {
@@ -265,8 +276,8 @@ impl Search {
             .iter()
             .map(|t| {
                 let (peak, result) = match t.outcome {
-                    Outcome::Fit { peak } if peak <= self.budget() => (bytes(peak), "fits"),
-                    Outcome::Fit { peak } => (bytes(peak), "over budget"),
+                    Outcome::Fit { peak, .. } if self.fits(t) => (bytes(peak), "fits"),
+                    Outcome::Fit { peak, .. } => (bytes(peak), "over budget"),
                     Outcome::OutOfMemory => ("—".to_string(), "out of memory"),
                 };
                 vec![t.batch.to_string(), t.role.label().into(), peak, format!("{:.2} s", t.seconds), result.into()]
@@ -281,7 +292,7 @@ impl Search {
         if let Some(line) = self.line {
             let linear = match self.linear {
                 Some(true) => "linear (checked by a further probe)",
-                Some(false) => "not linear: verified and bisected instead",
+                Some(false) => "not quite linear: refitted through the larger sizes",
                 None => "not yet checked",
             };
             lines.push(format!(
@@ -354,7 +365,7 @@ mod tests {
                 Next::Done => return search,
                 Next::Try(batch, role) => {
                     let bytes = peak(batch);
-                    let outcome = if bytes > capacity { Outcome::OutOfMemory } else { Outcome::Fit { peak: bytes } };
+                    let outcome = if bytes > capacity { Outcome::OutOfMemory } else { Outcome::Fit { peak: bytes, reserved: bytes } };
                     search.record(Trial { batch, outcome, seconds: 0.1, role });
                 }
             }
@@ -419,6 +430,28 @@ mod tests {
         let tiny = run(settings(1 << 20), 2 << 20, |b| b * 10 * MIB);
         assert_eq!(tiny.batch_size, None);
         assert!(tiny.verdict.contains("even batch size 1 does not fit"), "{}", tiny.verdict); // it bisected below start
+    }
+
+    #[test]
+    fn fixed_costs_of_small_batches_do_not_skew_the_prediction() {
+        // As measured on an H100: small batches pay extra per sample (allocator rounding,
+        // workspaces), so a line through 8 and 16 alone predicts far too low.
+        let peak = |b: u64| (60 * MIB) + b * 18 * MIB + b.min(16) * 10 * MIB;
+        let search = run(settings(24 << 30), 24 << 30, peak); // under a limit: no margin
+
+        let (found, truth) = (search.batch_size.unwrap() as f64, true_max(24 << 30, peak) as f64);
+        assert!(found >= truth * 0.95 && found <= truth, "found {found}, true {truth}: {search:?}");
+        assert_eq!(search.trials.len(), 5, "{search:?}");
+    }
+
+    #[test]
+    fn a_size_that_failed_once_is_never_the_answer() {
+        let mut search = Search::new(settings(8 << 30)).unwrap();
+        let fit = |p| Outcome::Fit { peak: p, reserved: p };
+        for (batch, outcome) in [(8, fit(MIB)), (16, fit(2 * MIB)), (378, fit(7 << 30)), (378, Outcome::OutOfMemory)] {
+            search.record(Trial { batch, outcome, seconds: 0.1, role: Role::Verify });
+        }
+        assert_eq!(search.bounds(), (Some(16), Some(378)));
     }
 
     #[test]

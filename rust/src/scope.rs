@@ -247,7 +247,8 @@ impl Registry {
         window
     }
 
-    /// Closes a window opened by [`Registry::open_window`], returning its peak of `gauge`.
+    /// Closes a window opened by [`Registry::open_window`], returning its peak of `gauge`
+    /// (other gauges can be read with `peaks.peak` before).
     pub fn close_window(&mut self, window: u64, end: &Snapshot, gauge: &Gauge) -> Option<u64> {
         self.peaks.observe(end);
         let peak = self.peaks.peak(window, gauge);

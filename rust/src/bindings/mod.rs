@@ -1111,13 +1111,14 @@ impl BatchSearchPy {
         }
     }
 
-    /// Records a trial: `peak` is torch's exact peak allocated, None after an out-of-memory error.
-    fn record(&mut self, batch: u64, role: &str, peak: Option<u64>, seconds: f64) -> PyResult<()> {
+    /// Records a trial: `peaks` are torch's exact peak allocated and reserved, None after an
+    /// out-of-memory error.
+    fn record(&mut self, batch: u64, role: &str, peaks: Option<(u64, u64)>, seconds: f64) -> PyResult<()> {
         let Some(role) = finder::Role::ALL.into_iter().find(|r| r.label() == role) else {
             return Err(PyValueError::new_err(format!("unknown trial role {role:?}")));
         };
-        let outcome = match peak {
-            Some(peak) => finder::Outcome::Fit { peak },
+        let outcome = match peaks {
+            Some((peak, reserved)) => finder::Outcome::Fit { peak, reserved },
             None => finder::Outcome::OutOfMemory,
         };
         self.0.record(finder::Trial { batch, outcome, seconds, role });
@@ -1163,16 +1164,18 @@ fn measure_begin(py: Python) -> u64 {
     window
 }
 
-/// Closes a trial's window: torch's exact peak allocated on the GPU during it.
+/// Closes a trial's window: torch's exact peaks allocated and reserved on the GPU during it.
 #[pyfunction]
-fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Option<u64>> {
+fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Option<(u64, u64)>> {
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let mut registry = registry();
     let Some(gpu) = end.gpus.iter().find(|g| g.torch_index == device) else {
-        registry().peaks.close(window);
+        registry.peaks.close(window);
         return Err(PyValueError::new_err(format!("cuda:{device} is not a visible GPU")));
     };
-    let gauge = crate::snapshot::Gauge::TorchAllocated(gpu.uuid.clone());
-    Ok(registry().close_window(window, &end, &gauge))
+    let reserved = registry.peaks.peak(window, &crate::snapshot::Gauge::TorchReserved(gpu.uuid.clone()));
+    let allocated = registry.close_window(window, &end, &crate::snapshot::Gauge::TorchAllocated(gpu.uuid.clone()));
+    Ok(allocated.zip(reserved))
 }
 
 /// What a step's torch peak may use on a GPU: what torch holds plus what NVML has free, or `limit`.
