@@ -118,7 +118,9 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     The memory a step may use is what torch holds plus what is free on the device, less
     ``margin`` (default 5%) of the part that grows with the batch, or ``limit`` (``"24GiB"``:
     aim for a smaller card; torch's allocations are capped there during the search, so the
-    limit itself is the budget and ``margin`` defaults to 0). ``power_of_two`` and
+    limit is the budget and ``margin`` defaults to 2%, room for the allocator's rounding and
+    fragmentation at the cap). A verification that fails steps down 3% once before the search
+    bisects. ``power_of_two`` and
     ``multiple_of`` round the answer down.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
@@ -130,7 +132,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
     limit_bytes = _size(limit, "limit")
     if margin is None:
-        margin = 0.0 if limit_bytes is not None else 0.05
+        # At a cap the allocator's rounding and fragmentation still need a little room.
+        margin = 0.02 if limit_bytes is not None else 0.05
     search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
                                    power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
     memory = torch.cuda.memory

@@ -83,6 +83,8 @@ pub struct Search {
     pub line: Option<Line>,
     pub linear: Option<bool>,
     pub predicted: Option<u64>,
+    /// Whether a failed verification already lowered the prediction once.
+    pub stepped_down: bool,
     /// The answer once the search is done: the largest size that ran within the budget.
     pub batch_size: Option<u64>,
     /// Why the search ended where it did, in words.
@@ -103,7 +105,16 @@ impl Search {
         if settings.multiple_of == 0 {
             return Err("multiple_of must be at least 1, e.g. multiple_of=8".into());
         }
-        Ok(Search { settings, trials: Vec::new(), line: None, linear: None, predicted: None, batch_size: None, verdict: String::new() })
+        Ok(Search {
+            settings,
+            trials: Vec::new(),
+            line: None,
+            linear: None,
+            predicted: None,
+            stepped_down: false,
+            batch_size: None,
+            verdict: String::new(),
+        })
     }
 
     pub fn record(&mut self, trial: Trial) {
@@ -237,6 +248,14 @@ impl Search {
     fn verify(&mut self, predicted: u64) -> Next {
         let verified: Vec<&Trial> = self.trials.iter().filter(|t| t.batch == predicted && t.role == Role::Verify).collect();
         if verified.iter().any(|t| !self.fits(t)) {
+            // A prediction that fails is nearly always just over the edge: one small step down
+            // costs fewer trials than bisecting from the last size that fit.
+            let lower = self.round(predicted - (predicted * 3 / 100).max(1));
+            if !self.stepped_down && self.bounds().0.is_none_or(|good| lower > good) {
+                self.stepped_down = true;
+                self.predicted = Some(lower);
+                return self.verify(lower);
+            }
             return self.bisect_or_finish();
         }
         if (verified.len() as u32) < self.settings.verifications {
@@ -442,6 +461,16 @@ mod tests {
         let (found, truth) = (search.batch_size.unwrap() as f64, true_max(24 << 30, peak) as f64);
         assert!(found >= truth * 0.95 && found <= truth, "found {found}, true {truth}: {search:?}");
         assert_eq!(search.trials.len(), 5, "{search:?}");
+    }
+
+    #[test]
+    fn a_prediction_just_over_the_edge_steps_down_instead_of_bisecting() {
+        // The line is right, but the device fails 1% below what it predicts (rounding at a cap).
+        let peak = |b: u64| (1 << 30) + b * 16 * MIB;
+        let search = run(settings(24 << 30), (1 << 30) + 1400 * 16 * MIB, peak);
+        let found = search.batch_size.unwrap();
+        assert!((1358..=1400).contains(&found), "{search:?}");
+        assert!(search.trials.len() <= 7 && !search.trials.iter().any(|t| t.role == Role::Bisect), "{search:?}");
     }
 
     #[test]
