@@ -465,11 +465,12 @@ mod tests {
 
     #[test]
     fn a_prediction_just_over_the_edge_steps_down_instead_of_bisecting() {
-        // The line is right, but the device fails 1% below what it predicts (rounding at a cap).
+        // The line is right, but the device fails about 1% below what it predicts (rounding at
+        // a cap), as seen on an H100: 1320 predicted, 1318 the largest that ran.
         let peak = |b: u64| (1 << 30) + b * 16 * MIB;
-        let search = run(settings(24 << 30), (1 << 30) + 1400 * 16 * MIB, peak);
+        let search = run(settings(24 << 30), peak(1458), peak);
         let found = search.batch_size.unwrap();
-        assert!((1358..=1400).contains(&found), "{search:?}");
+        assert!((1414..=1458).contains(&found), "{search:?}");
         assert!(search.trials.len() <= 7 && !search.trials.iter().any(|t| t.role == Role::Bisect), "{search:?}");
     }
 
