@@ -190,7 +190,7 @@ impl Search {
         Next::Done
     }
 
-    pub fn next(&mut self) -> Next {
+    pub fn next_trial(&mut self) -> Next {
         let start = self.settings.start;
         // 1. Two small probes give a first line.
         for batch in [start, start * 2] {
@@ -380,7 +380,7 @@ mod tests {
     fn run(settings: Settings, capacity: u64, peak: impl Fn(u64) -> u64) -> Search {
         let mut search = Search::new(settings).unwrap();
         for _ in 0..100 {
-            match search.next() {
+            match search.next_trial() {
                 Next::Done => return search,
                 Next::Try(batch, role) => {
                     let bytes = peak(batch);

@@ -186,11 +186,7 @@ impl Report {
         }
     }
 
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("a report always serialises")
-    }
-
-    fn grid(&self) -> Grid {
+    pub fn grid(&self) -> Grid {
         let state = if self.finished { "finished" } else { "running" };
         let mut lines = Vec::new();
         let list = |label: &str, names: &[String], lines: &mut Vec<String>| {
@@ -250,13 +246,6 @@ impl Report {
         }
     }
 
-    pub fn to_text(&self) -> String {
-        self.grid().to_text()
-    }
-
-    pub fn to_html(&self) -> String {
-        self.grid().to_html()
-    }
 }
 
 /// How a GPU is introduced above a table: both of its indices, so nobody confuses them.
@@ -1007,15 +996,15 @@ mod tests {
         for report in [rich_report(), live_report()] {
             let grid = report.grid();
             let expected = expected_cells(&grid);
-            assert_eq!(text_cells(&report.to_text()), expected, "text of {}", report.name);
-            assert_eq!(html_cells(&report.to_html()), expected, "HTML of {}", report.name);
+            assert_eq!(text_cells(&report.grid().to_text()), expected, "text of {}", report.name);
+            assert_eq!(html_cells(&report.grid().to_html()), expected, "HTML of {}", report.name);
         }
     }
 
     #[test]
     fn every_cell_string_appears_in_text_and_escaped_in_html() {
         let report = rich_report();
-        let (text, html) = (report.to_text(), report.to_html());
+        let (text, html) = (report.grid().to_text(), report.grid().to_html());
         let grid = report.grid();
         for cell in grid.rows.iter().flatten().chain(&grid.header) {
             assert!(text.contains(cell.as_str()), "text lacks {cell:?}");
@@ -1078,25 +1067,25 @@ mod tests {
         let s = host(0.0, 0, 0);
         let names = Names { kept: vec!["k".into()], ..Names::default() };
         let report = Report::build("n", false, Span { start: &s, before_teardown: &s, end: Some(&s) }, |_| None, names);
-        let text = report.to_text();
+        let text = report.grid().to_text();
         assert!(text.contains("deleted: nothing"), "{text}");
         assert!(text.contains("kept: k"), "{text}");
     }
 
     #[test]
     fn html_escapes_names_and_notes() {
-        let html = rich_report().to_html();
+        let html = rich_report().grid().to_html();
         assert!(html.contains("train &lt;big&gt; &amp; &quot;fast&quot;"), "{html}");
         assert!(html.contains("teardown &lt;gc&gt; &amp; &quot;friends&quot;"), "{html}");
         assert!(!html.contains("<big>") && !html.contains("<gc>"));
-        let text = rich_report().to_text();
+        let text = rich_report().grid().to_text();
         assert!(text.contains("train <big> & \"fast\""), "the text table shows names as they are");
         assert!(text.contains("note: teardown <gc> & \"friends\""));
     }
 
     #[test]
     fn json_has_the_documented_schema() {
-        let json: serde_json::Value = serde_json::from_str(&rich_report().to_json()).expect("valid JSON");
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string_pretty(&rich_report()).unwrap()).expect("valid JSON");
         let names = ["deleted", "rebound", "kept", "cleared"];
         for key in ["name", "started_at", "finished_at", "duration_s", "host", "gpus", "notes"].into_iter().chain(names) {
             assert!(json.get(key).is_some(), "missing {key}");
@@ -1136,7 +1125,7 @@ mod tests {
 
     #[test]
     fn json_of_a_live_report_has_no_end() {
-        let json: serde_json::Value = serde_json::from_str(&live_report().to_json()).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string_pretty(&live_report()).unwrap()).unwrap();
         assert!(json["finished_at"].is_null());
         assert_eq!(json["finished"], false);
         assert!(json["host"]["rss"]["end"].is_null());

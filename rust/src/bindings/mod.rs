@@ -883,6 +883,35 @@ fn sampler_running() -> bool {
 
 // ---- Python types --------------------------------------------------------------------------
 
+/// `to_json()`, `to_dict()`, `str()` (the text table), `repr()` and `_repr_html_` (the same
+/// table in HTML) for a type that is shown as a table: `$value` is what serialises, `$grid`
+/// the table, both written in terms of `$this`.
+macro_rules! shown_as_table {
+    ($type:ty, |$this:ident| $value:expr, $grid:expr) => {
+        #[pymethods]
+        impl $type {
+            fn to_json(&self) -> String {
+                let $this = self;
+                serde_json::to_string_pretty($value).expect("what gpuexp shows always serialises")
+            }
+            fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+                json_to_python(py, &self.to_json())
+            }
+            fn __str__(&self) -> String {
+                let $this = self;
+                $grid.to_text()
+            }
+            fn __repr__(&self) -> String {
+                self.__str__()
+            }
+            fn _repr_html_(&self) -> String {
+                let $this = self;
+                $grid.to_html()
+            }
+        }
+    };
+}
+
 fn json_to_python<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import("json")?.call_method1("loads", (json,))
 }
@@ -1021,22 +1050,9 @@ impl ReportPy {
             })
             .collect()
     }
-    fn to_json(&self) -> String {
-        self.0.to_json()
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.0.to_json())
-    }
-    fn __str__(&self) -> String {
-        self.0.to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.0.to_text()
-    }
-    fn _repr_html_(&self) -> String {
-        self.0.to_html()
-    }
 }
+
+shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.grid());
 
 /// What one cell did to memory: `str()` is the compact text block, `_repr_html_` the HTML one.
 #[pyclass(name = "CellRecord", module = "gpuexp", frozen)]
@@ -1059,22 +1075,9 @@ impl CellRecordPy {
     fn notes(&self) -> Vec<String> {
         self.record.notes.clone()
     }
-    fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self.record.as_ref()).expect("a cell record always serialises")
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.to_json())
-    }
-    fn __str__(&self) -> String {
-        self.record.grid(self.all_gpus).to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.__str__()
-    }
-    fn _repr_html_(&self) -> String {
-        self.record.grid(self.all_gpus).to_html()
-    }
 }
+
+shown_as_table!(CellRecordPy, |this| this.record.as_ref(), this.record.grid(this.all_gpus));
 
 // ---- the batch-size finder ----------------------------------------------------------------
 
@@ -1105,7 +1108,7 @@ impl BatchSearchPy {
 
     /// The next trial as (batch size, why), or None when the search is done.
     fn next_trial(&mut self) -> Option<(u64, String)> {
-        match self.0.next() {
+        match self.0.next_trial() {
             finder::Next::Try(batch, role) => Some((batch, role.label().to_string())),
             finder::Next::Done => None,
         }
@@ -1138,22 +1141,9 @@ impl BatchSearchPy {
     fn verdict(&self) -> &str {
         &self.0.verdict
     }
-    fn to_json(&self) -> String {
-        serde_json::to_string_pretty(&self.0).expect("a search always serialises")
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.to_json())
-    }
-    fn __str__(&self) -> String {
-        self.0.grid().to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.__str__()
-    }
-    fn _repr_html_(&self) -> String {
-        self.0.grid().to_html()
-    }
 }
+
+shown_as_table!(BatchSearchPy, |this| &this.0, this.0.grid());
 
 /// Opens a peak window for one trial on a GPU; returns its id.
 #[pyfunction]
@@ -1213,25 +1203,12 @@ impl HoldersPy {
     fn paths(&self) -> Vec<String> {
         self.0.holders.iter().map(|h| h.path.clone()).collect()
     }
-    fn to_json(&self) -> String {
-        serde_json::to_string_pretty(&self.0).expect("holders always serialise")
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.to_json())
-    }
     fn __len__(&self) -> usize {
         self.0.holders.len()
     }
-    fn __str__(&self) -> String {
-        self.0.grid("holders").to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.__str__()
-    }
-    fn _repr_html_(&self) -> String {
-        self.0.grid("holders").to_html()
-    }
 }
+
+shown_as_table!(HoldersPy, |this| &this.0, this.0.grid("holders"));
 
 #[pyfunction]
 fn oom_rescue_enabled() -> bool {
@@ -1252,22 +1229,9 @@ impl OomPy {
     fn hints(&self) -> Vec<String> {
         self.0.hints.clone()
     }
-    fn to_json(&self) -> String {
-        serde_json::to_string_pretty(&self.0).expect("a diagnosis always serialises")
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.to_json())
-    }
-    fn __str__(&self) -> String {
-        self.0.grid().to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.__str__()
-    }
-    fn _repr_html_(&self) -> String {
-        self.0.grid().to_html()
-    }
 }
+
+shown_as_table!(OomPy, |this| &this.0, this.0.grid());
 
 /// The state of the host and the visible GPUs at one moment.
 #[pyclass(name = "Snapshot", module = "gpuexp", frozen)]
@@ -1278,12 +1242,6 @@ struct SnapshotPy {
 
 #[pymethods]
 impl SnapshotPy {
-    fn to_json(&self) -> String {
-        serde_json::to_string_pretty(&self.snapshot).expect("a snapshot always serialises")
-    }
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &self.to_json())
-    }
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.snapshot.notes.clone()
@@ -1297,16 +1255,9 @@ impl SnapshotPy {
     fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &serde_json::to_string(&self.snapshot.host).expect("readings serialise"))
     }
-    fn __str__(&self) -> String {
-        report::snapshot_grid(&self.snapshot, &self.title).to_text()
-    }
-    fn __repr__(&self) -> String {
-        self.__str__()
-    }
-    fn _repr_html_(&self) -> String {
-        report::snapshot_grid(&self.snapshot, &self.title).to_html()
-    }
 }
+
+shown_as_table!(SnapshotPy, |this| &this.snapshot, report::snapshot_grid(&this.snapshot, &this.title));
 
 #[pymodule]
 #[pyo3(name = "_core")]
