@@ -16,7 +16,7 @@ all: test
 $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.5,<2" pytest nbclient nbformat ipykernel numpy torch
+	$(PY) -m pip install -q "maturin>=1.5,<2" pytest nbclient nbformat ipykernel numpy torch pandas matplotlib
 	touch $@
 
 venv: $(DEPS)

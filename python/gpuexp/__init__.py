@@ -11,6 +11,7 @@ import sys
 from . import _core, ipython
 from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
 from .experiment import CPUExperiment, GPUExperiment, _device_indices, find_batch_size
+from .monitor import Monitor
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "GpuReport",
     "HostReport",
     "Metric",
+    "Monitor",
     "Report",
     "Snapshot",
     "cells",

@@ -2,6 +2,7 @@
 //! the Python package is the IPython glue and the public surface.
 
 pub mod finder;
+pub mod monitor;
 pub mod report;
 pub mod sampler;
 pub mod scope;

@@ -13,6 +13,7 @@ mod hunter;
 use hunter::{Buffer, Memory};
 
 use crate::finder;
+use crate::monitor;
 use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
@@ -1192,6 +1193,59 @@ fn release_memory(py: Python) -> PyResult<()> {
     teardown::RELEASE.iter().try_for_each(|step| release(py, *step))
 }
 
+/// Bytes in binary units, as every gpuexp table writes them ("1.50 GiB").
+#[pyfunction]
+fn format_bytes(n: u64) -> String {
+    report::bytes(n)
+}
+
+/// `gpuexp status`: the driver, and every GPU with its compute processes, as JSON.
+#[pyfunction]
+#[pyo3(signature = (cuda_order=false))]
+fn gpu_status(cuda_order: bool) -> PyResult<String> {
+    let (driver, cuda) = nvml::driver_versions().map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
+    let devices = nvml::device_status(cuda_order).map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
+    let order = if cuda_order { "cuda" } else { "nvml" };
+    Ok(serde_json::json!({"driver": driver, "cuda": cuda, "order": order, "devices": devices}).to_string())
+}
+
+// ---- the monitor ---------------------------------------------------------------------------
+
+/// A timeline recorded by a native thread; `gpuexp.Monitor` is its Python face.
+#[pyclass(name = "Timeline", module = "gpuexp")]
+struct TimelinePy(monitor::Monitor);
+
+#[pymethods]
+impl TimelinePy {
+    #[new]
+    #[pyo3(signature = (interval_s, path=None, gpus=true))]
+    fn new(interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
+        let interval = std::time::Duration::try_from_secs_f64(interval_s)
+            .map_err(|_| PyValueError::new_err(format!("interval must be a positive time such as \"100ms\"; got {interval_s} s")))?;
+        monitor::Monitor::start(interval, path, gpus).map(TimelinePy).map_err(PyValueError::new_err)
+    }
+
+    /// The samples so far, as a JSON list (the Python side turns it into dicts).
+    fn samples_json(&self) -> String {
+        serde_json::to_string(&self.0.samples()).expect("samples always serialise")
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        self.0.is_running()
+    }
+
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.0.failure()
+    }
+
+    fn stop(&mut self, py: Python) {
+        let monitor = &mut self.0;
+        py.detach(|| monitor.stop());
+    }
+}
+
 /// What holds memory: the result of `gpuexp.holders()`.
 #[pyclass(name = "Holders", module = "gpuexp", frozen)]
 struct HoldersPy(Holders);
@@ -1293,6 +1347,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_class::<BatchSearchPy>()?;
+    m.add_class::<TimelinePy>()?;
+    m.add_function(wrap_pyfunction!(gpu_status, m)?)?;
+    m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
     m.add_class::<HoldersPy>()?;
     m.add_class::<OomPy>()?;
     m.add_class::<CellRecordPy>()?;

@@ -55,6 +55,15 @@ pub fn peak_reset_supported() -> bool {
     *SUPPORTED.get_or_init(|| std::env::var("GPUEXP_HOST_PEAK").as_deref() != Ok("sampled") && imp::probe_peak_reset())
 }
 
+/// System-wide CPU use in percent since the previous call (the first call reads 0).
+pub fn cpu_percent() -> f32 {
+    with_system(|system| {
+        system.refresh_cpu_usage();
+        system.global_cpu_usage()
+    })
+    .unwrap_or(0.0)
+}
+
 fn with_system<T>(f: impl FnOnce(&mut System) -> T) -> Option<T> {
     static SYSTEM: OnceLock<Option<Mutex<System>>> = OnceLock::new();
     let system = SYSTEM

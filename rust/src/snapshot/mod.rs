@@ -103,7 +103,7 @@ impl Snapshot {
                 snapshot.gpus = gpus;
                 snapshot.notes.extend(notes);
             }
-            Err(why) => snapshot.notes.push(why),
+            Err(why) => snapshot.notes.push(format!("{why}: GPU rows are not shown")),
         }
         snapshot
     }

@@ -49,8 +49,8 @@ fn library() -> Result<&'static Nvml, String> {
             .init()
             .or_else(|_| Nvml::init())
             .map_err(|e| match e {
-                NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found): GPU rows are not shown".into(),
-                e => format!("NVML unavailable ({e}): GPU rows are not shown"),
+                NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found)".into(),
+                e => format!("NVML unavailable ({e})"),
             })
     })
     .as_ref()
@@ -187,6 +187,117 @@ pub fn other_processes(uuid: &str, own: &[u32]) -> Vec<(u32, Option<u64>)> {
             UsedGpuMemory::Unavailable => (p.pid, None),
         })
         .collect()
+}
+
+/// What a monitor shows besides memory, each None where the device does not report it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Activity {
+    /// Percent of the last sample period a kernel was running.
+    pub utilization: Option<u32>,
+    pub memory_utilization: Option<u32>,
+    pub temperature_c: Option<u32>,
+    pub power_w: Option<f64>,
+}
+
+pub fn activity(device: &Device) -> Activity {
+    let rates = device.utilization_rates().ok();
+    Activity {
+        utilization: rates.as_ref().map(|r| r.gpu),
+        memory_utilization: rates.as_ref().map(|r| r.memory),
+        temperature_c: device.temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu).ok(),
+        power_w: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+    }
+}
+
+/// The UUIDs of the GPUs this process sees, in torch's order as CUDA_VISIBLE_DEVICES sets it.
+pub fn visible_uuids() -> Result<Vec<String>, String> {
+    with_visible(None, |devices| devices.iter().map(|(ident, _)| ident.uuid.clone()).collect())
+}
+
+/// A compute process on a device, for `gpuexp status`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ProcessStatus {
+    pub pid: u32,
+    pub user: String,
+    pub command: String,
+    pub used: Option<u64>,
+}
+
+/// One device as `gpuexp status` shows it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct DeviceStatus {
+    /// NVML's index, or the CUDA ordinal with `cuda_order`.
+    pub index: u32,
+    pub nvml_index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub used: u64,
+    pub total: u64,
+    #[serde(flatten)]
+    pub activity: Activity,
+    pub processes: Vec<ProcessStatus>,
+}
+
+/// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order.
+pub fn device_status(cuda_order: bool) -> Result<Vec<DeviceStatus>, String> {
+    let nvml = library()?;
+    let chosen: Vec<(u32, u32, String)> = if cuda_order {
+        with_visible(None, |devices| devices.iter().map(|(i, _)| (i.torch_index, i.nvml_index, i.uuid.clone())).collect())?
+    } else {
+        let count = nvml.device_count().map_err(|e| e.to_string())?;
+        (0..count).filter_map(|i| Some((i, i, nvml.device_by_index(i).ok()?.uuid().ok()?))).collect()
+    };
+    let mut out = Vec::new();
+    for (index, nvml_index, uuid) in chosen {
+        let device = open(&uuid)?;
+        let memory = device.memory_info().map_err(|e| e.to_string())?;
+        let processes = device
+            .running_compute_processes()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| ProcessStatus {
+                pid: p.pid,
+                user: process_user(p.pid),
+                command: process_command(p.pid),
+                used: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                },
+            })
+            .collect();
+        out.push(DeviceStatus {
+            index,
+            nvml_index,
+            name: device.name().unwrap_or_default(),
+            uuid,
+            used: memory.used,
+            total: memory.total,
+            activity: activity(&device),
+            processes,
+        });
+    }
+    Ok(out)
+}
+
+/// The command line of a process, as far as this namespace can see it ("?" otherwise).
+fn process_command(pid: u32) -> String {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(raw) if !raw.is_empty() => {
+            String::from_utf8_lossy(&raw).split('\0').filter(|a| !a.is_empty()).collect::<Vec<_>>().join(" ")
+        }
+        _ => "?".into(),
+    }
+}
+
+fn process_user(pid: u32) -> String {
+    let uid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:"))?.split_whitespace().nth(1).map(String::from));
+    let Some(uid) = uid else { return "?".into() };
+    std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|passwd| passwd.lines().find(|l| l.split(':').nth(2) == Some(uid.as_str()))?.split(':').next().map(String::from))
+        .unwrap_or(uid)
 }
 
 /// A handle of its own for a device, by UUID (the sampler's thread keeps one per GPU).

@@ -1,0 +1,121 @@
+"""A timeline of the host and every visible GPU, recorded by a native thread (``gpuexp._core``)."""
+
+import json
+import re
+
+from . import _core
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0}
+
+
+def seconds(interval):
+    """Seconds from 0.1, "100ms", "1s" or "2min"."""
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool):
+        value = float(interval)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|m|min)?\s*", str(interval))
+        if match is None:
+            raise ValueError(f"interval={interval!r}: write a time such as \"100ms\", \"1s\" or a number of seconds")
+        value = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if not value > 0:
+        raise ValueError(f"interval={interval!r}: it must be more than 0, e.g. interval=\"100ms\"")
+    return value
+
+
+class Monitor:
+    """Records host CPU %, RSS and available memory, and for each visible GPU its utilisation,
+    memory used, this process's memory, temperature and power, every ``interval``.
+
+    ``path`` ending in ``.jsonl`` or ``.csv`` gets every sample as it is taken (flushed, so a
+    crash loses at most one interval). Use it as ``with Monitor(...) as mon:`` or with
+    ``start()`` and ``stop()``. The thread never takes the GIL.
+    """
+
+    def __init__(self, interval="100ms", path=None, *, gpus=True):
+        self.interval = seconds(interval)
+        self.path = None if path is None else str(path)
+        self.gpus = gpus
+        self._timeline = None
+        self._samples = None
+
+    def start(self):
+        if self._timeline is not None and self._timeline.running:
+            raise RuntimeError("this monitor is already running: stop() it first")
+        self._samples = None
+        self._timeline = _core.Timeline(self.interval, self.path, self.gpus)
+        return self
+
+    def stop(self):
+        if self._timeline is not None:
+            self._timeline.stop()
+            self._samples = json.loads(self._timeline.samples_json())
+            failure = self._timeline.failure
+            self._timeline = None
+            if failure:
+                raise OSError(failure)
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.stop()
+        return False
+
+    def samples(self):
+        """Every sample so far, oldest first, as dicts (sizes in bytes, times in seconds)."""
+        if self._timeline is not None:
+            return json.loads(self._timeline.samples_json())
+        return list(self._samples or [])
+
+    def to_pandas(self):
+        """One row per sample, one column per figure (``gpu0_used``, ``gpu0_utilization``, …)."""
+        import pandas
+
+        return pandas.DataFrame([_flat(sample) for sample in self.samples()])
+
+    def plot(self, path=None, title="gpuexp monitor"):
+        """One figure: memory used and utilisation over time per GPU, and host RSS."""
+        return plot_samples(self.samples(), path=path, title=title)
+
+
+def _flat(sample):
+    row = {key: value for key, value in sample.items() if key != "gpus"}
+    for i, gpu in enumerate(sample["gpus"]):
+        for key, value in gpu.items():
+            row[f"gpu{i}_{key}"] = value
+    return row
+
+
+def plot_samples(samples, path=None, title="gpuexp monitor"):
+    """A matplotlib figure of a timeline; saved to ``path`` when one is given."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    gib = 1 << 30
+    t = [s["t"] for s in samples]
+    gpu_count = len(samples[0]["gpus"]) if samples else 0
+    figure, axes = plt.subplots(gpu_count + 1, 1, figsize=(9, 2.6 * (gpu_count + 1)), sharex=True, squeeze=False)
+    for i in range(gpu_count):
+        memory_axis = axes[i][0]
+        memory_axis.plot(t, [(s["gpus"][i]["used"] or 0) / gib for s in samples], label="device used")
+        memory_axis.plot(t, [(s["gpus"][i]["process_used"] or 0) / gib for s in samples], label="this process")
+        memory_axis.set_ylabel(f"GPU {i} GiB")
+        utilization_axis = memory_axis.twinx()
+        utilization_axis.plot(t, [s["gpus"][i]["utilization"] or 0 for s in samples], color="tab:green", alpha=0.5, label="utilisation")
+        utilization_axis.set_ylim(0, 100)
+        utilization_axis.set_ylabel("utilisation %")
+        memory_axis.legend(loc="upper left")
+    host_axis = axes[gpu_count][0]
+    host_axis.plot(t, [s["rss"] / gib for s in samples], color="tab:purple", label="host RSS")
+    host_axis.set_ylabel("host RSS GiB")
+    host_axis.set_xlabel("seconds")
+    host_axis.legend(loc="upper left")
+    figure.suptitle(title)
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure

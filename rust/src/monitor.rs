@@ -1,0 +1,307 @@
+//! A timeline: a native thread records host and GPU figures at a fixed interval and writes
+//! each sample as it goes (JSON Lines or CSV), so a crash loses at most one interval. Like the
+//! sampler it never touches Python.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::snapshot::nvml::{self, Activity, ProcessUse};
+use crate::snapshot::{host, now, own_pids};
+
+pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
+pub const MAX_INTERVAL: Duration = Duration::from_secs(3600);
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuSample {
+    pub uuid: String,
+    pub used: Option<u64>,
+    pub total: Option<u64>,
+    /// This process's memory on the device, as NVML lists it.
+    pub process_used: Option<u64>,
+    #[serde(flatten)]
+    pub activity: Activity,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Sample {
+    /// Seconds since the monitor started.
+    pub t: f64,
+    /// Seconds since the Unix epoch.
+    pub time: f64,
+    pub cpu_percent: f32,
+    pub rss: u64,
+    pub available: u64,
+    pub gpus: Vec<GpuSample>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    JsonLines,
+    Csv,
+}
+
+impl Format {
+    /// From the file's extension: `.jsonl` (or `.json`) and `.csv`.
+    pub fn of(path: &Path) -> Result<Format, String> {
+        match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+            Some("jsonl") | Some("json") => Ok(Format::JsonLines),
+            Some("csv") => Ok(Format::Csv),
+            _ => Err(format!("{}: name the file .jsonl (JSON Lines) or .csv", path.display())),
+        }
+    }
+}
+
+/// One CSV row, and its header, with a column group per GPU.
+fn csv_line(sample: &Sample, header: bool) -> String {
+    let mut cells: Vec<String> = if header {
+        ["t", "time", "cpu_percent", "rss", "available"].map(String::from).to_vec()
+    } else {
+        vec![
+            format!("{:.6}", sample.t),
+            format!("{:.6}", sample.time),
+            format!("{:.1}", sample.cpu_percent),
+            sample.rss.to_string(),
+            sample.available.to_string(),
+        ]
+    };
+    let opt = |v: Option<String>| v.unwrap_or_default();
+    for (i, gpu) in sample.gpus.iter().enumerate() {
+        if header {
+            for field in ["used", "total", "process_used", "utilization", "memory_utilization", "temperature_c", "power_w"] {
+                cells.push(format!("gpu{i}_{field}"));
+            }
+        } else {
+            let a = gpu.activity;
+            cells.extend([
+                opt(gpu.used.map(|v| v.to_string())),
+                opt(gpu.total.map(|v| v.to_string())),
+                opt(gpu.process_used.map(|v| v.to_string())),
+                opt(a.utilization.map(|v| v.to_string())),
+                opt(a.memory_utilization.map(|v| v.to_string())),
+                opt(a.temperature_c.map(|v| v.to_string())),
+                opt(a.power_w.map(|v| format!("{v:.1}"))),
+            ]);
+        }
+    }
+    cells.join(",")
+}
+
+struct Sink {
+    writer: BufWriter<File>,
+    format: Format,
+    wrote_header: bool,
+}
+
+impl Sink {
+    fn write(&mut self, sample: &Sample) -> std::io::Result<()> {
+        match self.format {
+            Format::JsonLines => {
+                serde_json::to_writer(&mut self.writer, sample)?;
+                self.writer.write_all(b"\n")?;
+            }
+            Format::Csv => {
+                if !self.wrote_header {
+                    writeln!(self.writer, "{}", csv_line(sample, true))?;
+                    self.wrote_header = true;
+                }
+                writeln!(self.writer, "{}", csv_line(sample, false))?;
+            }
+        }
+        // Flushed every sample: a crash loses at most one interval.
+        self.writer.flush()
+    }
+}
+
+pub struct Monitor {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Monitor {
+    /// Checks everything before the thread starts: the interval, and that `path` can be written.
+    pub fn start(interval: Duration, path: Option<PathBuf>, gpus: bool) -> Result<Monitor, String> {
+        if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
+            return Err(format!(
+                "interval must be between 1 ms and 1 hour, e.g. Monitor(interval=\"100ms\"); got {:.3} s",
+                interval.as_secs_f64()
+            ));
+        }
+        let sink = match path {
+            Some(path) => {
+                let format = Format::of(&path)?;
+                let file = File::create(&path).map_err(|e| format!("{}: cannot write there ({e})", path.display()))?;
+                Some(Sink { writer: BufWriter::new(file), format, wrote_header: false })
+            }
+            None => None,
+        };
+        let uuids = if gpus { nvml::visible_uuids().unwrap_or_default() } else { Vec::new() };
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let failure = Arc::new(Mutex::new(None));
+        let (thread_stop, thread_samples, thread_failure) = (stop.clone(), samples.clone(), failure.clone());
+        let handle = thread::Builder::new()
+            .name("gpuexp-monitor".into())
+            .spawn(move || record(interval, sink, uuids, &thread_stop, &thread_samples, &thread_failure))
+            .map_err(|e| format!("the monitor thread could not start: {e}"))?;
+        Ok(Monitor { stop, handle: Some(handle), samples, failure })
+    }
+
+    pub fn samples(&self) -> Vec<Sample> {
+        lock(&self.samples).clone()
+    }
+
+    /// Why the monitor stopped writing, if it had to.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.failure).clone()
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.handle.as_ref().is_some_and(|h| !h.is_finished())
+    }
+
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            handle.thread().unpark();
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn record(
+    interval: Duration,
+    mut sink: Option<Sink>,
+    uuids: Vec<String>,
+    stop: &AtomicBool,
+    samples: &Mutex<Vec<Sample>>,
+    failure: &Mutex<Option<String>>,
+) {
+    let devices: Vec<_> = uuids.iter().map(|uuid| nvml::open(uuid).ok()).collect();
+    let pids = own_pids();
+    let started = Instant::now();
+    host::cpu_percent(); // the first reading only starts the measurement
+    let mut next = started;
+    while !stop.load(Ordering::Relaxed) {
+        let reading = host::read();
+        let gpus = uuids
+            .iter()
+            .zip(&devices)
+            .map(|(uuid, device)| {
+                let memory = device.as_ref().and_then(|d| nvml::read(d, &pids).ok());
+                GpuSample {
+                    uuid: uuid.clone(),
+                    used: memory.map(|m| m.used),
+                    total: memory.map(|m| m.total),
+                    process_used: memory.and_then(|m| match m.process {
+                        ProcessUse::Listed(bytes) => Some(bytes),
+                        ProcessUse::NotListed => Some(0),
+                        ProcessUse::Unreported => None,
+                    }),
+                    activity: device.as_ref().map(nvml::activity).unwrap_or_default(),
+                }
+            })
+            .collect();
+        let sample = Sample {
+            t: started.elapsed().as_secs_f64(),
+            time: now(),
+            cpu_percent: host::cpu_percent(),
+            rss: reading.rss,
+            available: reading.available,
+            gpus,
+        };
+        if let Some(writer) = sink.as_mut() {
+            if let Err(e) = writer.write(&sample) {
+                *lock(failure) = Some(format!("writing the timeline failed: {e}"));
+                sink = None;
+            }
+        }
+        lock(samples).push(sample);
+        // Sleep to the next tick, not for a whole interval after this one's work.
+        next += interval;
+        let wait = next.saturating_duration_since(Instant::now());
+        if !wait.is_zero() {
+            thread::park_timeout(wait);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("gpuexp-monitor-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn records_at_its_interval_and_writes_json_lines_as_it_goes() {
+        let path = scratch("timeline.jsonl");
+        let mut monitor = Monitor::start(Duration::from_millis(10), Some(path.clone()), false).unwrap();
+        thread::sleep(Duration::from_millis(120));
+        let written_while_running = std::fs::read_to_string(&path).unwrap().lines().count();
+        monitor.stop();
+        let samples = monitor.samples();
+        assert!((8..=14).contains(&samples.len()), "{} samples", samples.len());
+        assert!(written_while_running >= 8, "the file is flushed as it goes");
+        let first: serde_json::Value = serde_json::from_str(std::fs::read_to_string(&path).unwrap().lines().next().unwrap()).unwrap();
+        assert!(first["rss"].as_u64().unwrap() > 0 && first["gpus"].as_array().unwrap().is_empty());
+        assert!(samples.windows(2).all(|w| w[1].t > w[0].t));
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn csv_has_a_header_and_a_row_per_sample() {
+        let path = scratch("timeline.csv");
+        let mut monitor = Monitor::start(Duration::from_millis(5), Some(path.clone()), false).unwrap();
+        thread::sleep(Duration::from_millis(40));
+        monitor.stop();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut lines = text.lines();
+        assert_eq!(lines.next(), Some("t,time,cpu_percent,rss,available"));
+        assert_eq!(lines.count(), monitor.samples().len());
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn bad_input_is_refused_before_any_thread_starts() {
+        assert!(Monitor::start(Duration::ZERO, None, false).err().unwrap().contains("interval"));
+        assert!(Monitor::start(Duration::from_millis(10), Some("/nonexistent/dir/t.jsonl".into()), false)
+            .err()
+            .unwrap()
+            .contains("cannot write"));
+        assert!(Monitor::start(Duration::from_millis(10), Some(scratch("t.txt")), false).err().unwrap().contains(".jsonl"));
+    }
+
+    #[test]
+    fn csv_columns_per_gpu() {
+        let gpu = GpuSample {
+            uuid: "GPU-a".into(),
+            used: Some(5),
+            total: Some(10),
+            process_used: Some(2),
+            activity: Activity { utilization: Some(50), memory_utilization: Some(7), temperature_c: Some(40), power_w: Some(120.5) },
+        };
+        let sample = Sample { t: 1.0, time: 2.0, cpu_percent: 3.0, rss: 4, available: 5, gpus: vec![gpu] };
+        assert!(csv_line(&sample, true).ends_with("gpu0_temperature_c,gpu0_power_w"));
+        assert!(csv_line(&sample, false).ends_with(",5,10,2,50,7,40,120.5"), "{}", csv_line(&sample, false));
+    }
+}

@@ -1,0 +1,105 @@
+"""The `gpuexp` command and the monitor without a GPU (CI): exit codes, messages, host-only
+timelines, file formats and bad input."""
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPU
+
+GPUEXP = shutil.which("gpuexp") or str(Path(sys.executable).parent / "gpuexp")
+
+
+def cli(*args, timeout=30):
+    return subprocess.run([GPUEXP, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(GPU, reason="checks the machine without an NVIDIA driver")
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["watch", "-n", "0.1"], ["watch", "--csv"]])
+def test_without_a_driver_the_cli_says_so_and_fails(args):
+    done = cli(*args)
+    assert done.returncode == 3, done
+    assert done.stderr.strip() == "gpuexp: no NVIDIA driver (libnvidia-ml.so.1 not found)"
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["watch", "-n", "0"], "more than 0 seconds"),
+    (["watch", "--csv", "--json"], "not allowed with"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_get_usage_errors(args, message):
+    done = cli(*args)
+    assert done.returncode == 2 and message in done.stderr, done
+
+
+def test_help_lists_the_commands():
+    done = cli("--help")
+    assert done.returncode == 0 and "status" in done.stdout and "watch" in done.stdout
+
+
+def record(tmp_path, name, seconds=0.3, interval="20ms"):
+    import gpuexp
+
+    path = tmp_path / name
+    with gpuexp.Monitor(interval, path) as mon:
+        buffer = bytearray(128 << 20)
+        time.sleep(seconds)
+        del buffer
+    return mon, path
+
+
+def test_a_host_timeline_in_json_lines(tmp_path):
+    mon, path = record(tmp_path, "run.jsonl")
+    samples = mon.samples()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == len(samples) >= 10
+    assert lines[0].keys() >= {"t", "time", "cpu_percent", "rss", "available", "gpus"}
+    assert max(s["rss"] for s in samples) - samples[0]["rss"] >= 120 << 20
+    times = [s["t"] for s in samples]
+    assert times == sorted(times)
+    if not GPU:
+        assert all(s["gpus"] == [] for s in samples)
+
+
+def test_a_host_timeline_in_csv_and_pandas(tmp_path):
+    mon, path = record(tmp_path, "run.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(mon.samples()) and {"t", "rss", "cpu_percent"} <= rows[0].keys()
+    pandas = pytest.importorskip("pandas")
+    frame = mon.to_pandas()
+    assert isinstance(frame, pandas.DataFrame) and len(frame) == len(rows)
+
+
+def test_the_plot_is_a_figure_and_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    mon, _ = record(tmp_path, "run.jsonl")
+    figure = mon.plot(tmp_path / "timeline.png")
+    assert figure.axes and (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_monitor_input_is_refused_before_any_thread(tmp_path):
+    import gpuexp
+
+    for interval in (0, -1, "fast", "0ms"):
+        with pytest.raises(ValueError, match="interval"):
+            gpuexp.Monitor(interval)
+    with pytest.raises(ValueError, match="cannot write"):
+        gpuexp.Monitor("10ms", tmp_path / "missing" / "t.jsonl").start()
+    with pytest.raises(ValueError, match=".jsonl"):
+        gpuexp.Monitor("10ms", tmp_path / "t.txt").start()
+    import threading
+
+    assert not [t for t in threading.enumerate() if "gpuexp" in t.name]
+
+
+def test_the_monitor_runs_in_a_kernel_without_taking_the_gil(kernel):
+    kernel.run("import gpuexp, time\nmon = gpuexp.Monitor('5ms').start()")
+    kernel.run("t = time.perf_counter()\nn = 0\nwhile time.perf_counter() - t < 0.3:\n    n += 1\nmon.stop()")
+    assert kernel.value("len(mon.samples())") >= 40
