@@ -103,3 +103,19 @@ def test_the_monitor_runs_in_a_kernel_without_taking_the_gil(kernel):
     kernel.run("import gpuexp, time\nmon = gpuexp.Monitor('5ms').start()")
     kernel.run("t = time.perf_counter()\nn = 0\nwhile time.perf_counter() - t < 0.3:\n    n += 1\nmon.stop()")
     assert kernel.value("len(mon.samples())") >= 40
+
+
+def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
+    pytest.importorskip("matplotlib")
+    kernel.run("import time, gpuexp")
+    kernel.run("exp = gpuexp.CPUExperiment('timed', timeline='10ms')")
+    kernel.run("buf = bytearray(128 << 20)\ntime.sleep(0.2)")
+    kernel.run("del exp")
+    report = kernel.value("gpuexp.history()[-1].to_dict()")
+    assert len(report["timeline"]) >= 10
+    assert max(s["rss"] for s in report["timeline"]) - report["timeline"][0]["rss"] >= 120 << 20
+    path = tmp_path / "timed.png"
+    kernel.run(f"gpuexp.history()[-1].plot({str(path)!r});")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    untimed = kernel.run("gpuexp.CPUExperiment('plain').finish().plot()", expect_error=True)
+    assert "timeline=True" in untimed.error

@@ -4,6 +4,7 @@ import sys
 import time
 
 from . import _core, ipython
+from .monitor import seconds
 
 
 class GPUExperiment:
@@ -18,7 +19,7 @@ class GPUExperiment:
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, timeline=False):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
@@ -34,6 +35,8 @@ class GPUExperiment:
             owner=self,
             cell_log=cell_log,
             limit=_size(limit, "limit"),
+            # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
+            timeline_s=None if timeline is False else seconds("100ms" if timeline is True else timeline),
         )
         ipython.track(self)
         ipython.show(start)
@@ -98,8 +101,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True):
-        super().__init__(name, cell_log=cell_log)
+    def __init__(self, name=None, *, cell_log=True, timeline=False):
+        super().__init__(name, cell_log=cell_log, timeline=timeline)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,

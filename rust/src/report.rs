@@ -95,6 +95,8 @@ pub struct Report {
     pub still_held: Vec<Holders>,
     /// Bytes torch could allocate on each GPU while the scope was open (`limit=`).
     pub limit: Option<u64>,
+    /// The samples of its timeline (`timeline=True`).
+    pub timeline: Vec<crate::monitor::Sample>,
 }
 
 /// The snapshots a report is built from; `end` is None while the scope is open.
@@ -183,6 +185,7 @@ impl Report {
             cells: Vec::new(),
             still_held: Vec::new(),
             limit: None,
+            timeline: Vec::new(),
         }
     }
 

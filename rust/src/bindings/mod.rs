@@ -236,6 +236,8 @@ struct Pins {
     buffers: HashSet<Buffer>,
     /// Torch's per-process memory fraction of each GPU before the scope's `limit`, restored at finish.
     limited: Vec<(u32, f64)>,
+    /// The scope's timeline (`timeline=True`), stopped at finish and kept in its report.
+    timeline: Option<monitor::Monitor>,
 }
 
 static PINS: LazyLock<Mutex<HashMap<ScopeId, Pins>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -404,7 +406,7 @@ fn selection(gpu: bool, devices: Option<Vec<u32>>) -> GpuSelection {
 /// Opens a scope; returns its id and the state it starts from. `adapter` is None outside any
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
-#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None))]
+#[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None, timeline_s=None))]
 #[allow(clippy::too_many_arguments)]
 fn open_scope(
     py: Python,
@@ -415,6 +417,7 @@ fn open_scope(
     owner: Option<Bound<PyAny>>,
     cell_log: bool,
     limit: Option<u64>,
+    timeline_s: Option<f64>,
 ) -> PyResult<(ScopeId, SnapshotPy)> {
     let selection = selection(gpu, devices);
     if let GpuSelection::Only(wanted) = &selection {
@@ -439,6 +442,14 @@ fn open_scope(
         limited: match limit {
             Some(limit) => apply_limit(py, &selection, limit)?,
             None => Vec::new(),
+        },
+        timeline: match timeline_s {
+            Some(seconds) => {
+                let interval = std::time::Duration::try_from_secs_f64(seconds)
+                    .map_err(|_| PyValueError::new_err("timeline= takes an interval such as \"100ms\""))?;
+                Some(monitor::Monitor::start(interval, None, gpu).map_err(PyValueError::new_err)?)
+            }
+            None => None,
         },
     };
     let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
@@ -549,7 +560,7 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         Finishing::Unknown => return Err(unknown(id)),
         Finishing::Ready(scope) => scope,
     };
-    let scope_pins = pins().remove(&id);
+    let mut scope_pins = pins().remove(&id);
     let (before, _) = take_snapshot(py, &scope.selection);
     registry().peaks.observe(&before);
 
@@ -571,9 +582,14 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         }
     }
     let end = end.expect("EndSnapshot is a step of every teardown");
-    if let Some(pins) = scope_pins.as_ref() {
+    let mut timeline = Vec::new();
+    if let Some(pins) = scope_pins.as_mut() {
         if let Err(e) = restore_limit(py, &pins.limited) {
             notes.push(format!("restoring torch's memory fraction failed: {e}"));
+        }
+        if let Some(mut monitor) = pins.timeline.take() {
+            py.detach(|| monitor.stop());
+            timeline = monitor.samples();
         }
     }
     let mut report = {
@@ -587,6 +603,7 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         );
         report.cells = registry.cells_of(&scope);
         report.limit = scope.limit;
+        report.timeline = timeline;
         report
     };
     report.notes.extend(notes);
@@ -1054,6 +1071,22 @@ impl ReportPy {
 }
 
 shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.grid());
+
+#[pymethods]
+impl ReportPy {
+    /// The experiment's timeline (`timeline=True`) as one figure; saved to `path` when given.
+    #[pyo3(signature = (path=None))]
+    fn plot<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        if self.0.timeline.is_empty() {
+            return Err(PyValueError::new_err(
+                "this experiment recorded no timeline: open it with GPUExperiment(..., timeline=True)",
+            ));
+        }
+        let samples = json_to_python(py, &serde_json::to_string(&self.0.timeline).expect("samples serialise"))?;
+        let title = format!("gpuexp · {}", self.0.name);
+        py.import("gpuexp.monitor")?.call_method1("plot_samples", (samples, path, title))
+    }
+}
 
 /// What one cell did to memory: `str()` is the compact text block, `_repr_html_` the HTML one.
 #[pyclass(name = "CellRecord", module = "gpuexp", frozen)]
