@@ -73,6 +73,8 @@ import tempfile
 import termios
 import time
 
+from machine import cpu_model
+
 NVSMI_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
 MONITOR_INTERVAL = "10ms"
 MONITOR_SAMPLES_PER_S = 100.0
@@ -109,17 +111,6 @@ def parse_args(argv=None):
 def tail(text, n=300):
     text = (text or "").strip().replace("\n", " | ")
     return text if len(text) <= n else "..." + text[-n:]
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def script_command(name, module):

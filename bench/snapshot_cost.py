@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from machine import cpu_model
+
 TARGET_US = 50.0
 SNAPSHOT = "gpuexp._core.snapshot(True)"
 # The raw readings a full snapshot of one GPU is made of (the host part's /proc/self/status
@@ -65,17 +67,6 @@ def time_call(fn, calls, repeats):
         if gc_was_enabled:
             gc.enable()
     return statistics.median(per_call), min(per_call)
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def nvml_calls(nvml_index, notes):
