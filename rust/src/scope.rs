@@ -177,10 +177,6 @@ impl Registry {
         }
     }
 
-    pub fn open_ids(&self) -> Vec<ScopeId> {
-        self.open.iter().map(|s| s.id).collect()
-    }
-
     /// Marks the scope as closing and hands out what its teardown needs.
     pub fn begin_finish(&mut self, id: ScopeId) -> Finishing {
         if let Some(report) = self.report(id) {
@@ -307,6 +303,10 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn open_ids(registry: &Registry) -> Vec<ScopeId> {
+        registry.open.iter().map(|s| s.id).collect()
+    }
     use crate::report::{Names, Span};
     use crate::snapshot::testing::{gpu, host, torch, GIB};
     use crate::snapshot::GpuReading;
@@ -497,7 +497,7 @@ mod tests {
         let a = registry.open("a".into(), Kind::Gpu, GpuSelection::Only(vec![0]), start.clone(), false);
         let b = open_cpu(&mut registry, "b");
         assert_ne!(a, b);
-        assert_eq!(registry.open_ids(), vec![a, b]);
+        assert_eq!(open_ids(&registry), vec![a, b]);
 
         let scope = registry.scope(a).expect("a is open");
         assert_eq!((scope.id, scope.name.as_str(), scope.kind), (a, "a", Kind::Gpu));
@@ -608,7 +608,7 @@ mod tests {
         registry.complete(a, report_named("a"));
         let names: Vec<String> = registry.history().iter().map(|r| r.name.clone()).collect();
         assert_eq!(names, ["b", "a"]);
-        assert_eq!(registry.open_ids(), vec![c]);
+        assert_eq!(open_ids(&registry), vec![c]);
         assert_eq!(registry.report(a).unwrap().name, "a");
         assert_eq!(registry.report(b).unwrap().name, "b");
     }
@@ -624,6 +624,6 @@ mod tests {
         assert!(registry.has_windows());
         registry.complete(b, report_named("b"));
         assert!(!registry.has_windows());
-        assert!(registry.open_ids().is_empty());
+        assert!(open_ids(&registry).is_empty());
     }
 }
