@@ -21,6 +21,8 @@ pub enum Memory {
     Cuda(u32),
     /// Host memory: CPU tensors and numpy arrays.
     Host,
+    /// Every buffer, whatever its device (an experiment's inventory at its start).
+    Any,
 }
 
 impl Memory {
@@ -28,6 +30,7 @@ impl Memory {
         match self {
             Memory::Cuda(index) => format!("cuda:{index}"),
             Memory::Host => "host".into(),
+            Memory::Any => "any device".into(),
         }
     }
 }
@@ -271,7 +274,7 @@ impl<'py> Walk<'py> {
     }
 
     fn record_array(&mut self, node: usize, array: &Bound<'py, PyAny>) {
-        if self.memory != Memory::Host {
+        if matches!(self.memory, Memory::Cuda(_)) {
             return;
         }
         let bytes = array.getattr("nbytes").and_then(|b| b.extract::<u64>()).unwrap_or(0);
@@ -289,6 +292,7 @@ fn tensor_buffer(tensor: &Bound<PyAny>, memory: &Memory) -> PyResult<Option<(Buf
     let wanted = match memory {
         Memory::Cuda(want) => kind == "cuda" && index.unwrap_or(0) == *want,
         Memory::Host => kind == "cpu",
+        Memory::Any => true,
     };
     if !wanted {
         return Ok(None);
@@ -445,24 +449,10 @@ fn hunt_quietly<'py>(
 /// The buffers reachable from `roots` now (an experiment's start), so that a later hunt names
 /// only what came after. Module globals are left out: they are walked at the hunt.
 pub fn inventory<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) -> PyResult<HashSet<Buffer>> {
-    let mut buffers: HashSet<Buffer> = HashSet::new();
-    let mut walk = Walk::new(py, Memory::Host)?;
+    let mut walk = Walk::new(py, Memory::Any)?;
     for (label, object) in roots {
         walk.push(object, None, PathEdge::Root(label));
     }
     walk.run(|_| false)?;
-    buffers.extend(walk.found.keys().copied());
-    if let Some(tensor_type) = &walk.types.tensor {
-        // Device tensors reachable from the roots too, whatever their device.
-        for node in &walk.nodes {
-            if node.object.is_instance(tensor_type)? {
-                if let Ok(storage) = node.object.call_method0("untyped_storage") {
-                    if let Ok(pointer) = storage.call_method0("data_ptr").and_then(|p| p.extract::<usize>()) {
-                        buffers.insert(Buffer::Storage(pointer));
-                    }
-                }
-            }
-        }
-    }
-    Ok(buffers)
+    Ok(walk.found.keys().copied().collect())
 }
