@@ -28,7 +28,7 @@ use crate::monitor;
 use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::sampler;
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
-use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, Snapshot, TorchProbe, TorchStats};
+use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, NvmlSource, Snapshot, TorchProbe, TorchStats};
 use crate::teardown::{self, Binding, NameState, Step};
 
 static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
@@ -141,21 +141,23 @@ impl TorchProbe for PyTorch<'_> {
 }
 
 fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    let torch = PyTorch::find(py);
-    let mut snapshot = Snapshot::take(selection, &torch);
-    sampler::apply(&mut snapshot);
-    (snapshot, torch)
+    snapshot_from(py, selection, &|_, device, pids| nvml::read(device, pids))
 }
 
 /// A snapshot for the per-cell log: NVML figures from the sampler's latest sample (at most
 /// two intervals old) where it has one, since reading the driver again after every cell
 /// would cost more than the rest of the cell log.
 fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    let torch = PyTorch::find(py);
-    let mut snapshot = Snapshot::take_with(selection, &torch, &|ident, device, pids| match sampler::latest(&ident.uuid) {
+    snapshot_from(py, selection, &|ident, device, pids| match sampler::latest(&ident.uuid) {
         Some(reading) => Ok(reading),
         None => nvml::read(device, pids),
-    });
+    })
+}
+
+/// A snapshot with its NVML figures from `read_nvml`, and peaks raised to what the sampler saw.
+fn snapshot_from<'py>(py: Python<'py>, selection: &GpuSelection, read_nvml: &NvmlSource) -> (Snapshot, PyTorch<'py>) {
+    let torch = PyTorch::find(py);
+    let mut snapshot = Snapshot::take(selection, &torch, read_nvml);
     sampler::apply(&mut snapshot);
     (snapshot, torch)
 }

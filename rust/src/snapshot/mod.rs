@@ -64,13 +64,9 @@ pub fn now() -> f64 {
 }
 
 impl Snapshot {
-    pub fn take(selection: &GpuSelection, torch: &dyn TorchProbe) -> Snapshot {
-        Self::take_with(selection, torch, &|_, device, pids| nvml::read(device, pids))
-    }
-
-    /// A snapshot whose NVML figures come from `read_nvml` (the per-cell log takes the sampler's
-    /// latest sample instead of asking the driver again).
-    pub fn take_with(selection: &GpuSelection, torch: &dyn TorchProbe, read_nvml: &NvmlSource) -> Snapshot {
+    /// A snapshot whose NVML figures come from `read_nvml`: usually the driver, but the per-cell
+    /// log takes the sampler's latest sample instead of asking it again.
+    pub fn take(selection: &GpuSelection, torch: &dyn TorchProbe, read_nvml: &NvmlSource) -> Snapshot {
         let mut snapshot = Snapshot { taken_at: now(), host: host::read(), gpus: Vec::new(), notes: Vec::new() };
         if *selection == GpuSelection::None {
             return snapshot;
