@@ -139,10 +139,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
         margin = 0.02 if limit_bytes is not None else 0.05
     search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
                                    power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
-    memory = torch.cuda.memory
-    before = memory.get_per_process_memory_fraction(index) if hasattr(memory, "get_per_process_memory_fraction") else 1.0
-    if limit_bytes is not None:
-        torch.cuda.set_per_process_memory_fraction(limit_bytes / torch.cuda.get_device_properties(index).total_memory, index)
+    # The same cap an experiment's limit= sets, restored after the search.
+    limited = _core.limit_memory([index], limit_bytes) if limit_bytes is not None else []
     try:
         previous = None
         while (trial := search.next_trial()) is not None:
@@ -157,8 +155,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
                 outcome = "out of memory" if peaks is None else f"peak {peaks[0] / 2**30:.2f} GiB"
                 print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
     finally:
-        if limit_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(before, index)
+        _core.restore_memory_limit(limited)
     return search
 
 

@@ -295,15 +295,15 @@ def _after_cell(result=None):
     ip = shell()
     if ip is None:
         return
+    namespace = ShellNamespace(ip)
     error = getattr(result, "error_in_exec", None)
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
     if is_cuda_oom(error) and _core.oom_rescue_enabled():
-        show(_core.rescue_oom(error, ShellNamespace(ip)))
+        show(_core.rescue_oom(error, namespace))
     record = _core.end_cell(getattr(result, "execution_count", None) or 0)
     # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
     if record is not None and _core.cell_log_active():
         show(record)
-    namespace = ShellNamespace(ip)
     for experiment in tracked().values():
         bound = set(_core.bound_names(namespace, experiment))
         if experiment._handles and not bound:

@@ -324,6 +324,18 @@ fn apply_limit(py: Python, selection: &GpuSelection, limit: u64) -> PyResult<Vec
     Ok(previous)
 }
 
+/// `limit=` of the batch-size finder: the same cap as an experiment's, on these GPUs; returns
+/// what `restore_memory_limit` puts back.
+#[pyfunction]
+fn limit_memory(py: Python, devices: Vec<u32>, limit: u64) -> PyResult<Vec<(u32, f64)>> {
+    apply_limit(py, &GpuSelection::Only(devices), limit)
+}
+
+#[pyfunction]
+fn restore_memory_limit(py: Python, limited: Vec<(u32, f64)>) -> PyResult<()> {
+    restore_limit(py, &limited)
+}
+
 fn restore_limit(py: Python, limited: &[(u32, f64)]) -> PyResult<()> {
     if limited.is_empty() {
         return Ok(());
@@ -808,6 +820,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(measure_begin, m)?)?;
     m.add_function(wrap_pyfunction!(measure_end, m)?)?;
     m.add_function(wrap_pyfunction!(usable_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(limit_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(restore_memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_class::<BatchSearchPy>()?;
