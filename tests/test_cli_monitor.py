@@ -29,6 +29,28 @@ def test_without_a_driver_the_cli_says_so_and_fails(args):
     assert done.stdout == ""
 
 
+def test_torch_build_is_read_from_its_files_without_importing_it():
+    read = "import sys; from gpuexp import cli; print(*cli.torch_build() or ['none']); print('torch' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=60)
+    truth = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
+                           capture_output=True, text=True, timeout=120)
+    build, imported = found.stdout.splitlines()
+    assert build == (truth.stdout.strip() if truth.returncode == 0 else "none")
+    assert imported == "False"
+
+
+@pytest.mark.parametrize("build, driver_cuda, says", [
+    (("2.5.1+cpu", None), "13.0", "a CPU-only build, so it sees no CUDA device"),
+    (("2.11.0+cu130", "13.0"), "12.4", "newer than the driver's CUDA 12.4: it sees no CUDA device. Update the driver"),
+])
+def test_status_judges_whether_torch_sees_cuda_without_importing_it(monkeypatch, build, driver_cuda, says):
+    from gpuexp import cli as command
+
+    monkeypatch.setattr(command, "torch_build", lambda: build)
+    judged = command.torch_status(driver_cuda, import_it=False)
+    assert judged["sees"] == 0 and says in judged["line"], judged
+
+
 @pytest.mark.parametrize("args, message", [
     (["watch", "-n", "0"], "more than 0 seconds"),
     (["watch", "--csv", "--json"], "not allowed with"),
@@ -113,7 +135,8 @@ def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
     kernel.run("del exp")
     report = kernel.value("gpuexp.history()[-1].to_dict()")
     assert len(report["timeline"]) >= 10
-    assert max(s["rss"] for s in report["timeline"]) - report["timeline"][0]["rss"] >= 120 << 20
+    rss = [s["rss"] for s in report["timeline"]]
+    assert max(rss) - min(rss) >= 120 << 20, rss
     path = tmp_path / "timed.png"
     kernel.run(f"gpuexp.history()[-1].plot({str(path)!r});")
     assert path.read_bytes()[:4] == b"\x89PNG"

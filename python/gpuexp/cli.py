@@ -1,9 +1,13 @@
 """The ``gpuexp`` command: ``gpuexp status`` and ``gpuexp watch``, read straight from NVML."""
 
 import argparse
+import importlib.util
 import json
+import os
+import re
 import sys
 import time
+from pathlib import Path
 
 from . import _core
 from ._core import format_bytes as size
@@ -16,6 +20,8 @@ def parse_args(argv):
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="driver, CUDA and each GPU with its processes")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--torch", action="store_true",
+                        help="import torch to confirm that it sees CUDA (seconds); by default its build is read from its files")
     watch = commands.add_parser("watch", help="one line per GPU, refreshed (Ctrl-C stops)")
     watch.add_argument("-n", "--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes (default 1)")
     form = watch.add_mutually_exclusive_group()
@@ -31,21 +37,51 @@ def parse_args(argv):
     return args
 
 
-def read_status(cuda_order):
-    return json.loads(_core.gpu_status(cuda_order))
+def read_status(cuda_order, processes=True):
+    return json.loads(_core.gpu_status(cuda_order, processes))
 
 
-def torch_line():
-    """Whether torch sees CUDA, when torch is installed (this is a separate process: importing it is fine)."""
-    import importlib.util
+def torch_build():
+    """(version, CUDA version it was built for or None) read from torch's files, or None when it
+    isn't installed. Importing torch takes seconds; its version.py says the same."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", text, re.M)
+    cuda = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)", text, re.M)
+    return (version.group(1) if version else "?"), (cuda.group(1) if cuda else None)
 
-    if importlib.util.find_spec("torch") is None:
-        return "torch: not installed"
-    import torch
 
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__}: CUDA not available"
-    return f"torch {torch.__version__}: sees {torch.cuda.device_count()} CUDA device(s)"
+def torch_status(driver_cuda, import_it):
+    """Whether torch sees CUDA: by importing it, or judged from its build, the driver's CUDA version
+    and CUDA_VISIBLE_DEVICES. A dict with "sees" (a device count, or None) and a "line" for people."""
+    build = torch_build()
+    if build is None:
+        return {"installed": False, "sees": None, "line": "torch: not installed"}
+    version, cuda = build
+    found = {"installed": True, "version": version, "cuda_build": cuda}
+    if import_it:
+        import torch
+
+        sees = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {**found, "sees": sees, "how": "imported",
+                "line": f"torch {version}: sees {sees} CUDA device(s) (checked by importing it)"}
+    found["how"] = "judged from its build, the driver and CUDA_VISIBLE_DEVICES"
+    if cuda is None:
+        return {**found, "sees": 0, "line": f"torch {version}: a CPU-only build, so it sees no CUDA device"}
+    if int(cuda.split(".")[0]) > int(driver_cuda.split(".")[0]):
+        return {**found, "sees": 0, "line": f"torch {version} is built for CUDA {cuda}, newer than the driver's CUDA "
+                f"{driver_cuda}: it sees no CUDA device. Update the driver, or install a torch built for CUDA {driver_cuda.split('.')[0]}"}
+    sees = len(read_status(cuda_order=True, processes=False)["devices"])
+    if sees == 0:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return {**found, "sees": 0, "line": f"torch {version}: CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"}
+    return {**found, "sees": sees, "line": f"torch {version} (built for CUDA {cuda}): sees {sees} CUDA device(s), "
+            "judged from its build, the driver and CUDA_VISIBLE_DEVICES (--torch imports it to check)"}
 
 
 def device_line(device):
@@ -60,8 +96,8 @@ def device_line(device):
 
 def status(args):
     report = read_status(args.cuda_order)
+    report["torch"] = torch_status(report["cuda"], args.torch)
     if args.json:
-        report["torch"] = torch_line()
         print(json.dumps(report, indent=2))
         return 0
     order = "CUDA order (CUDA_VISIBLE_DEVICES)" if args.cuda_order else "NVML order"
@@ -73,7 +109,7 @@ def status(args):
             print(f"    pid {process['pid']} ({process['user']}) {process['command'][:60]} · {used}")
     if not report["devices"]:
         print("no GPU listed")
-    print(torch_line())
+    print(report["torch"]["line"])
     return 0
 
 
@@ -90,7 +126,7 @@ def watch(args):
             log.write(text + "\n")
             log.flush()
 
-    report = read_status(args.cuda_order)  # no driver: fail before printing anything
+    report = read_status(args.cuda_order, processes=False)  # no driver: fail before printing anything
     if args.csv:
         emit(",".join(CSV_FIELDS))
     try:
@@ -109,7 +145,7 @@ def watch(args):
                 lines += [device_line(d) for d in report["devices"]]
                 emit(("\x1b[H\x1b[2J" if live else "") + "\n".join(lines))
             time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
-            report = read_status(args.cuda_order)
+            report = read_status(args.cuda_order, processes=False)
     except KeyboardInterrupt:
         return 0
     finally:

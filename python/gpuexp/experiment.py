@@ -106,7 +106,7 @@ class CPUExperiment(GPUExperiment):
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
-                    multiple_of=1, device=None, verifications=2, progress=True):
+                    multiple_of=1, device=None, verifications=2, steps=2, progress=True):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
 
@@ -114,12 +114,17 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     optimizer, an inference step, or a step over (batch, seq_len) where only the batch varies).
     Two small sizes are probed for torch's exact peak, a line is fitted and checked by a further
     probe, the largest size under the budget is predicted and verified by running it
-    ``verifications`` times; an out-of-memory error or an overshoot falls back to bisection.
-    Every out-of-memory error is cleaned up as the OOM rescue does. A step that raises anything
-    else stops the search with that error.
+    ``verifications`` times; an out-of-memory error or an overshoot falls back to bisection,
+    which stops within 1% of the edge and holds ``margin`` of that size back. Each trial runs the step ``steps`` times in a row, from an
+    emptied cache at each new size: the second step shows the steady state (optimizer state,
+    and the blocks the first step left cached), which is where a size that fits once can still
+    run out. Every out-of-memory error is cleaned up as the OOM rescue does, and torch's cache
+    is emptied at the end, so the next run starts as the trials did. A step that raises
+    anything else stops the search with that error.
 
-    The memory a step may use is what torch holds plus what is free on the device, less
-    ``margin`` (default 5%) of the part that grows with the batch, or ``limit`` (``"24GiB"``:
+    The memory a step may use is what torch holds plus what is free on the device, less what
+    torch keeps cached at a small size and ``margin`` (default 5%) of the part that grows with
+    the batch, or ``limit`` (``"24GiB"``:
     aim for a smaller card; torch's allocations are capped there during the search, so the
     limit is the budget and ``margin`` defaults to 2%, room for the allocator's rounding and
     fragmentation at the cap). A verification that fails steps down 3% once before the search
@@ -138,7 +143,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
         # At a cap the allocator's rounding and fragmentation still need a little room.
         margin = 0.02 if limit_bytes is not None else 0.05
     search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
-                                   power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications)
+                                   power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications,
+                                   steps_per_trial=steps)
     # The same cap an experiment's limit= sets, restored after the search.
     limited = _core.limit_memory([index], limit_bytes) if limit_bytes is not None else []
     try:
@@ -147,24 +153,26 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
             batch, role = trial
             if batch != previous:
                 # Blocks cached at another size would fragment this one; repeats keep the steady state.
-                _core.release_memory()
+                _core.release_between_trials()
             previous = batch
-            peaks, seconds = _run_trial(torch, step, batch, index)
+            peaks, seconds = _run_trial(torch, step, batch, index, steps)
             search.record(batch, role, peaks, seconds)
             if progress:
                 outcome = "out of memory" if peaks is None else f"peak {peaks[0] / 2**30:.2f} GiB"
                 print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
     finally:
         _core.restore_memory_limit(limited)
+        _core.release_between_trials()
     return search
 
 
-def _run_trial(torch, step, batch, index):
-    """One step at a batch size: torch's exact peaks (allocated, reserved), or None if it ran out of memory."""
+def _run_trial(torch, step, batch, index, steps):
+    """``steps`` steps in a row at a batch size: torch's exact peaks (allocated, reserved), or None if one ran out of memory."""
     window = _core.measure_begin()
     started = time.perf_counter()
     try:
-        step(batch)
+        for _ in range(steps):
+            step(batch)
         torch.cuda.synchronize(index)
     except Exception as error:
         _core.measure_end(window, index)
@@ -173,7 +181,7 @@ def _run_trial(torch, step, batch, index):
         # As the OOM rescue does: the failed step's frames must let go of its tensors.
         ipython.DetachedNamespace().drop_exception(error)
         del error
-        _core.release_memory()
+        _core.release_between_trials()
         return None, time.perf_counter() - started
     return _core.measure_end(window, index), time.perf_counter() - started
 

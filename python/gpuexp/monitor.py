@@ -106,9 +106,10 @@ def plot_samples(samples, path=None, title="gpuexp monitor"):
         memory_axis.set_ylabel(f"GPU {i} GiB")
         utilization_axis = memory_axis.twinx()
         utilization_axis.plot(t, [s["gpus"][i]["utilization"] or 0 for s in samples], color="tab:green", alpha=0.5, label="utilisation")
-        utilization_axis.set_ylim(0, 100)
+        utilization_axis.set_ylim(0, 105)  # a busy GPU's 100% stays visible, not on the frame
         utilization_axis.set_ylabel("utilisation %")
-        memory_axis.legend(loc="upper left")
+        lines = memory_axis.get_lines() + utilization_axis.get_lines()
+        memory_axis.legend(lines, [line.get_label() for line in lines], loc="upper left")
     host_axis = axes[gpu_count][0]
     host_axis.plot(t, [s["rss"] / gib for s in samples], color="tab:purple", label="host RSS")
     host_axis.set_ylabel("host RSS GiB")

@@ -243,13 +243,13 @@ impl Registry {
         window
     }
 
-    /// Closes a window opened by [`Registry::open_window`], returning its peak of `gauge`
-    /// (other gauges can be read with `peaks.peak` before).
-    pub fn close_window(&mut self, window: u64, end: &Snapshot, gauge: &Gauge) -> Option<u64> {
+    /// Closes a window opened by [`Registry::open_window`], returning its peaks of `gauges`, the
+    /// end snapshot's counters included.
+    pub fn close_window<const N: usize>(&mut self, window: u64, end: &Snapshot, gauges: [Gauge; N]) -> [Option<u64>; N] {
         self.peaks.observe(end);
-        let peak = self.peaks.peak(window, gauge);
+        let peaks = gauges.map(|gauge| self.peaks.peak(window, &gauge));
         self.peaks.close(window);
-        peak
+        peaks
     }
 
     /// Opens the cell's peak window at `start`, taken just before the counters are reset.
@@ -364,6 +364,21 @@ mod tests {
         book.observe(&host(3.0, 140 * MIB, 800 * MIB));
         assert_eq!(rss(&book, 1), Some(800 * MIB));
         assert_eq!(rss(&book, 2), None, "a closed window records nothing more");
+    }
+
+    #[test]
+    fn a_trial_window_returns_every_peak_asked_for_with_the_end_counters() {
+        // The batch-size finder reads peak allocated and reserved at once: torch's counters in
+        // the end snapshot hold the step's peaks, so both must be read after it is observed.
+        let mut registry = Registry::default();
+        let mut start = host(0.0, 0, 0);
+        start.gpus = vec![torch_gpu(0, "GPU-a", (1, 1, 1, 1))];
+        let window = registry.open_window(&start);
+        let mut end = host(1.0, 0, 0);
+        end.gpus = vec![torch_gpu(0, "GPU-a", (1, 2, 3, 4))];
+        let peaks = registry.close_window(window, &end, [allocated("GPU-a"), reserved("GPU-a")]);
+        assert_eq!(peaks, [Some(3 * GIB), Some(4 * GIB)]);
+        assert!(!registry.has_windows());
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub const ORDER: [Step; 6] = [
 /// of an OOM rescue (after the failed cell's frames are cleared).
 pub const RELEASE: [Step; 3] = [Step::CollectGarbage, Step::FreeCublasWorkspaces, Step::EmptyCache];
 
+/// Between the batch-size finder's trials: what the last size left cached goes back, but
+/// cuBLAS's workspaces stay, as they do in a training loop. Re-made in the middle of a step,
+/// they pin memory among the step's own blocks, and trials then fail below what a loop fits.
+pub const BETWEEN_TRIALS: [Step; 2] = [Step::CollectGarbage, Step::EmptyCache];
+
 /// How a name's binding now compares with the scope's start, judged by object identity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Binding {

@@ -1,6 +1,7 @@
 //! The batch-size finder, driven from Python one trial at a time, and what it measures with.
 
 use super::*;
+use crate::snapshot::Gauge;
 
 /// The search of `gpuexp.find_batch_size`, driven from Python one trial at a time. Its table
 /// is the result a user sees.
@@ -10,7 +11,8 @@ pub(super) struct BatchSearchPy(pub(super) finder::Search);
 #[pymethods]
 impl BatchSearchPy {
     #[new]
-    #[pyo3(signature = (start, max, usable, margin=0.05, power_of_two=false, multiple_of=1, verifications=2))]
+    #[pyo3(signature = (start, max, usable, margin=0.05, power_of_two=false, multiple_of=1, verifications=2, steps_per_trial=2))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
     fn new(
         start: u64,
         max: u64,
@@ -19,11 +21,12 @@ impl BatchSearchPy {
         power_of_two: bool,
         multiple_of: u64,
         verifications: u32,
+        steps_per_trial: u32,
     ) -> PyResult<Self> {
         if !(0.0..1.0).contains(&margin) {
             return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
         }
-        let settings = finder::Settings { start, max, usable, margin, power_of_two, multiple_of, verifications };
+        let settings = finder::Settings { start, max, usable, margin, power_of_two, multiple_of, verifications, steps_per_trial };
         finder::Search::new(settings).map(BatchSearchPy).map_err(PyValueError::new_err)
     }
 
@@ -84,8 +87,8 @@ pub(super) fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Opti
         registry.peaks.close(window);
         return Err(PyValueError::new_err(format!("cuda:{device} is not a visible GPU")));
     };
-    let reserved = registry.peaks.peak(window, &crate::snapshot::Gauge::TorchReserved(gpu.uuid.clone()));
-    let allocated = registry.close_window(window, &end, &crate::snapshot::Gauge::TorchAllocated(gpu.uuid.clone()));
+    let gauges = [Gauge::TorchAllocated(gpu.uuid.clone()), Gauge::TorchReserved(gpu.uuid.clone())];
+    let [allocated, reserved] = registry.close_window(window, &end, gauges);
     Ok(allocated.zip(reserved))
 }
 
@@ -107,8 +110,8 @@ pub(super) fn parse_size(text: &str) -> PyResult<u64> {
     finder::parse_size(text).map_err(PyValueError::new_err)
 }
 
-/// gc, the cuBLAS workspaces and torch's cache: what gives memory back after a failed trial.
+/// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).
 #[pyfunction]
-pub(super) fn release_memory(py: Python) -> PyResult<()> {
-    teardown::RELEASE.iter().try_for_each(|step| release(py, *step))
+pub(super) fn release_between_trials(py: Python) -> PyResult<()> {
+    teardown::BETWEEN_TRIALS.iter().try_for_each(|step| release(py, *step))
 }

@@ -823,7 +823,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(limit_memory, m)?)?;
     m.add_function(wrap_pyfunction!(restore_memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
-    m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(release_between_trials, m)?)?;
     m.add_class::<BatchSearchPy>()?;
     m.add_class::<TimelinePy>()?;
     m.add_function(wrap_pyfunction!(gpu_status, m)?)?;

@@ -43,12 +43,12 @@ pub(super) fn format_bytes(n: u64) -> String {
     report::bytes(n)
 }
 
-/// `gpuexp status`: the driver, and every GPU with its compute processes, as JSON.
+/// `gpuexp status`: the driver, and every GPU with its compute processes (when asked), as JSON.
 #[pyfunction]
-#[pyo3(signature = (cuda_order=false))]
-pub(super) fn gpu_status(cuda_order: bool) -> PyResult<String> {
+#[pyo3(signature = (cuda_order=false, processes=true))]
+pub(super) fn gpu_status(cuda_order: bool, processes: bool) -> PyResult<String> {
     let (driver, cuda) = nvml::driver_versions().map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
-    let devices = nvml::device_status(cuda_order).map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
+    let devices = nvml::device_status(cuda_order, processes).map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
     let order = if cuda_order { "cuda" } else { "nvml" };
     Ok(serde_json::json!({"driver": driver, "cuda": cuda, "order": order, "devices": devices}).to_string())
 }

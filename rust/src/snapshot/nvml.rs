@@ -238,8 +238,9 @@ pub struct DeviceStatus {
     pub processes: Vec<ProcessStatus>,
 }
 
-/// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order.
-pub fn device_status(cuda_order: bool) -> Result<Vec<DeviceStatus>, String> {
+/// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order; with their
+/// compute processes when asked (each costs reads of /proc and /etc/passwd).
+pub fn device_status(cuda_order: bool, with_processes: bool) -> Result<Vec<DeviceStatus>, String> {
     let nvml = library()?;
     let chosen: Vec<(u32, u32, String)> = if cuda_order {
         with_visible(None, |devices| devices.iter().map(|(i, _)| (i.torch_index, i.nvml_index, i.uuid.clone())).collect())?
@@ -251,9 +252,7 @@ pub fn device_status(cuda_order: bool) -> Result<Vec<DeviceStatus>, String> {
     for (index, nvml_index, uuid) in chosen {
         let device = open(&uuid)?;
         let memory = device.memory_info().map_err(|e| e.to_string())?;
-        let processes = device
-            .running_compute_processes()
-            .unwrap_or_default()
+        let processes = if with_processes { device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
             .into_iter()
             .map(|p| ProcessStatus {
                 pid: p.pid,
