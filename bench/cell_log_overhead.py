@@ -49,6 +49,8 @@ import sys
 import tempfile
 import time
 
+from machine import cpu_model
+
 TARGET_ADDED_MS = 0.5
 TARGET_SLOWDOWN = 0.02
 MARK = "@@gpuexp-bench@@"
@@ -158,16 +160,7 @@ for _bench_pkg in ("gpuexp", "ipyexperiments", "ipython_memory_usage", "ipykerne
         _bench_versions[_bench_pkg] = _bench_md.version(_bench_pkg)
     except Exception:
         pass
-def _bench_cpu():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-_bench_info = dict(_BENCH, python=platform.python_version(), executable=sys.executable, cpu=_bench_cpu(),
+_bench_info = dict(_BENCH, python=platform.python_version(), executable=sys.executable,
                    cpus=os.cpu_count(), platform=platform.platform(), versions=_bench_versions,
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                    gpuexp_host_peak=os.environ.get("GPUEXP_HOST_PEAK"))
@@ -502,6 +495,7 @@ def start(config, spec_manager, root, workdir, args):
         if name == "none" and probe.text.strip():
             log(f"none: a trivial cell printed {last_line(probe.text)!r}")
         config.info = config.kernel.run(REPORT_STATE).value()
+        config.info["cpu"] = cpu_model()  # the kernel runs on this machine
         config.info["setup_output"] = setup.text[-3000:]
     except Exception as why:  # a kernel that can't start, or any surprise: the configuration is out, the bench goes on
         config.fail(str(why) if isinstance(why, KernelFailed) else f"{type(why).__name__}: {why}")

@@ -115,10 +115,10 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     Two small sizes are probed for torch's exact peak, a line is fitted and checked by a further
     probe, the largest size under the budget is predicted and verified by running it
     ``verifications`` times; an out-of-memory error or an overshoot falls back to bisection,
-    which stops within 1% of the edge and holds ``margin`` of that size back. Each trial runs the step ``steps`` times in a row, from an
-    emptied cache at each new size: the second step shows the steady state (optimizer state,
-    and the blocks the first step left cached), which is where a size that fits once can still
-    run out. Every out-of-memory error is cleaned up as the OOM rescue does, and torch's cache
+    which stops within 1% of the edge and holds ``margin`` of that size back. Each trial runs
+    the step ``steps`` times in a row, from an emptied cache at each new size: the second step
+    shows the steady state (optimizer state, and the blocks the first step left cached), which
+    is where a size that fits once can still run out. Every out-of-memory error is cleaned up as the OOM rescue does, and torch's cache
     is emptied at the end, so the next run starts as the trials did. A step that raises
     anything else stops the search with that error.
 

@@ -135,14 +135,7 @@ impl Search {
     /// it caches in proportion to the batch, it gives back when it nears a cap, so a line
     /// through reserved peaks would predict far too low for a conv net.)
     fn cached_overhead(&self) -> u64 {
-        let probe = self.settings.start * 2;
-        self.trials
-            .iter()
-            .find_map(|t| match t.outcome {
-                Outcome::Fit { peak, reserved } if t.batch == probe && t.role == Role::Probe => Some(reserved.saturating_sub(peak)),
-                _ => None,
-            })
-            .unwrap_or(0)
+        self.fit_at(self.settings.start * 2).map_or(0, |(peak, reserved)| reserved.saturating_sub(peak))
     }
 
     /// Where predictions aim: the usable memory less what torch keeps cached, less the margin.
@@ -183,11 +176,16 @@ impl Search {
         (good, bad)
     }
 
-    fn peak_at(&self, batch: u64) -> Option<u64> {
+    /// The peaks (allocated, reserved) of the first trial at `batch` that ran.
+    fn fit_at(&self, batch: u64) -> Option<(u64, u64)> {
         self.trials.iter().find_map(|t| match t.outcome {
-            Outcome::Fit { peak, .. } if t.batch == batch => Some(peak),
+            Outcome::Fit { peak, reserved } if t.batch == batch => Some((peak, reserved)),
             _ => None,
         })
+    }
+
+    fn peak_at(&self, batch: u64) -> Option<u64> {
+        self.fit_at(batch).map(|(peak, _)| peak)
     }
 
     fn line_through(&self, (b1, p1): (u64, u64), (b2, p2): (u64, u64)) -> Line {
