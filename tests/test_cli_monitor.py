@@ -52,9 +52,11 @@ def test_status_judges_whether_torch_sees_cuda_without_importing_it(monkeypatch,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["watch", "-n", "0"], "more than 0 seconds"),
+    (["watch", "-n", "0"], "more than 0 and at most"),
+    (["watch", "-n", "inf"], "more than 0 and at most"),
     (["watch", "--csv", "--json"], "not allowed with"),
     (["frobnicate"], "invalid choice"),
+    (["watch", "--log", "/nonexistent/dir/watch.csv"], "cannot write there"),
 ])
 def test_bad_arguments_get_usage_errors(args, message):
     done = cli(*args)

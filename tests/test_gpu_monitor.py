@@ -92,3 +92,27 @@ def test_watch_logs_csv_and_stops_cleanly_on_ctrl_c(tmp_path):
     rows = log.read_text().splitlines()
     assert rows[0].startswith("timestamp,index,name") and len(rows) >= 1 + 5 * len(GPU_UUIDS)
     assert out.splitlines() == rows
+
+
+def test_watch_json_rows_match_nvml_and_the_live_view_lists_every_gpu():
+    import signal
+    import time
+
+    watch = subprocess.Popen([GPUEXP, "watch", "-n", "0.2", "--json"], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.2)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=10)
+    assert watch.returncode == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) >= 3 * len(GPU_UUIDS)
+    last = {row["index"]: row for row in rows}
+    for index, row in last.items():
+        assert 0 <= row["utilization"] <= 100 and row["memory_total"] > row["memory_used"] >= 0
+        # Nothing else allocates meanwhile: the last refresh agrees with NVML read now.
+        assert abs(row["memory_used"] - nvml_used(index)) <= 64 << 20
+    live = subprocess.Popen([GPUEXP, "watch", "-n", "0.2"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.6)
+    live.send_signal(signal.SIGINT)
+    text, _ = live.communicate(timeout=10)
+    assert live.returncode == 0 and "gpuexp watch ·" in text
+    assert all(uuid in text for uuid in GPU_UUIDS)

@@ -6,13 +6,12 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 from . import _core
-from ._core import format_bytes as size
 
 NO_NVML_EXIT = 3
+MAX_INTERVAL_S = 86400
 
 
 def parse_args(argv):
@@ -32,13 +31,18 @@ def parse_args(argv):
         command.add_argument("--cuda-order", action="store_true",
                              help="the GPUs CUDA_VISIBLE_DEVICES shows, in CUDA's order (default: all GPUs, NVML order)")
     args = parser.parse_args(argv)
-    if args.command == "watch" and not args.interval > 0:
-        parser.error(f"-n {args.interval}: the interval must be more than 0 seconds, e.g. -n 1")
+    if args.command == "watch" and not 0 < args.interval <= MAX_INTERVAL_S:
+        parser.error(f"-n {args.interval}: the interval must be more than 0 and at most {MAX_INTERVAL_S} seconds, e.g. -n 1")
+    if args.command == "watch" and args.log and not writable(args.log):
+        parser.error(f"--log {args.log}: cannot write there; name a file in a directory you can write to")
     return args
 
 
-def read_status(cuda_order, processes=True):
-    return json.loads(_core.gpu_status(cuda_order, processes))
+def writable(path):
+    """Whether `path` can be appended to (checked before any device is opened, so the error comes first)."""
+    if os.path.exists(path):
+        return os.path.isfile(path) and os.access(path, os.W_OK)
+    return os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
 
 
 def torch_build():
@@ -76,7 +80,7 @@ def torch_status(driver_cuda, import_it):
     if int(cuda.split(".")[0]) > int(driver_cuda.split(".")[0]):
         return {**found, "sees": 0, "line": f"torch {version} is built for CUDA {cuda}, newer than the driver's CUDA "
                 f"{driver_cuda}: it sees no CUDA device. Update the driver, or install a torch built for CUDA {driver_cuda.split('.')[0]}"}
-    sees = len(read_status(cuda_order=True, processes=False)["devices"])
+    sees = len(_core.GpuStatus(cuda_order=True, processes=False))
     if sees == 0:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         return {**found, "sees": 0, "line": f"torch {version}: CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"}
@@ -84,73 +88,25 @@ def torch_status(driver_cuda, import_it):
             "judged from its build, the driver and CUDA_VISIBLE_DEVICES (--torch imports it to check)"}
 
 
-def device_line(device):
-    activity = [f"{device['utilization']}%" if device.get("utilization") is not None else "util n/a"]
-    if device.get("temperature_c") is not None:
-        activity.append(f"{device['temperature_c']} °C")
-    if device.get("power_w") is not None:
-        activity.append(f"{device['power_w']:.0f} W")
-    return (f"[{device['index']}] {device['name']} · {size(device['used'])} / {size(device['total'])} · "
-            + " · ".join(activity) + f" · {device['uuid']}")
-
-
 def status(args):
-    report = read_status(args.cuda_order)
-    report["torch"] = torch_status(report["cuda"], args.torch)
+    report = _core.GpuStatus(args.cuda_order)
+    torch = torch_status(report.cuda, args.torch)
     if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    order = "CUDA order (CUDA_VISIBLE_DEVICES)" if args.cuda_order else "NVML order"
-    print(f"gpuexp status · driver {report['driver']} · CUDA {report['cuda']} · {order}")
-    for device in report["devices"]:
-        print(device_line(device))
-        for process in device["processes"]:
-            used = size(process["used"]) if process["used"] is not None else "n/a"
-            print(f"    pid {process['pid']} ({process['user']}) {process['command'][:60]} · {used}")
-    if not report["devices"]:
-        print("no GPU listed")
-    print(report["torch"]["line"])
+        print(json.dumps({**json.loads(report.to_json()), "torch": torch}, indent=2))
+    else:
+        print(report)
+        print(torch["line"])
     return 0
 
 
-CSV_FIELDS = ["timestamp", "index", "name", "utilization", "memory_used", "memory_total", "temperature_c", "power_w"]
-
-
 def watch(args):
-    log = open(args.log, "a", encoding="utf-8") if args.log else None
-    live = not (args.csv or args.json) and sys.stdout.isatty()
-
-    def emit(text):
-        print(text, flush=True)
-        if log is not None:
-            log.write(text + "\n")
-            log.flush()
-
-    report = read_status(args.cuda_order, processes=False)  # no driver: fail before printing anything
-    if args.csv:
-        emit(",".join(CSV_FIELDS))
+    style = "csv" if args.csv else "json" if args.json else "live"
+    view = _core.Watch(args.cuda_order, style, args.interval)  # no driver: fails before anything is printed
     try:
-        while True:
-            started = time.monotonic()
-            stamp = time.strftime("%Y/%m/%d %H:%M:%S")
-            if args.csv or args.json:
-                for d in report["devices"]:
-                    row = [stamp, d["index"], d["name"], d.get("utilization"), d["used"], d["total"], d.get("temperature_c"), d.get("power_w")]
-                    if args.csv:
-                        emit(",".join("" if v is None else str(v) for v in row))
-                    else:
-                        emit(json.dumps(dict(zip(CSV_FIELDS, row))))
-            else:
-                lines = [f"gpuexp watch · {stamp} · every {args.interval:g} s · Ctrl-C stops"]
-                lines += [device_line(d) for d in report["devices"]]
-                emit(("\x1b[H\x1b[2J" if live else "") + "\n".join(lines))
-            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
-            report = read_status(args.cuda_order, processes=False)
+        view.run(args.log, redraw=style == "live" and sys.stdout.isatty())
     except KeyboardInterrupt:
-        return 0
-    finally:
-        if log is not None:
-            log.close()
+        pass  # Ctrl-C is how a watch ends
+    return 0
 
 
 def main(argv=None):

@@ -1,6 +1,7 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+pub mod cli;
 pub mod finder;
 pub mod monitor;
 pub mod report;

@@ -23,6 +23,7 @@ use types::*;
 
 use hunter::{Buffer, Memory};
 
+use crate::cli;
 use crate::finder;
 use crate::monitor;
 use crate::report::{self, CellRecord, Holders, Names, Report, Span};
@@ -826,8 +827,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_between_trials, m)?)?;
     m.add_class::<BatchSearchPy>()?;
     m.add_class::<TimelinePy>()?;
-    m.add_function(wrap_pyfunction!(gpu_status, m)?)?;
-    m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
+    m.add_class::<GpuStatusPy>()?;
+    m.add_class::<WatchPy>()?;
     m.add_class::<HoldersPy>()?;
     m.add_class::<OomPy>()?;
     m.add_class::<CellRecordPy>()?;

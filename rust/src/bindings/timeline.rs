@@ -1,6 +1,7 @@
-//! The timeline (`gpuexp.Monitor`, `timeline=True`) and what the `gpuexp` command reads.
+//! The timeline (`gpuexp.Monitor`, `timeline=True`) and the `gpuexp` command's status and watch.
 
 use super::*;
+use pyo3::exceptions::PyRuntimeError;
 
 /// A timeline recorded by a native thread; `gpuexp.Monitor` is its Python face.
 #[pyclass(name = "Timeline", module = "gpuexp")]
@@ -37,18 +38,76 @@ impl TimelinePy {
     }
 }
 
-/// Bytes in binary units, as every gpuexp table writes them ("1.50 GiB").
-#[pyfunction]
-pub(super) fn format_bytes(n: u64) -> String {
-    report::bytes(n)
+/// `gpuexp status`: the driver, and every GPU with its compute processes (when asked).
+#[pyclass(name = "GpuStatus", module = "gpuexp", frozen)]
+pub(super) struct GpuStatusPy(cli::Status);
+
+#[pymethods]
+impl GpuStatusPy {
+    #[new]
+    #[pyo3(signature = (cuda_order=false, processes=true))]
+    fn new(cuda_order: bool, processes: bool) -> PyResult<Self> {
+        cli::Status::read(cuda_order, processes).map(GpuStatusPy).map_err(PyRuntimeError::new_err)
+    }
+
+    /// The newest CUDA version the driver supports, e.g. "13.0".
+    #[getter]
+    fn cuda(&self) -> &str {
+        &self.0.cuda
+    }
+
+    fn __len__(&self) -> usize {
+        self.0.devices.len()
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(&self.0).expect("a status always serialises")
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_text()
+    }
 }
 
-/// `gpuexp status`: the driver, and every GPU with its compute processes (when asked), as JSON.
-#[pyfunction]
-#[pyo3(signature = (cuda_order=false, processes=true))]
-pub(super) fn gpu_status(cuda_order: bool, processes: bool) -> PyResult<String> {
-    let (driver, cuda) = nvml::driver_versions().map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
-    let devices = nvml::device_status(cuda_order, processes).map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
-    let order = if cuda_order { "cuda" } else { "nvml" };
-    Ok(serde_json::json!({"driver": driver, "cuda": cuda, "order": order, "devices": devices}).to_string())
+/// `gpuexp watch`: devices opened once, then a refresh every interval, written from Rust.
+#[pyclass(name = "Watch", module = "gpuexp", frozen)]
+pub(super) struct WatchPy(cli::Watch);
+
+#[pymethods]
+impl WatchPy {
+    /// `style` is "live", "csv" or "json".
+    #[new]
+    fn new(cuda_order: bool, style: &str, interval_s: f64) -> PyResult<Self> {
+        let style = match style {
+            "live" => cli::Style::Live,
+            "csv" => cli::Style::Csv,
+            "json" => cli::Style::JsonLines,
+            other => return Err(PyValueError::new_err(format!("style {other:?}: use \"live\", \"csv\" or \"json\""))),
+        };
+        let interval = std::time::Duration::try_from_secs_f64(interval_s)
+            .ok()
+            .filter(|i| !i.is_zero())
+            .ok_or_else(|| PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}")))?;
+        cli::Watch::open(cuda_order, style, interval).map(WatchPy).map_err(PyRuntimeError::new_err)
+    }
+
+    /// Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes; `redraw` clears
+    /// the screen before each refresh.
+    #[pyo3(signature = (log=None, redraw=false))]
+    fn run(&self, py: Python, log: Option<std::path::PathBuf>, redraw: bool) -> PyResult<()> {
+        let mut output = cli::Output::open(log.as_deref(), redraw).map_err(PyValueError::new_err)?;
+        let mut interrupted = None;
+        let ran = self.0.run(&mut output, |left| {
+            py.detach(|| cli::nap(left));
+            match py.check_signals() {
+                Ok(()) => true,
+                Err(signal) => {
+                    interrupted = Some(signal);
+                    false
+                }
+            }
+        });
+        ran.map_err(PyRuntimeError::new_err)?;
+        interrupted.map_or(Ok(()), Err)
+    }
 }

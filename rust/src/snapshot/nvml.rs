@@ -238,21 +238,56 @@ pub struct DeviceStatus {
     pub processes: Vec<ProcessStatus>,
 }
 
-/// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order; with their
-/// compute processes when asked (each costs reads of /proc and /etc/passwd).
-pub fn device_status(cuda_order: bool, with_processes: bool) -> Result<Vec<DeviceStatus>, String> {
+/// A device as the `gpuexp` command lists it, opened once: what never changes is read here, the
+/// rest by `status` from the kept handle.
+pub struct Listed {
+    /// NVML's index, or the CUDA ordinal in CUDA's order.
+    index: u32,
+    nvml_index: u32,
+    uuid: String,
+    name: String,
+    device: Device<'static>,
+}
+
+/// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order.
+pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>, String> {
     let nvml = library()?;
-    let chosen: Vec<(u32, u32, String)> = if cuda_order {
-        with_visible(None, |devices| devices.iter().map(|(i, _)| (i.torch_index, i.nvml_index, i.uuid.clone())).collect())?
-    } else {
-        let count = nvml.device_count().map_err(|e| e.to_string())?;
-        (0..count).filter_map(|i| Some((i, i, nvml.device_by_index(i).ok()?.uuid().ok()?))).collect()
-    };
-    let mut out = Vec::new();
-    for (index, nvml_index, uuid) in chosen {
-        let device = open(&uuid)?;
-        let memory = device.memory_info().map_err(|e| e.to_string())?;
-        let processes = if with_processes { device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
+    if cuda_order {
+        let idents: Vec<GpuIdent> = with_visible(None, |devices| devices.iter().map(|(ident, _)| ident.clone()).collect())?;
+        return idents
+            .into_iter()
+            .map(|ident| {
+                Ok(Listed {
+                    device: open(&ident.uuid)?,
+                    index: ident.torch_index,
+                    nvml_index: ident.nvml_index,
+                    uuid: ident.uuid,
+                    name: ident.name,
+                })
+            })
+            .collect();
+    }
+    let count = nvml.device_count().map_err(|e| format!("NVML could not count devices: {e}"))?;
+    Ok((0..count)
+        .filter_map(|index| {
+            let device = nvml.device_by_index(index).ok()?;
+            Some(Listed {
+                index,
+                nvml_index: index,
+                uuid: device.uuid().ok()?,
+                name: device.name().unwrap_or_else(|_| brand_name(&device)),
+                device,
+            })
+        })
+        .collect())
+}
+
+impl Listed {
+    /// Memory and activity now, with the compute processes when asked (each costs reads of
+    /// /proc and /etc/passwd).
+    pub fn status(&self, with_processes: bool) -> Result<DeviceStatus, String> {
+        let memory = self.device.memory_info().map_err(|e| format!("NVML could not read GPU {}: {e}", self.index))?;
+        let processes = if with_processes { self.device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
             .into_iter()
             .map(|p| ProcessStatus {
                 pid: p.pid,
@@ -264,18 +299,17 @@ pub fn device_status(cuda_order: bool, with_processes: bool) -> Result<Vec<Devic
                 },
             })
             .collect();
-        out.push(DeviceStatus {
-            index,
-            nvml_index,
-            name: device.name().unwrap_or_default(),
-            uuid,
+        Ok(DeviceStatus {
+            index: self.index,
+            nvml_index: self.nvml_index,
+            uuid: self.uuid.clone(),
+            name: self.name.clone(),
             used: memory.used,
             total: memory.total,
-            activity: activity(&device),
+            activity: activity(&self.device),
             processes,
-        });
+        })
     }
-    Ok(out)
 }
 
 /// The command line of a process, as far as this namespace can see it ("?" otherwise).
