@@ -114,5 +114,5 @@ def test_watch_json_rows_match_nvml_and_the_live_view_lists_every_gpu():
     time.sleep(0.6)
     live.send_signal(signal.SIGINT)
     text, _ = live.communicate(timeout=10)
-    assert live.returncode == 0 and "gpuexp watch ·" in text
+    assert live.returncode == 0 and "gpuexp watch ·" in text and "NVML order" in text
     assert all(uuid in text for uuid in GPU_UUIDS)

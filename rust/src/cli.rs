@@ -36,7 +36,7 @@ impl Status {
     }
 
     pub fn to_text(&self) -> String {
-        let order = if self.order == "cuda" { "CUDA order (CUDA_VISIBLE_DEVICES)" } else { "NVML order" };
+        let order = order_label(self.order == "cuda");
         let mut lines = vec![format!("gpuexp status · driver {} · CUDA {} · {order}", self.driver, self.cuda)];
         for device in &self.devices {
             lines.push(device_line(device));
@@ -50,6 +50,15 @@ impl Status {
             lines.push("no GPU listed".into());
         }
         lines.join("\n")
+    }
+}
+
+/// Which devices are shown, and in what order, in words: indices mean different GPUs in each.
+fn order_label(cuda_order: bool) -> &'static str {
+    if cuda_order {
+        "CUDA order (CUDA_VISIBLE_DEVICES)"
+    } else {
+        "NVML order"
     }
 }
 
@@ -132,6 +141,8 @@ pub struct Watch {
     devices: Vec<Listed>,
     style: Style,
     interval: Duration,
+    /// What the live view's first line says after the time: the interval and the device order.
+    heading: String,
 }
 
 /// Where a watch writes: standard output, and a log file when asked.
@@ -172,13 +183,13 @@ impl Output {
 impl Watch {
     /// Opens the devices; with no driver this fails before anything is printed.
     pub fn open(cuda_order: bool, style: Style, interval: Duration) -> Result<Watch, String> {
-        Ok(Watch { devices: nvml::list_devices(cuda_order)?, style, interval })
+        Ok(Watch { devices: nvml::list_devices(cuda_order)?, style, interval, heading: heading(interval, cuda_order) })
     }
 
     /// One refresh, every device read now, stamped with `timestamp`.
     fn refresh(&self, timestamp: &str) -> Result<String, String> {
         let devices = self.devices.iter().map(|d| d.status(false)).collect::<Result<Vec<_>, _>>()?;
-        Ok(render(&devices, self.style, self.interval, timestamp))
+        Ok(render(&devices, self.style, &self.heading, timestamp))
     }
 
     /// Refreshes every interval until `wait(time left)` says stop (it returns false) or standard
@@ -229,9 +240,13 @@ fn local_timestamp() -> String {
     format!("{:04}/{:02}/{:02} {:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
 }
 
-fn render(devices: &[DeviceStatus], style: Style, interval: Duration, timestamp: &str) -> String {
+fn heading(interval: Duration, cuda_order: bool) -> String {
+    format!("every {} s · {} · Ctrl-C stops", interval.as_secs_f64(), order_label(cuda_order))
+}
+
+fn render(devices: &[DeviceStatus], style: Style, heading: &str, timestamp: &str) -> String {
     let lines: Vec<String> = match style {
-        Style::Live => std::iter::once(format!("gpuexp watch · {timestamp} · every {} s · Ctrl-C stops", interval.as_secs_f64()))
+        Style::Live => std::iter::once(format!("gpuexp watch · {timestamp} · {heading}"))
             .chain(devices.iter().map(device_line))
             .collect(),
         Style::Csv => devices.iter().map(|d| Row::of(d, timestamp).csv()).collect(),
@@ -258,13 +273,12 @@ mod tests {
         }
     }
 
-    const SECOND: Duration = Duration::from_secs(1);
     const BUSY: Activity = Activity { utilization: Some(97), memory_utilization: Some(40), temperature_c: Some(61), power_w: Some(512.34) };
 
     #[test]
     fn csv_rows_follow_the_header_and_leave_unreported_figures_empty() {
         let quiet = Activity::default();
-        let text = render(&[device(0, BUSY), device(1, quiet)], Style::Csv, SECOND, "2026/11/21 12:00:00");
+        let text = render(&[device(0, BUSY), device(1, quiet)], Style::Csv, "", "2026/11/21 12:00:00");
         let rows: Vec<&str> = text.lines().collect();
         assert_eq!(rows[0], format!("2026/11/21 12:00:00,0,NVIDIA H200,97,{},{},61,512.34", 3u64 << 30, 140u64 << 30));
         assert_eq!(rows[1].split(',').count(), CSV_HEADER.split(',').count());
@@ -273,7 +287,7 @@ mod tests {
 
     #[test]
     fn json_rows_carry_the_csv_columns() {
-        let text = render(&[device(0, BUSY)], Style::JsonLines, SECOND, "t");
+        let text = render(&[device(0, BUSY)], Style::JsonLines, "", "t");
         let row: serde_json::Value = serde_json::from_str(&text).unwrap();
         let keys: Vec<&str> = row.as_object().unwrap().keys().map(String::as_str).collect();
         let mut expected: Vec<&str> = CSV_HEADER.split(',').collect();
@@ -284,9 +298,9 @@ mod tests {
 
     #[test]
     fn the_live_view_has_a_header_and_a_line_per_device() {
-        let text = render(&[device(0, BUSY), device(1, BUSY)], Style::Live, Duration::from_millis(500), "12:00");
+        let text = render(&[device(0, BUSY), device(1, BUSY)], Style::Live, &heading(Duration::from_millis(500), false), "12:00");
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "gpuexp watch · 12:00 · every 0.5 s · Ctrl-C stops");
+        assert_eq!(lines[0], "gpuexp watch · 12:00 · every 0.5 s · NVML order · Ctrl-C stops");
         assert_eq!(lines[2], "[1] NVIDIA H200 · 3.00 GiB / 140.00 GiB · 97% · 61 °C · 512 W · GPU-1");
     }
 
@@ -295,7 +309,7 @@ mod tests {
     }
 
     fn watch(style: Style, interval: Duration) -> Watch {
-        Watch { devices: Vec::new(), style, interval }
+        Watch { devices: Vec::new(), style, interval, heading: heading(interval, true) }
     }
 
     #[test]
@@ -313,7 +327,7 @@ mod tests {
             .unwrap();
         let logged = std::fs::read_to_string(&log).unwrap();
         assert_eq!(logged.lines().count(), 3, "{logged}");
-        assert!(logged.lines().all(|l| l.starts_with("gpuexp watch · 20") && l.ends_with("every 0.002 s · Ctrl-C stops")));
+        assert!(logged.lines().all(|l| l.starts_with("gpuexp watch · 20") && l.ends_with("every 0.002 s · CUDA order (CUDA_VISIBLE_DEVICES) · Ctrl-C stops")));
         assert_eq!(std::fs::read_to_string(&screen).unwrap().matches("\x1b[H\x1b[2J").count(), 3);
         std::fs::remove_file(screen).ok();
         std::fs::remove_file(log).ok();
