@@ -209,7 +209,7 @@ impl Watch {
                 if !wait(left) {
                     return Ok(());
                 }
-                if left.is_zero() || started.elapsed() >= self.interval {
+                if started.elapsed() >= self.interval {
                     break;
                 }
             }
