@@ -158,10 +158,18 @@ impl Output {
     pub fn open(log: Option<&Path>, redraw: bool) -> Result<Output, String> {
         let log = log
             .map(|path| {
-                File::options().create(true).append(true).open(path).map_err(|e| format!("--log {}: cannot write there ({e})", path.display()))
+                File::options()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("--log {}: cannot write there ({e})", path.display()))
             })
             .transpose()?;
-        Ok(Output { screen: Box::new(std::io::stdout()), screen_prefix: if redraw { "\x1b[H\x1b[2J" } else { "" }, log })
+        Ok(Output {
+            screen: Box::new(std::io::stdout()),
+            screen_prefix: if redraw { "\x1b[H\x1b[2J" } else { "" },
+            log,
+        })
     }
 
     /// False when standard output has closed (`gpuexp watch --csv | head`): the watch is over.
@@ -174,7 +182,8 @@ impl Output {
             Ok(()) => {}
         }
         if let Some(log) = self.log.as_mut() {
-            log.write_all(&line.as_bytes()[self.screen_prefix.len()..]).map_err(|e| format!("writing the log failed: {e}"))?;
+            log.write_all(&line.as_bytes()[self.screen_prefix.len()..])
+                .map_err(|e| format!("writing the log failed: {e}"))?;
         }
         Ok(true)
     }
@@ -237,7 +246,15 @@ fn local_timestamp() -> String {
         libc::localtime_r(&now, &mut tm);
         tm
     };
-    format!("{:04}/{:02}/{:02} {:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
+    format!(
+        "{:04}/{:02}/{:02} {:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
 }
 
 fn heading(interval: Duration, cuda_order: bool) -> String {
@@ -250,7 +267,10 @@ fn render(devices: &[DeviceStatus], style: Style, heading: &str, timestamp: &str
             .chain(devices.iter().map(device_line))
             .collect(),
         Style::Csv => devices.iter().map(|d| Row::of(d, timestamp).csv()).collect(),
-        Style::JsonLines => devices.iter().map(|d| serde_json::to_string(&Row::of(d, timestamp)).expect("a row always serialises")).collect(),
+        Style::JsonLines => devices
+            .iter()
+            .map(|d| serde_json::to_string(&Row::of(d, timestamp)).expect("a row always serialises"))
+            .collect(),
     };
     lines.join("\n")
 }
@@ -269,11 +289,21 @@ mod tests {
             used: 3 << 30,
             total: 140 << 30,
             activity,
-            processes: vec![ProcessStatus { pid: 42, user: "ann".into(), command: "python train.py".into(), used: Some(1 << 30) }],
+            processes: vec![ProcessStatus {
+                pid: 42,
+                user: "ann".into(),
+                command: "python train.py".into(),
+                used: Some(1 << 30),
+            }],
         }
     }
 
-    const BUSY: Activity = Activity { utilization: Some(97), memory_utilization: Some(40), temperature_c: Some(61), power_w: Some(512.34) };
+    const BUSY: Activity = Activity {
+        utilization: Some(97),
+        memory_utilization: Some(40),
+        temperature_c: Some(61),
+        power_w: Some(512.34),
+    };
 
     #[test]
     fn csv_rows_follow_the_header_and_leave_unreported_figures_empty() {
@@ -298,7 +328,12 @@ mod tests {
 
     #[test]
     fn the_live_view_has_a_header_and_a_line_per_device() {
-        let text = render(&[device(0, BUSY), device(1, BUSY)], Style::Live, &heading(Duration::from_millis(500), false), "12:00");
+        let text = render(
+            &[device(0, BUSY), device(1, BUSY)],
+            Style::Live,
+            &heading(Duration::from_millis(500), false),
+            "12:00",
+        );
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "gpuexp watch · 12:00 · every 0.5 s · NVML order · Ctrl-C stops");
         assert_eq!(lines[2], "[1] NVIDIA H200 · 3.00 GiB / 140.00 GiB · 97% · 61 °C · 512 W · GPU-1");
@@ -327,7 +362,8 @@ mod tests {
             .unwrap();
         let logged = std::fs::read_to_string(&log).unwrap();
         assert_eq!(logged.lines().count(), 3, "{logged}");
-        assert!(logged.lines().all(|l| l.starts_with("gpuexp watch · 20") && l.ends_with("every 0.002 s · CUDA order (CUDA_VISIBLE_DEVICES) · Ctrl-C stops")));
+        assert!(logged.lines().all(|l| l.starts_with("gpuexp watch · 20")
+            && l.ends_with("every 0.002 s · CUDA order (CUDA_VISIBLE_DEVICES) · Ctrl-C stops")));
         assert_eq!(std::fs::read_to_string(&screen).unwrap().matches("\x1b[H\x1b[2J").count(), 3);
         std::fs::remove_file(screen).ok();
         std::fs::remove_file(log).ok();
@@ -370,20 +406,32 @@ mod tests {
         let mut output = Output::open(None, false).unwrap();
         output.screen = Box::new(ClosedPipe);
         let mut waits = 0;
-        watch(Style::JsonLines, Duration::from_millis(1)).run(&mut output, |_| {
-            waits += 1;
-            true
-        })
-        .unwrap();
+        watch(Style::JsonLines, Duration::from_millis(1))
+            .run(&mut output, |_| {
+                waits += 1;
+                true
+            })
+            .unwrap();
         assert_eq!(waits, 0);
-        assert!(Output::open(Some(Path::new("/nonexistent/dir/w.csv")), false).err().unwrap().contains("cannot write there"));
+        assert!(Output::open(Some(Path::new("/nonexistent/dir/w.csv")), false)
+            .err()
+            .unwrap()
+            .contains("cannot write there"));
     }
 
     #[test]
     fn status_text_lists_processes_under_their_device() {
-        let status = Status { driver: "580.1".into(), cuda: "13.0".into(), order: "cuda", devices: vec![device(0, Activity::default())] };
+        let status = Status {
+            driver: "580.1".into(),
+            cuda: "13.0".into(),
+            order: "cuda",
+            devices: vec![device(0, Activity::default())],
+        };
         let text = status.to_text();
-        assert!(text.starts_with("gpuexp status · driver 580.1 · CUDA 13.0 · CUDA order (CUDA_VISIBLE_DEVICES)"), "{text}");
+        assert!(
+            text.starts_with("gpuexp status · driver 580.1 · CUDA 13.0 · CUDA order (CUDA_VISIBLE_DEVICES)"),
+            "{text}"
+        );
         assert!(text.contains("[0] NVIDIA H200 · 3.00 GiB / 140.00 GiB · util n/a · GPU-0\n    pid 42 (ann) python train.py · 1.00 GiB"), "{text}");
         let empty = Status { devices: vec![], ..status };
         assert!(empty.to_text().ends_with("no GPU listed"));

@@ -12,7 +12,10 @@ use crate::report::{bytes, Grid};
 pub enum Outcome {
     /// It ran: torch's exact peaks during the step, in bytes. `reserved` matters too: a cap or
     /// the device's free memory limits what the allocator reserves, fragmentation included.
-    Fit { peak: u64, reserved: u64 },
+    Fit {
+        peak: u64,
+        reserved: u64,
+    },
     OutOfMemory,
 }
 
@@ -158,7 +161,9 @@ impl Search {
     fn room_and_margin(&self) -> (f64, f64) {
         let room = self.settings.usable.saturating_sub(self.cached_overhead()) as f64;
         let held_back = match self.line {
-            Some(line) if line.intercept > 0.0 && line.intercept < room => (room - line.intercept) * self.settings.margin,
+            Some(line) if line.intercept > 0.0 && line.intercept < room => {
+                (room - line.intercept) * self.settings.margin
+            }
             _ => room * self.settings.margin,
         };
         (room, held_back)
@@ -172,7 +177,8 @@ impl Search {
     /// failure, and the smallest size that failed at least once.
     fn bounds(&self) -> (Option<u64>, Option<u64>) {
         let bad = self.trials.iter().filter(|t| !self.fits(t)).map(|t| t.batch).min();
-        let good = self.trials.iter().filter(|t| self.fits(t) && bad.is_none_or(|bad| t.batch < bad)).map(|t| t.batch).max();
+        let good =
+            self.trials.iter().filter(|t| self.fits(t) && bad.is_none_or(|bad| t.batch < bad)).map(|t| t.batch).max();
         (good, bad)
     }
 
@@ -282,7 +288,8 @@ impl Search {
 
     /// 3. The prediction runs `verifications` times before it is trusted.
     fn verify(&mut self, predicted: u64) -> Next {
-        let verified: Vec<&Trial> = self.trials.iter().filter(|t| t.batch == predicted && t.role == Role::Verify).collect();
+        let verified: Vec<&Trial> =
+            self.trials.iter().filter(|t| t.batch == predicted && t.role == Role::Verify).collect();
         if verified.iter().any(|t| !self.fits(t)) {
             // A prediction that fails is nearly always just over the edge: one small step down
             // costs fewer trials than bisecting from the last size that fit.
@@ -317,7 +324,9 @@ impl Search {
         if close_enough || middle <= low || middle >= bad {
             return match good {
                 Some(good) => self.finish_bisected(good, bad),
-                None => self.finish(format!("even batch size {} does not fit in the budget", self.settings.start.min(bad))),
+                None => {
+                    self.finish(format!("even batch size {} does not fit in the budget", self.settings.start.min(bad)))
+                }
             };
         }
         Next::Try(middle, Role::Bisect)
@@ -345,10 +354,19 @@ impl Search {
             .iter()
             .map(|t| {
                 let (peak, reserved, result) = match t.outcome {
-                    Outcome::Fit { peak, reserved } => (bytes(peak), bytes(reserved), if self.fits(t) { "fits" } else { "over budget" }),
+                    Outcome::Fit { peak, reserved } => {
+                        (bytes(peak), bytes(reserved), if self.fits(t) { "fits" } else { "over budget" })
+                    }
                     Outcome::OutOfMemory => ("—".to_string(), "—".to_string(), "out of memory"),
                 };
-                vec![t.batch.to_string(), t.role.label().into(), peak, reserved, format!("{:.2} s", t.seconds), result.into()]
+                vec![
+                    t.batch.to_string(),
+                    t.role.label().into(),
+                    peak,
+                    reserved,
+                    format!("{:.2} s", t.seconds),
+                    result.into(),
+                ]
             })
             .collect();
         let mut lines = vec![format!(
@@ -427,7 +445,16 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn settings(usable: u64) -> Settings {
-        Settings { start: 8, max: 4096, usable, margin: 0.0, power_of_two: false, multiple_of: 1, verifications: 2, steps_per_trial: 2 }
+        Settings {
+            start: 8,
+            max: 4096,
+            usable,
+            margin: 0.0,
+            power_of_two: false,
+            multiple_of: 1,
+            verifications: 2,
+            steps_per_trial: 2,
+        }
     }
 
     /// Runs a search against a model of the step: `peak(batch)` bytes, and an OOM above `capacity`.
@@ -436,7 +463,12 @@ mod tests {
     }
 
     /// As `run`, where torch reserves `reserved(batch)` and runs out of memory when that is over `capacity`.
-    fn run_reserving(settings: Settings, capacity: u64, peak: &dyn Fn(u64) -> u64, reserved: &dyn Fn(u64) -> u64) -> Search {
+    fn run_reserving(
+        settings: Settings,
+        capacity: u64,
+        peak: &dyn Fn(u64) -> u64,
+        reserved: &dyn Fn(u64) -> u64,
+    ) -> Search {
         let mut search = Search::new(settings).unwrap();
         for _ in 0..100 {
             match search.next_trial() {
@@ -513,7 +545,9 @@ mod tests {
         let mut s = settings(24 << 30);
         s.margin = 0.02;
         let search = run(s, 24 << 30, peak);
-        let over = search.trials.iter().any(|t| matches!(t.outcome, Outcome::Fit { peak, .. } if t.role == Role::Verify && peak > search.budget()));
+        let over = search.trials.iter().any(
+            |t| matches!(t.outcome, Outcome::Fit { peak, .. } if t.role == Role::Verify && peak > search.budget()),
+        );
         assert!(over, "the model should overshoot the budget a little: {search:?}");
         assert_eq!(search.trials.len(), 5, "{search:?}");
         assert_eq!(search.batch_size, search.predicted, "{search:?}");
@@ -555,7 +589,8 @@ mod tests {
         assert!(search.verdict.contains("max=100"));
         let tiny = run(settings(1 << 20), 2 << 20, |b| b * 10 * MIB);
         assert_eq!(tiny.batch_size, None);
-        assert!(tiny.verdict.contains("even batch size 1 does not fit"), "{}", tiny.verdict); // it bisected below start
+        assert!(tiny.verdict.contains("even batch size 1 does not fit"), "{}", tiny.verdict);
+        // it bisected below start
     }
 
     #[test]

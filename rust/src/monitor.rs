@@ -74,7 +74,9 @@ fn csv_line(sample: &Sample, header: bool) -> String {
     let opt = |v: Option<String>| v.unwrap_or_default();
     for (i, gpu) in sample.gpus.iter().enumerate() {
         if header {
-            for field in ["used", "total", "process_used", "utilization", "memory_utilization", "temperature_c", "power_w"] {
+            for field in
+                ["used", "total", "process_used", "utilization", "memory_utilization", "temperature_c", "power_w"]
+            {
                 cells.push(format!("gpu{i}_{field}"));
             }
         } else {
@@ -262,7 +264,8 @@ mod tests {
         let samples = monitor.samples();
         assert!((8..=14).contains(&samples.len()), "{} samples", samples.len());
         assert!(written_while_running >= 8, "the file is flushed as it goes");
-        let first: serde_json::Value = serde_json::from_str(std::fs::read_to_string(&path).unwrap().lines().next().unwrap()).unwrap();
+        let first: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(&path).unwrap().lines().next().unwrap()).unwrap();
         assert!(first["rss"].as_u64().unwrap() > 0 && first["gpus"].as_array().unwrap().is_empty());
         assert!(samples.windows(2).all(|w| w[1].t > w[0].t));
         std::fs::remove_file(path).ok();
@@ -288,7 +291,10 @@ mod tests {
             .err()
             .unwrap()
             .contains("cannot write"));
-        assert!(Monitor::start(Duration::from_millis(10), Some(scratch("t.txt")), false).err().unwrap().contains(".jsonl"));
+        assert!(Monitor::start(Duration::from_millis(10), Some(scratch("t.txt")), false)
+            .err()
+            .unwrap()
+            .contains(".jsonl"));
     }
 
     #[test]
@@ -298,7 +304,12 @@ mod tests {
             used: Some(5),
             total: Some(10),
             process_used: Some(2),
-            activity: Activity { utilization: Some(50), memory_utilization: Some(7), temperature_c: Some(40), power_w: Some(120.5) },
+            activity: Activity {
+                utilization: Some(50),
+                memory_utilization: Some(7),
+                temperature_c: Some(40),
+                power_w: Some(120.5),
+            },
         };
         let sample = Sample { t: 1.0, time: 2.0, cpu_percent: 3.0, rss: 4, available: 5, gpus: vec![gpu] };
         assert!(csv_line(&sample, true).ends_with("gpu0_temperature_c,gpu0_power_w"));

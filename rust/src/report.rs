@@ -139,7 +139,8 @@ impl Report {
                     let uuid = uuid.clone();
                     move |s: &Snapshot| s.gpu(&uuid).and_then(pick)
                 };
-                let gpu_metric = |gauge: Gauge, pick: fn(&GpuReading) -> Option<u64>| metric(gauge, &read, &field(pick));
+                let gpu_metric =
+                    |gauge: Gauge, pick: fn(&GpuReading) -> Option<u64>| metric(gauge, &read, &field(pick));
                 let torch_allocated = gpu_metric(Gauge::TorchAllocated(uuid.clone()), |g| g.torch.map(|t| t.allocated));
                 let torch_reserved = gpu_metric(Gauge::TorchReserved(uuid.clone()), |g| g.torch.map(|t| t.reserved));
                 // A figure that was unavailable at any point makes the whole row unavailable.
@@ -211,7 +212,8 @@ impl Report {
             lines.push(format!("limit: torch could allocate {} per GPU (a smaller card, rehearsed)", bytes(limit)));
         }
         for held in &self.still_held {
-            let named: Vec<String> = held.holders.iter().take(5).map(|h| format!("{} ({})", h.path, bytes(h.bytes))).collect();
+            let named: Vec<String> =
+                held.holders.iter().take(5).map(|h| format!("{} ({})", h.path, bytes(h.bytes))).collect();
             let mut line = format!("still held on {}: {}", held.device, named.join(", "));
             if held.unreachable > 0 {
                 line.push_str(&format!("; {} with no reachable referrer", bytes(held.unreachable)));
@@ -240,15 +242,22 @@ impl Report {
         Grid {
             title: format!("gpuexp · {} · {state} · {:.1} s", self.name, self.duration_s),
             lines,
-            header: ["memory", "start", "peak", "consumed", "reclaimed", "share", if self.finished { "end" } else { "now" }]
-                .map(String::from)
-                .to_vec(),
+            header: [
+                "memory",
+                "start",
+                "peak",
+                "consumed",
+                "reclaimed",
+                "share",
+                if self.finished { "end" } else { "now" },
+            ]
+            .map(String::from)
+            .to_vec(),
             rows,
             notes: prefixed("note", &self.notes),
             compact: false,
         }
     }
-
 }
 
 /// How a GPU is introduced above a table: both of its indices, so nobody confuses them.
@@ -525,7 +534,12 @@ fn escape(text: &str) -> String {
 pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     let host = &snapshot.host;
     let mut rows = vec![vec!["host RSS".into(), bytes(host.rss), "—".into(), "—".into()]];
-    rows.push(vec!["host system".into(), bytes(host.total - host.available.min(host.total)), bytes(host.available), bytes(host.total)]);
+    rows.push(vec![
+        "host system".into(),
+        bytes(host.total - host.available.min(host.total)),
+        bytes(host.available),
+        bytes(host.total),
+    ]);
     if let Some(limit) = host.cgroup_limit {
         rows.push(vec!["host cgroup limit".into(), "—".into(), "—".into(), bytes(limit)]);
     }
@@ -567,12 +581,7 @@ pub fn rfc3339(unix_seconds: f64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 #[cfg(test)]
@@ -586,7 +595,13 @@ mod tests {
     const KIB: u64 = 1 << 10;
     const MIB: u64 = 1 << 20;
 
-    fn finished(name: &str, start: &Snapshot, before: &Snapshot, end: &Snapshot, peaks: &HashMap<Gauge, u64>) -> Report {
+    fn finished(
+        name: &str,
+        start: &Snapshot,
+        before: &Snapshot,
+        end: &Snapshot,
+        peaks: &HashMap<Gauge, u64>,
+    ) -> Report {
         let span = Span { start, before_teardown: before, end: Some(end) };
         Report::build(name, true, span, |g| peaks.get(g).copied(), Names::default())
     }
@@ -665,7 +680,10 @@ mod tests {
 
         let report = finished("exp-1", &start, &before, &end, &peaks);
         let rss = report.host.rss;
-        assert_eq!((rss.start, rss.before_teardown, rss.end, rss.peak), (100 * MIB, 400 * MIB, Some(150 * MIB), 600 * MIB));
+        assert_eq!(
+            (rss.start, rss.before_teardown, rss.end, rss.peak),
+            (100 * MIB, 400 * MIB, Some(150 * MIB), 600 * MIB)
+        );
         assert_eq!(rss.consumed, (300 * MIB) as i64);
         assert_eq!(rss.reclaimed, Some((250 * MIB) as i64));
         assert_eq!(report.host.available, 60 * GIB, "available is what is left after teardown");
@@ -710,13 +728,15 @@ mod tests {
         let end = host(2.0, 0, 0)
             .with_gpu(with_torch(with_used(gpu(1, b), 3 * GIB, Some(GIB)), 0, 0))
             .with_gpu(with_torch(with_used(gpu(0, a), 2 * GIB, Some(GIB)), GIB, GIB));
-        let peaks = HashMap::from([
-            (Gauge::TorchAllocated(a.into()), 7 * GIB),
-            (Gauge::TorchAllocated(b.into()), 19 * GIB),
-        ]);
+        let peaks =
+            HashMap::from([(Gauge::TorchAllocated(a.into()), 7 * GIB), (Gauge::TorchAllocated(b.into()), 19 * GIB)]);
         let report = finished("x", &start, &before, &end, &peaks);
 
-        assert_eq!(report.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>(), [a, b], "rows follow the start snapshot");
+        assert_eq!(
+            report.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>(),
+            [a, b],
+            "rows follow the start snapshot"
+        );
         let row_a = gpu_row(&report, a);
         assert_eq!(row_a.torch_index, 0);
         assert_eq!(row_a.device_used.unwrap().before_teardown, 5 * GIB);
@@ -788,11 +808,9 @@ mod tests {
         let uuid = "GPU-aaaa";
         let at = |t: f64, process: Option<u64>| host(t, 0, 0).with_gpu(with_used(gpu(0, uuid), GIB, process));
         let known = Some(GIB);
-        for (missing_in, (s, b, e)) in [
-            ("start", (None, known, known)),
-            ("before teardown", (known, None, known)),
-            ("end", (known, known, None)),
-        ] {
+        for (missing_in, (s, b, e)) in
+            [("start", (None, known, known)), ("before teardown", (known, None, known)), ("end", (known, known, None))]
+        {
             let report = finished("x", &at(0.0, s), &at(1.0, b), &at(2.0, e), &no_peaks());
             assert_eq!(report.gpus[0].process_used, None, "process_used was missing in the {missing_in} snapshot");
             assert!(report.gpus[0].device_used.unwrap().end.is_some(), "the device row stays available");
@@ -832,7 +850,12 @@ mod tests {
         assert_eq!(report.host.rss.reclaimed, None);
         assert_eq!(report.host.rss.consumed, (200 * MIB) as i64);
         let row = &report.gpus[0];
-        for m in [row.torch_allocated.unwrap(), row.torch_reserved.unwrap(), row.process_used.unwrap(), row.device_used.unwrap()] {
+        for m in [
+            row.torch_allocated.unwrap(),
+            row.torch_reserved.unwrap(),
+            row.process_used.unwrap(),
+            row.device_used.unwrap(),
+        ] {
             assert_eq!((m.end, m.reclaimed), (None, None));
         }
         assert_eq!(row.torch_allocated.unwrap().consumed, GIB as i64);
@@ -1023,7 +1046,8 @@ mod tests {
     fn the_grid_shows_each_figure_of_the_report() {
         let report = rich_report();
         let grid = report.grid();
-        let row = |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
+        let row =
+            |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
 
         let rss = report.host.rss;
         let share = format!("{:.1}%", 100.0 * (900.0 - 300.0) / (900.0 - 100.0));
@@ -1049,8 +1073,9 @@ mod tests {
         assert!(grid.lines.contains(&"rebound (deleted): y".to_string()));
         assert!(grid.lines.contains(&"kept: keep_me".to_string()));
         assert!(grid.lines.contains(&"cleared: Out[3], _".to_string()));
-        let identifies_gpu_b =
-            |l: &String| l.starts_with("cuda:1 = NVML 1 · ") && l.contains("GPU-bbbb") && l.ends_with("80.00 GiB total");
+        let identifies_gpu_b = |l: &String| {
+            l.starts_with("cuda:1 = NVML 1 · ") && l.contains("GPU-bbbb") && l.ends_with("80.00 GiB total")
+        };
         assert!(grid.lines.iter().any(identifies_gpu_b), "{:?}", grid.lines);
     }
 
@@ -1088,9 +1113,11 @@ mod tests {
 
     #[test]
     fn json_has_the_documented_schema() {
-        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string_pretty(&rich_report()).unwrap()).expect("valid JSON");
+        let json: serde_json::Value =
+            serde_json::from_str(&serde_json::to_string_pretty(&rich_report()).unwrap()).expect("valid JSON");
         let names = ["deleted", "rebound", "kept", "cleared"];
-        for key in ["name", "started_at", "finished_at", "duration_s", "host", "gpus", "notes"].into_iter().chain(names) {
+        for key in ["name", "started_at", "finished_at", "duration_s", "host", "gpus", "notes"].into_iter().chain(names)
+        {
             assert!(json.get(key).is_some(), "missing {key}");
         }
         assert!(json.get("names").is_none(), "names are flattened into the top level");
@@ -1128,7 +1155,8 @@ mod tests {
 
     #[test]
     fn json_of_a_live_report_has_no_end() {
-        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string_pretty(&live_report()).unwrap()).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&serde_json::to_string_pretty(&live_report()).unwrap()).unwrap();
         assert!(json["finished_at"].is_null());
         assert_eq!(json["finished"], false);
         assert!(json["host"]["rss"]["end"].is_null());
@@ -1144,7 +1172,8 @@ mod tests {
             .with_gpu(with_used(gpu(1, "GPU-bbbb"), GIB, None));
         s.host.cgroup_limit = Some(16 * GIB);
         let grid = snapshot_grid(&s, "now");
-        let row = |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
+        let row =
+            |label: &str| grid.rows.iter().find(|r| r[0] == label).unwrap_or_else(|| panic!("no row {label}")).clone();
 
         assert_eq!(grid.title, "gpuexp · now · 2023-11-14T22:13:20.250Z");
         assert_eq!(row("host RSS")[1], "3.00 GiB");
@@ -1267,7 +1296,8 @@ impl OomDiagnosis {
     pub fn grid(&self) -> Grid {
         let opt = |v: Option<u64>| v.map(bytes).unwrap_or_else(|| "n/a".into());
         let non_torch = self.process_used_before.zip(self.torch_reserved_before).map(|(p, r)| p.saturating_sub(r));
-        let fragmentation = self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
+        let fragmentation =
+            self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
         let mut rows = vec![
             vec!["requested".to_string(), opt(self.requested), "—".into()],
             vec!["device total".into(), opt(self.total), "—".into()],
@@ -1353,7 +1383,10 @@ mod oom_tests {
         d.cleared = vec!["frames of the failed call".into()];
         d.hints = d.hints();
         let text = d.grid().to_text();
-        assert!(text.contains("cleared: frames of the failed call") && text.contains("hint: the failed step"), "{text}");
+        assert!(
+            text.contains("cleared: frames of the failed call") && text.contains("hint: the failed step"),
+            "{text}"
+        );
     }
 }
 
@@ -1418,7 +1451,9 @@ pub fn render_path(edges: &[PathEdge]) -> String {
     let mut i = 0;
     while i < edges.len() {
         match (&edges[i], edges.get(i + 1)) {
-            (PathEdge::Attr(a), Some(PathEdge::Key(k))) if matches!(a.as_str(), "_modules" | "_parameters" | "_buffers") => {
+            (PathEdge::Attr(a), Some(PathEdge::Key(k)))
+                if matches!(a.as_str(), "_modules" | "_parameters" | "_buffers") =>
+            {
                 out.push('.');
                 out.push_str(k.trim_matches('\''));
                 i += 2;
@@ -1489,14 +1524,23 @@ mod holder_tests {
             "opt.state[model.0.weight]['exp_avg']"
         );
         assert_eq!(path(vec![Root("fn".into()), Closure("buf".into())]), "fn (closure cell buf)");
-        assert_eq!(path(vec![Root("traceback: step, line 3".into()), Local("held".into())]), "traceback: step, line 3 → local held");
+        assert_eq!(
+            path(vec![Root("traceback: step, line 3".into()), Local("held".into())]),
+            "traceback: step, line 3 → local held"
+        );
     }
 
     #[test]
     fn the_table_lists_holders_then_memory_without_referrers() {
         let holders = Holders {
             device: "cuda:0".into(),
-            holders: vec![Holder { path: "cache[0]".into(), bytes: 1 << 30, device: "cuda:0".into(), kind: "tensor".into(), shape: "[1073741824]".into() }],
+            holders: vec![Holder {
+                path: "cache[0]".into(),
+                bytes: 1 << 30,
+                device: "cuda:0".into(),
+                kind: "tensor".into(),
+                shape: "[1073741824]".into(),
+            }],
             unreachable: 0,
             no_python_tensor: Some(64 << 20),
             cached: Some(0),
@@ -1504,7 +1548,10 @@ mod holder_tests {
             seconds: 0.01,
         };
         let text = holders.grid("holders").to_text();
-        assert!(text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"), "{text}");
+        assert!(
+            text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"),
+            "{text}"
+        );
         assert!(!text.contains("(reserved, unallocated)") && !text.contains("(no reachable referrer)"), "{text}");
     }
 }

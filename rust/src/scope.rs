@@ -137,7 +137,14 @@ impl Registry {
         self.next_id
     }
 
-    pub fn open(&mut self, name: String, kind: Kind, selection: GpuSelection, start: Snapshot, cell_log: bool) -> ScopeId {
+    pub fn open(
+        &mut self,
+        name: String,
+        kind: Kind,
+        selection: GpuSelection,
+        start: Snapshot,
+        cell_log: bool,
+    ) -> ScopeId {
         let id = self.next_window();
         self.peaks.open(id, &start);
         let first_cell = self.cells.len();
@@ -245,7 +252,12 @@ impl Registry {
 
     /// Closes a window opened by [`Registry::open_window`], returning its peaks of `gauges`, the
     /// end snapshot's counters included.
-    pub fn close_window<const N: usize>(&mut self, window: u64, end: &Snapshot, gauges: [Gauge; N]) -> [Option<u64>; N] {
+    pub fn close_window<const N: usize>(
+        &mut self,
+        window: u64,
+        end: &Snapshot,
+        gauges: [Gauge; N],
+    ) -> [Option<u64>; N] {
         self.peaks.observe(end);
         let peaks = gauges.map(|gauge| self.peaks.peak(window, &gauge));
         self.peaks.close(window);
@@ -411,11 +423,21 @@ mod tests {
         let (a, b) = ("GPU-aaaa", "GPU-bbbb");
         let mut book = PeakBook::default();
         // Outer opens with A at 1 GiB and B at 10 GiB allocated.
-        book.open(1, &host(0.0, 0, 0).with_gpu(torch_gpu(0, a, (1, 2, 1, 2))).with_gpu(torch_gpu(1, b, (10, 12, 10, 12))));
+        book.open(
+            1,
+            &host(0.0, 0, 0).with_gpu(torch_gpu(0, a, (1, 2, 1, 2))).with_gpu(torch_gpu(1, b, (10, 12, 10, 12))),
+        );
         // A spiked to 5/6 GiB and B to 20/24 GiB, both back down; the GPU order differs in this snapshot.
-        book.open(2, &host(1.0, 0, 0).with_gpu(torch_gpu(1, b, (11, 12, 20, 24))).with_gpu(torch_gpu(0, a, (1, 2, 5, 6))));
+        book.open(
+            2,
+            &host(1.0, 0, 0).with_gpu(torch_gpu(1, b, (11, 12, 20, 24))).with_gpu(torch_gpu(0, a, (1, 2, 5, 6))),
+        );
         // After torch's reset: A spikes to 3/4 GiB inside the inner window, B stays flat.
-        book.observe(&host(2.0, 0, 0).with_gpu(torch_gpu(0, a, (2, 4, 3, 4))).with_gpu(torch_gpu(1, b, (11, 12, 11, 12))));
+        book.observe(&host(2.0, 0, 0).with_gpu(torch_gpu(0, a, (2, 4, 3, 4))).with_gpu(torch_gpu(
+            1,
+            b,
+            (11, 12, 11, 12),
+        )));
 
         assert_eq!(book.peak(1, &allocated(a)), Some(5 * GIB));
         assert_eq!(book.peak(1, &reserved(a)), Some(6 * GIB));
@@ -427,7 +449,11 @@ mod tests {
         assert_eq!(book.peak(2, &reserved(b)), Some(12 * GIB));
 
         book.close(2);
-        book.observe(&host(3.0, 0, 0).with_gpu(torch_gpu(0, a, (2, 4, 8, 9))).with_gpu(torch_gpu(1, b, (11, 12, 11, 12))));
+        book.observe(&host(3.0, 0, 0).with_gpu(torch_gpu(0, a, (2, 4, 8, 9))).with_gpu(torch_gpu(
+            1,
+            b,
+            (11, 12, 11, 12),
+        )));
         assert_eq!(book.peak(1, &allocated(a)), Some(8 * GIB));
         assert_eq!(book.peak(1, &reserved(a)), Some(9 * GIB));
         assert_eq!(book.peak(1, &allocated(b)), Some(20 * GIB), "A's spike must not show up under B");
@@ -529,8 +555,10 @@ mod tests {
     #[test]
     fn opening_a_scope_opens_its_peak_window_and_completing_closes_it() {
         let mut registry = Registry::default();
-        let outer = registry.open("outer".into(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false);
-        let inner = registry.open("inner".into(), Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB), false);
+        let outer =
+            registry.open("outer".into(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false);
+        let inner =
+            registry.open("inner".into(), Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB), false);
         registry.peaks.observe(&host(2.0, 130 * MIB, 300 * MIB));
         assert_eq!(registry.peaks.peak(outer, &Gauge::HostRss), Some(500 * MIB));
         assert_eq!(registry.peaks.peak(inner, &Gauge::HostRss), Some(300 * MIB));

@@ -24,9 +24,12 @@ impl BatchSearchPy {
         steps_per_trial: u32,
     ) -> PyResult<Self> {
         if !(0.0..1.0).contains(&margin) {
-            return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
+            return Err(PyValueError::new_err(format!(
+                "margin must be a share below 1, e.g. margin=0.05; got {margin}"
+            )));
         }
-        let settings = finder::Settings { start, max, usable, margin, power_of_two, multiple_of, verifications, steps_per_trial };
+        let settings =
+            finder::Settings { start, max, usable, margin, power_of_two, multiple_of, verifications, steps_per_trial };
         finder::Search::new(settings).map(BatchSearchPy).map_err(PyValueError::new_err)
     }
 
@@ -97,9 +100,10 @@ pub(super) fn measure_end(py: Python, window: u64, device: u32) -> PyResult<Opti
 #[pyo3(signature = (device, limit=None))]
 pub(super) fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
     let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    let gpu = now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
-        PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
-    })?;
+    let gpu =
+        now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
+            PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
+        })?;
     let torch = gpu.torch.unwrap_or_default();
     Ok(limit.unwrap_or(torch.reserved + gpu.free))
 }

@@ -65,7 +65,9 @@ pub(super) fn before_user_peak_reset(py: Python) {
     let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let mut registry = registry();
     registry.peaks.observe(&now);
-    registry.note_cell("torch.cuda.reset_peak_memory_stats() ran in this cell; gpuexp kept the peaks seen before it".into());
+    registry.note_cell(
+        "torch.cuda.reset_peak_memory_stats() ran in this cell; gpuexp kept the peaks seen before it".into(),
+    );
 }
 
 /// Reads and changes settings; returns them all.
@@ -122,7 +124,6 @@ pub(super) fn history_json() -> String {
 pub(super) fn snapshot(py: Python, gpu: bool) -> SnapshotPy {
     SnapshotPy { snapshot: take_snapshot(py, &selection(gpu, None)).0, title: "snapshot".into() }
 }
-
 
 /// Whether the kernel's peak RSS can be reset here (otherwise a sampler thread stands in).
 #[pyfunction]

@@ -49,11 +49,8 @@ struct PyTorch<'py> {
 
 impl<'py> PyTorch<'py> {
     fn find(py: Python<'py>) -> PyTorch<'py> {
-        let torch = py
-            .import("sys")
-            .and_then(|sys| sys.getattr("modules"))
-            .and_then(|modules| modules.get_item("torch"))
-            .ok();
+        let torch =
+            py.import("sys").and_then(|sys| sys.getattr("modules")).and_then(|modules| modules.get_item("torch")).ok();
         // `is_initialized` only reads a flag: it creates no CUDA context.
         let cuda_initialised = torch
             .as_ref()
@@ -95,7 +92,8 @@ impl<'py> PyTorch<'py> {
 
 fn flat_stats(torch: &Bound<PyAny>, index: u32) -> PyResult<TorchStats> {
     let stats = torch.getattr("cuda")?.call_method1("memory_stats", (index,))?;
-    let get = |key: &str| -> PyResult<u64> { Ok(stats.get_item(key).ok().map(|v| v.extract()).transpose()?.unwrap_or(0)) };
+    let get =
+        |key: &str| -> PyResult<u64> { Ok(stats.get_item(key).ok().map(|v| v.extract()).transpose()?.unwrap_or(0)) };
     Ok(TorchStats {
         allocated: get("allocated_bytes.all.current")?,
         reserved: get("reserved_bytes.all.current")?,
@@ -370,7 +368,8 @@ fn hunt_leaks(py: Python, report: &Report, pins: Option<&Pins>) -> PyResult<Vec<
     if !tensors_or_arrays_imported(py) {
         return Ok(Vec::new());
     }
-    let kept_above_start = |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
+    let kept_above_start =
+        |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
     let mut memories: Vec<Memory> = report
         .gpus
         .iter()
@@ -548,7 +547,9 @@ fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
     {
         let pins = pins();
         let Some(scope_pins) = pins.get(&id) else {
-            return Err(PyValueError::new_err("keep(): this experiment has already finished; nothing more will be deleted."));
+            return Err(PyValueError::new_err(
+                "keep(): this experiment has already finished; nothing more will be deleted.",
+            ));
         };
         let adapter = scope_pins.adapter.as_ref().map(|a| a.bind(py).clone());
         let current = match &adapter {

@@ -12,8 +12,9 @@ impl TimelinePy {
     #[new]
     #[pyo3(signature = (interval_s, path=None, gpus=true))]
     fn new(interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
-        let interval = std::time::Duration::try_from_secs_f64(interval_s)
-            .map_err(|_| PyValueError::new_err(format!("interval must be a positive time such as \"100ms\"; got {interval_s} s")))?;
+        let interval = std::time::Duration::try_from_secs_f64(interval_s).map_err(|_| {
+            PyValueError::new_err(format!("interval must be a positive time such as \"100ms\"; got {interval_s} s"))
+        })?;
         monitor::Monitor::start(interval, path, gpus).map(TimelinePy).map_err(PyValueError::new_err)
     }
 
@@ -84,10 +85,10 @@ impl WatchPy {
             "json" => cli::Style::JsonLines,
             other => return Err(PyValueError::new_err(format!("style {other:?}: use \"live\", \"csv\" or \"json\""))),
         };
-        let interval = std::time::Duration::try_from_secs_f64(interval_s)
-            .ok()
-            .filter(|i| !i.is_zero())
-            .ok_or_else(|| PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}")))?;
+        let interval =
+            std::time::Duration::try_from_secs_f64(interval_s).ok().filter(|i| !i.is_zero()).ok_or_else(|| {
+                PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}"))
+            })?;
         cli::Watch::open(cuda_order, style, interval).map(WatchPy).map_err(PyRuntimeError::new_err)
     }
 

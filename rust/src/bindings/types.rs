@@ -148,7 +148,12 @@ impl ReportPy {
     #[getter]
     fn host(&self) -> HostReportPy {
         let host = &self.0.host;
-        HostReportPy { rss: (&host.rss).into(), available: host.available, total: host.total, cgroup_limit: host.cgroup_limit }
+        HostReportPy {
+            rss: (&host.rss).into(),
+            available: host.available,
+            total: host.total,
+            cgroup_limit: host.cgroup_limit,
+        }
     }
     #[getter]
     fn gpus(&self) -> Vec<GpuReportPy> {

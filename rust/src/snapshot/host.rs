@@ -27,13 +27,7 @@ pub fn read() -> HostReading {
     })
     .unwrap_or_default();
     let (available, cgroup_limit) = imp::cgroup_cap(total, available);
-    HostReading {
-        rss,
-        peak_rss,
-        available,
-        total,
-        cgroup_limit,
-    }
+    HostReading { rss, peak_rss, available, total, cgroup_limit }
 }
 
 /// Current RSS only, as cheap as possible (for a sampler thread).
@@ -66,9 +60,7 @@ pub fn cpu_percent() -> f32 {
 
 fn with_system<T>(f: impl FnOnce(&mut System) -> T) -> Option<T> {
     static SYSTEM: OnceLock<Option<Mutex<System>>> = OnceLock::new();
-    let system = SYSTEM
-        .get_or_init(|| System::new().ok().map(Mutex::new))
-        .as_ref()?;
+    let system = SYSTEM.get_or_init(|| System::new().ok().map(Mutex::new)).as_ref()?;
     let mut system = system.lock().unwrap_or_else(PoisonError::into_inner);
     Some(f(&mut system))
 }
@@ -119,15 +111,11 @@ mod imp {
         let digits = bytes.iter().skip_while(|b| !b.is_ascii_digit());
         digits
             .take_while(|b| b.is_ascii_digit())
-            .fold(0u64, |n, b| {
-                n.saturating_mul(10).saturating_add(u64::from(b - b'0'))
-            })
+            .fold(0u64, |n, b| n.saturating_mul(10).saturating_add(u64::from(b - b'0')))
     }
 
     fn kb_field(text: &[u8], key: &[u8]) -> u64 {
-        let line = text
-            .split(|&b| b == b'\n')
-            .find_map(|line| line.strip_prefix(key));
+        let line = text.split(|&b| b == b'\n').find_map(|line| line.strip_prefix(key));
         line.map_or(0, |rest| parse_u64(rest).saturating_mul(1024))
     }
 
@@ -188,16 +176,10 @@ mod imp {
         let levels = LEVELS.get_or_init(|| cgroup_levels(total).unwrap_or_default());
         let headroom = levels.iter().map(|level| {
             let mut buf = [0u8; 32];
-            let used = level
-                .usage
-                .read_at(&mut buf, 0)
-                .map_or(0, |n| parse_u64(&buf[..n]));
+            let used = level.usage.read_at(&mut buf, 0).map_or(0, |n| parse_u64(&buf[..n]));
             level.limit.saturating_sub(used)
         });
-        (
-            headroom.fold(available, u64::min),
-            levels.iter().map(|l| l.limit).min(),
-        )
+        (headroom.fold(available, u64::min), levels.iter().map(|l| l.limit).min())
     }
 
     /// Limits are read once: they rarely change, and each extra cgroupfs read costs µs.
@@ -207,50 +189,31 @@ mod imp {
         // Hybrid hosts keep the memory controller on v1, so it wins over the v2 entry.
         let v1 = cgroups.lines().find_map(|l| {
             let (controllers, path) = l.split_once(':')?.1.split_once(':')?;
-            controllers
-                .split(',')
-                .any(|c| c == "memory")
-                .then_some(path)
+            controllers.split(',').any(|c| c == "memory").then_some(path)
         });
         let (path, v2) = match v1 {
             Some(path) => (path, false),
             None => (cgroups.lines().find_map(|l| l.strip_prefix("0::"))?, true),
         };
-        let (limit_file, usage_file) = if v2 {
-            ("memory.max", "memory.current")
-        } else {
-            ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        };
+        let (limit_file, usage_file) =
+            if v2 { ("memory.max", "memory.current") } else { ("memory.limit_in_bytes", "memory.usage_in_bytes") };
         let (mount, leaf) = mounts.lines().find_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
             let (root, mount) = (pre.split(' ').nth(3)?, pre.split(' ').nth(4)?);
             let mut post = post.split(' ');
             let fstype = post.next()?;
             let memory = post.nth(1)?.split(',').any(|o| o == "memory");
-            let matches = if v2 {
-                fstype == "cgroup2"
-            } else {
-                fstype == "cgroup" && memory
-            };
+            let matches = if v2 { fstype == "cgroup2" } else { fstype == "cgroup" && memory };
             // Without a cgroup namespace the mount's root is our own cgroup, not "/".
-            let rel = Path::new(path)
-                .strip_prefix(root)
-                .ok()
-                .filter(|_| matches)?;
+            let rel = Path::new(path).strip_prefix(root).ok().filter(|_| matches)?;
             Some((PathBuf::from(mount), Path::new(mount).join(rel)))
         })?;
-        let levels = leaf
-            .ancestors()
-            .take_while(|dir| dir.starts_with(&mount))
-            .filter_map(|dir| {
-                let text = std::fs::read_to_string(dir.join(limit_file)).ok()?;
-                // v2 "max" and v1's near-i64::MAX both mean unlimited; a limit above RAM never binds.
-                let limit = Some(parse_u64(text.as_bytes())).filter(|&l| l > 0 && l < total)?;
-                Some(Level {
-                    limit,
-                    usage: File::open(dir.join(usage_file)).ok()?,
-                })
-            });
+        let levels = leaf.ancestors().take_while(|dir| dir.starts_with(&mount)).filter_map(|dir| {
+            let text = std::fs::read_to_string(dir.join(limit_file)).ok()?;
+            // v2 "max" and v1's near-i64::MAX both mean unlimited; a limit above RAM never binds.
+            let limit = Some(parse_u64(text.as_bytes())).filter(|&l| l > 0 && l < total)?;
+            Some(Level { limit, usage: File::open(dir.join(usage_file)).ok()? })
+        });
         Some(levels.collect())
     }
 }
@@ -308,16 +271,9 @@ pub(crate) mod tests {
         let r = read();
         assert!(r.rss > 0 && r.rss <= r.peak_rss, "{r:?}");
         assert!(r.total > 0 && r.available <= r.total, "{r:?}");
-        assert!(
-            r.cgroup_limit.is_none_or(|l| l > 0 && r.available <= l),
-            "{r:?}"
-        );
+        assert!(r.cgroup_limit.is_none_or(|l| l > 0 && r.available <= l), "{r:?}");
         let rss = read_rss();
-        assert!(
-            rss.abs_diff(r.rss) < 4 * MIB,
-            "statm {rss} vs status {}",
-            r.rss
-        );
+        assert!(rss.abs_diff(r.rss) < 4 * MIB, "statm {rss} vs status {}", r.rss);
     }
 
     #[test]
@@ -327,11 +283,7 @@ pub(crate) mod tests {
         let block = vec![1u8; 200 * MIB as usize];
         let during = read();
         let grown = during.rss.saturating_sub(before.rss);
-        assert!(
-            grown.abs_diff(200 * MIB) < 16 * MIB,
-            "grew by {} MiB",
-            grown / MIB
-        );
+        assert!(grown.abs_diff(200 * MIB) < 16 * MIB, "grew by {} MiB", grown / MIB);
         assert!(during.peak_rss >= 200 * MIB);
         drop(std::hint::black_box(block));
         let supported = peak_reset_supported();
@@ -370,6 +322,8 @@ pub(crate) mod tests {
             );
         }
         let sys_us = start.elapsed().as_secs_f64() * 1e6 / f64::from(N);
-        println!("read(): {read_us:.2} µs, read_rss(): {rss_us:.2} µs, sysinfo refresh_memory(): {sys_us:.2} µs ({sink})");
+        println!(
+            "read(): {read_us:.2} µs, read_rss(): {rss_us:.2} µs, sysinfo refresh_memory(): {sys_us:.2} µs ({sink})"
+        );
     }
 }

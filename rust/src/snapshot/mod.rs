@@ -105,7 +105,12 @@ impl Snapshot {
     }
 }
 
-fn gpu_reading(ident: &GpuIdent, nvml: nvml::NvmlReading, torch: Option<TorchStats>, notes: &mut Vec<String>) -> GpuReading {
+fn gpu_reading(
+    ident: &GpuIdent,
+    nvml: nvml::NvmlReading,
+    torch: Option<TorchStats>,
+    notes: &mut Vec<String>,
+) -> GpuReading {
     let torch_holds_memory = torch.is_some_and(|t| t.reserved > 0);
     let process_used = match nvml.process {
         ProcessUse::Listed(bytes) => Some(bytes),

@@ -44,14 +44,10 @@ fn library() -> Result<&'static Nvml, String> {
     static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
     NVML.get_or_init(|| {
         // Driver installs ship only the versioned name; the unversioned one comes with dev packages.
-        Nvml::builder()
-            .lib_path("libnvidia-ml.so.1".as_ref())
-            .init()
-            .or_else(|_| Nvml::init())
-            .map_err(|e| match e {
-                NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found)".into(),
-                e => format!("NVML unavailable ({e})"),
-            })
+        Nvml::builder().lib_path("libnvidia-ml.so.1".as_ref()).init().or_else(|_| Nvml::init()).map_err(|e| match e {
+            NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found)".into(),
+            e => format!("NVML unavailable ({e})"),
+        })
     })
     .as_ref()
     .map_err(Clone::clone)
@@ -128,10 +124,7 @@ pub fn with_visible<R>(
 fn resolve(nvml: &'static Nvml, key: &VisibilityKey) -> Result<Vec<(GpuIdent, Device<'static>)>, String> {
     let physical = physical_gpus(nvml)?;
     let chosen: Vec<VisibleGpu> = match &key.torch_uuids {
-        Some(uuids) => uuids
-            .iter()
-            .filter_map(|uuid| by_uuid(&physical, uuid))
-            .collect(),
+        Some(uuids) => uuids.iter().filter_map(|uuid| by_uuid(&physical, uuid)).collect(),
         None => visible::resolve(
             key.cuda_visible_devices.as_deref(),
             DeviceOrder::from_env_value(key.device_order.as_deref()),
@@ -168,10 +161,10 @@ fn by_uuid(physical: &[PhysicalGpu], uuid: &str) -> Option<VisibleGpu> {
         if visible::same_uuid(&gpu.uuid, uuid) {
             return Some(VisibleGpu::Whole { nvml_index: gpu.nvml_index });
         }
-        gpu.mig_uuids.iter().find(|mig| visible::same_uuid(mig, uuid)).map(|mig| VisibleGpu::Mig {
-            parent_nvml_index: gpu.nvml_index,
-            uuid: mig.clone(),
-        })
+        gpu.mig_uuids
+            .iter()
+            .find(|mig| visible::same_uuid(mig, uuid))
+            .map(|mig| VisibleGpu::Mig { parent_nvml_index: gpu.nvml_index, uuid: mig.clone() })
     })
 }
 
@@ -253,7 +246,8 @@ pub struct Listed {
 pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>, String> {
     let nvml = library()?;
     if cuda_order {
-        let idents: Vec<GpuIdent> = with_visible(None, |devices| devices.iter().map(|(ident, _)| ident.clone()).collect())?;
+        let idents: Vec<GpuIdent> =
+            with_visible(None, |devices| devices.iter().map(|(ident, _)| ident.clone()).collect())?;
         return idents
             .into_iter()
             .map(|ident| {
@@ -287,18 +281,19 @@ impl Listed {
     /// /proc and /etc/passwd).
     pub fn status(&self, with_processes: bool) -> Result<DeviceStatus, String> {
         let memory = self.device.memory_info().map_err(|e| format!("NVML could not read GPU {}: {e}", self.index))?;
-        let processes = if with_processes { self.device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
-            .into_iter()
-            .map(|p| ProcessStatus {
-                pid: p.pid,
-                user: process_user(p.pid),
-                command: process_command(p.pid),
-                used: match p.used_gpu_memory {
-                    UsedGpuMemory::Used(bytes) => Some(bytes),
-                    UsedGpuMemory::Unavailable => None,
-                },
-            })
-            .collect();
+        let processes =
+            if with_processes { self.device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
+                .into_iter()
+                .map(|p| ProcessStatus {
+                    pid: p.pid,
+                    user: process_user(p.pid),
+                    command: process_command(p.pid),
+                    used: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(bytes) => Some(bytes),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                })
+                .collect();
         Ok(DeviceStatus {
             index: self.index,
             nvml_index: self.nvml_index,
@@ -329,7 +324,9 @@ fn process_user(pid: u32) -> String {
     let Some(uid) = uid else { return "?".into() };
     std::fs::read_to_string("/etc/passwd")
         .ok()
-        .and_then(|passwd| passwd.lines().find(|l| l.split(':').nth(2) == Some(uid.as_str()))?.split(':').next().map(String::from))
+        .and_then(|passwd| {
+            passwd.lines().find(|l| l.split(':').nth(2) == Some(uid.as_str()))?.split(':').next().map(String::from)
+        })
         .unwrap_or(uid)
 }
 

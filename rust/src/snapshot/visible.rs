@@ -37,13 +37,8 @@ pub struct PhysicalGpu {
 /// One device the CUDA process sees, in CUDA ordinal order (position in the Vec = torch index).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VisibleGpu {
-    Whole {
-        nvml_index: u32,
-    },
-    Mig {
-        parent_nvml_index: u32,
-        uuid: String,
-    },
+    Whole { nvml_index: u32 },
+    Mig { parent_nvml_index: u32, uuid: String },
 }
 
 /// The devices a CUDA process would see. `cuda_visible_devices` is the raw value of
@@ -52,28 +47,17 @@ pub enum VisibleGpu {
 /// With the variable unset this lists whole GPUs only: on a MIG-enabled GPU CUDA would
 /// expose at most one instance, but which one is not knowable here, and the caller maps
 /// by UUID once torch has initialised CUDA anyway.
-pub fn resolve(
-    cuda_visible_devices: Option<&str>,
-    order: DeviceOrder,
-    gpus: &[PhysicalGpu],
-) -> Vec<VisibleGpu> {
+pub fn resolve(cuda_visible_devices: Option<&str>, order: DeviceOrder, gpus: &[PhysicalGpu]) -> Vec<VisibleGpu> {
     let ordered = enumeration_order(order, gpus);
     let Some(value) = cuda_visible_devices else {
-        return ordered
-            .iter()
-            .map(|g| VisibleGpu::Whole {
-                nvml_index: g.nvml_index,
-            })
-            .collect();
+        return ordered.iter().map(|g| VisibleGpu::Whole { nvml_index: g.nvml_index }).collect();
     };
 
     let mut visible: Vec<VisibleGpu> = Vec::new();
     for token in value.split(',') {
         // CUDA ignores everything from the first token it cannot use, including a repeat.
         match resolve_token(token.trim(), &ordered, gpus) {
-            Some(device) if !visible.iter().any(|seen| same_device(seen, &device)) => {
-                visible.push(device)
-            }
+            Some(device) if !visible.iter().any(|seen| same_device(seen, &device)) => visible.push(device),
             _ => break,
         }
     }
@@ -107,23 +91,15 @@ fn enumeration_order(order: DeviceOrder, gpus: &[PhysicalGpu]) -> Vec<&PhysicalG
 
 /// Bus ids are hex, and spellings differ in case between tools.
 fn cmp_bus_id(a: &PhysicalGpu, b: &PhysicalGpu) -> Ordering {
-    a.pci_bus_id
-        .to_ascii_lowercase()
-        .cmp(&b.pci_bus_id.to_ascii_lowercase())
+    a.pci_bus_id.to_ascii_lowercase().cmp(&b.pci_bus_id.to_ascii_lowercase())
 }
 
 /// One trimmed token to a device, or None when CUDA would reject it.
-fn resolve_token(
-    token: &str,
-    ordered: &[&PhysicalGpu],
-    gpus: &[PhysicalGpu],
-) -> Option<VisibleGpu> {
+fn resolve_token(token: &str, ordered: &[&PhysicalGpu], gpus: &[PhysicalGpu]) -> Option<VisibleGpu> {
     if !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit()) {
         // Overflowing ordinals are out of range like any other.
         let ordinal: usize = token.parse().ok()?;
-        return ordered.get(ordinal).map(|g| VisibleGpu::Whole {
-            nvml_index: g.nvml_index,
-        });
+        return ordered.get(ordinal).map(|g| VisibleGpu::Whole { nvml_index: g.nvml_index });
     }
     // Old style is tested first because its "MIG-" would otherwise read as a new-style prefix.
     if let Some(rest) = strip_prefix_ci(token, "MIG-GPU-") {
@@ -136,16 +112,11 @@ fn resolve_token(
                 .filter(|(_, m)| starts_with_ci(bare_uuid(m), prefix)),
             prefix,
         )?;
-        return Some(VisibleGpu::Mig {
-            parent_nvml_index: parent.nvml_index,
-            uuid: uuid.clone(),
-        });
+        return Some(VisibleGpu::Mig { parent_nvml_index: parent.nvml_index, uuid: uuid.clone() });
     }
     if let Some(prefix) = strip_prefix_ci(token, "GPU-") {
         let gpu = unique_gpu(gpus, prefix)?;
-        return Some(VisibleGpu::Whole {
-            nvml_index: gpu.nvml_index,
-        });
+        return Some(VisibleGpu::Whole { nvml_index: gpu.nvml_index });
     }
     None
 }
@@ -164,19 +135,12 @@ fn resolve_old_mig(token: &str, rest: &str, gpus: &[PhysicalGpu]) -> Option<Visi
     if parent.mig_uuids.is_empty() {
         return None;
     }
-    Some(VisibleGpu::Mig {
-        parent_nvml_index: parent.nvml_index,
-        uuid: token.to_string(),
-    })
+    Some(VisibleGpu::Mig { parent_nvml_index: parent.nvml_index, uuid: token.to_string() })
 }
 
 /// The one GPU whose bare UUID starts with `prefix`.
 fn unique_gpu<'a>(gpus: &'a [PhysicalGpu], prefix: &str) -> Option<&'a PhysicalGpu> {
-    unique_match(
-        gpus.iter()
-            .filter(|g| starts_with_ci(bare_uuid(&g.uuid), prefix)),
-        prefix,
-    )
+    unique_match(gpus.iter().filter(|g| starts_with_ci(bare_uuid(&g.uuid), prefix)), prefix)
 }
 
 /// CUDA rejects both a prefix that matches nothing and one that matches several devices;
@@ -199,16 +163,13 @@ fn same_device(a: &VisibleGpu, b: &VisibleGpu) -> bool {
 }
 
 fn bare_uuid(uuid: &str) -> &str {
-    strip_prefix_ci(uuid, "GPU-")
-        .or_else(|| strip_prefix_ci(uuid, "MIG-"))
-        .unwrap_or(uuid)
+    strip_prefix_ci(uuid, "GPU-").or_else(|| strip_prefix_ci(uuid, "MIG-")).unwrap_or(uuid)
 }
 
 fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
     // `get` rather than indexing: the cut may fall inside a multi-byte character.
     let head = s.get(..prefix.len())?;
-    head.eq_ignore_ascii_case(prefix)
-        .then(|| &s[prefix.len()..])
+    head.eq_ignore_ascii_case(prefix).then(|| &s[prefix.len()..])
 }
 
 fn starts_with_ci(s: &str, prefix: &str) -> bool {
@@ -238,19 +199,12 @@ mod tests {
 
     /// Three identical GPUs, so both orders coincide with NVML's.
     fn uniform() -> Vec<PhysicalGpu> {
-        vec![
-            gpu(0, UUID0, 0x18, (9, 0), 132),
-            gpu(1, UUID1, 0x2A, (9, 0), 132),
-            gpu(2, UUID2, 0x3B, (9, 0), 132),
-        ]
+        vec![gpu(0, UUID0, 0x18, (9, 0), 132), gpu(1, UUID1, 0x2A, (9, 0), 132), gpu(2, UUID2, 0x3B, (9, 0), 132)]
     }
 
     /// An older GPU on the lower bus and a newer one above it.
     fn mixed() -> Vec<PhysicalGpu> {
-        vec![
-            gpu(0, UUID0, 0x00, (7, 5), 40),
-            gpu(1, UUID1, 0x01, (8, 6), 84),
-        ]
+        vec![gpu(0, UUID0, 0x00, (7, 5), 40), gpu(1, UUID1, 0x01, (8, 6), 84)]
     }
 
     fn with_mig() -> Vec<PhysicalGpu> {
@@ -260,10 +214,7 @@ mod tests {
     }
 
     fn whole(indices: &[u32]) -> Vec<VisibleGpu> {
-        indices
-            .iter()
-            .map(|&i| VisibleGpu::Whole { nvml_index: i })
-            .collect()
+        indices.iter().map(|&i| VisibleGpu::Whole { nvml_index: i }).collect()
     }
 
     fn pci(value: &str, gpus: &[PhysicalGpu]) -> Vec<VisibleGpu> {
@@ -272,14 +223,8 @@ mod tests {
 
     #[test]
     fn unset_lists_all_whole_gpus() {
-        assert_eq!(
-            resolve(None, DeviceOrder::PciBusId, &uniform()),
-            whole(&[0, 1, 2])
-        );
-        assert_eq!(
-            resolve(None, DeviceOrder::PciBusId, &with_mig()),
-            whole(&[0, 1, 2])
-        );
+        assert_eq!(resolve(None, DeviceOrder::PciBusId, &uniform()), whole(&[0, 1, 2]));
+        assert_eq!(resolve(None, DeviceOrder::PciBusId, &with_mig()), whole(&[0, 1, 2]));
         assert_eq!(resolve(None, DeviceOrder::FastestFirst, &[]), whole(&[]));
     }
 
@@ -356,16 +301,10 @@ mod tests {
 
     #[test]
     fn new_style_mig() {
-        let mig = |uuid: &str| VisibleGpu::Mig {
-            parent_nvml_index: 1,
-            uuid: uuid.to_string(),
-        };
+        let mig = |uuid: &str| VisibleGpu::Mig { parent_nvml_index: 1, uuid: uuid.to_string() };
         assert_eq!(pci(MIG_B, &with_mig()), vec![mig(MIG_B)]);
         assert_eq!(pci("MIG-1111", &with_mig()), vec![mig(MIG_A)]);
-        assert_eq!(
-            pci("mig-1ABC,0", &with_mig()),
-            vec![mig(MIG_B), whole(&[0])[0].clone()]
-        );
+        assert_eq!(pci("mig-1ABC,0", &with_mig()), vec![mig(MIG_B), whole(&[0])[0].clone()]);
         // Prefix "1" matches both instances.
         assert_eq!(pci("MIG-1", &with_mig()), whole(&[]));
         assert_eq!(pci("MIG-9999", &with_mig()), whole(&[]));
@@ -375,13 +314,7 @@ mod tests {
     #[test]
     fn old_style_mig() {
         let token = format!("MIG-{UUID1}/1/0");
-        assert_eq!(
-            pci(&token, &with_mig()),
-            vec![VisibleGpu::Mig {
-                parent_nvml_index: 1,
-                uuid: token.clone()
-            }]
-        );
+        assert_eq!(pci(&token, &with_mig()), vec![VisibleGpu::Mig { parent_nvml_index: 1, uuid: token.clone() }]);
         // Parent without MIG enabled: nothing to find.
         assert_eq!(pci(&format!("MIG-{UUID0}/1/0"), &with_mig()), whole(&[]));
         // Malformed instance ids.
@@ -396,66 +329,30 @@ mod tests {
     fn pci_order_versus_fastest_first() {
         let gpus = mixed();
         assert_eq!(resolve(None, DeviceOrder::PciBusId, &gpus), whole(&[0, 1]));
-        assert_eq!(
-            resolve(None, DeviceOrder::FastestFirst, &gpus),
-            whole(&[1, 0])
-        );
-        assert_eq!(
-            resolve(Some("0"), DeviceOrder::PciBusId, &gpus),
-            whole(&[0])
-        );
-        assert_eq!(
-            resolve(Some("0"), DeviceOrder::FastestFirst, &gpus),
-            whole(&[1])
-        );
+        assert_eq!(resolve(None, DeviceOrder::FastestFirst, &gpus), whole(&[1, 0]));
+        assert_eq!(resolve(Some("0"), DeviceOrder::PciBusId, &gpus), whole(&[0]));
+        assert_eq!(resolve(Some("0"), DeviceOrder::FastestFirst, &gpus), whole(&[1]));
         // UUIDs name the same GPU whatever the order.
-        assert_eq!(
-            resolve(Some(UUID0), DeviceOrder::FastestFirst, &gpus),
-            whole(&[0])
-        );
+        assert_eq!(resolve(Some(UUID0), DeviceOrder::FastestFirst, &gpus), whole(&[0]));
     }
 
     #[test]
     fn fastest_first_tie_breaks() {
         // Same capability: more SMs first; full tie: lower bus first.
-        let gpus = vec![
-            gpu(0, UUID0, 0x10, (8, 0), 108),
-            gpu(1, UUID1, 0x20, (8, 0), 120),
-            gpu(2, UUID2, 0x05, (8, 0), 108),
-        ];
-        assert_eq!(
-            resolve(None, DeviceOrder::FastestFirst, &gpus),
-            whole(&[1, 2, 0])
-        );
-        assert_eq!(
-            resolve(None, DeviceOrder::PciBusId, &gpus),
-            whole(&[2, 0, 1])
-        );
+        let gpus =
+            vec![gpu(0, UUID0, 0x10, (8, 0), 108), gpu(1, UUID1, 0x20, (8, 0), 120), gpu(2, UUID2, 0x05, (8, 0), 108)];
+        assert_eq!(resolve(None, DeviceOrder::FastestFirst, &gpus), whole(&[1, 2, 0]));
+        assert_eq!(resolve(None, DeviceOrder::PciBusId, &gpus), whole(&[2, 0, 1]));
     }
 
     #[test]
     fn device_order_from_env_value() {
         assert_eq!(DeviceOrder::from_env_value(None), DeviceOrder::FastestFirst);
-        assert_eq!(
-            DeviceOrder::from_env_value(Some("")),
-            DeviceOrder::FastestFirst
-        );
-        assert_eq!(
-            DeviceOrder::from_env_value(Some("FASTEST_FIRST")),
-            DeviceOrder::FastestFirst
-        );
-        assert_eq!(
-            DeviceOrder::from_env_value(Some("bogus")),
-            DeviceOrder::FastestFirst
-        );
-        assert_eq!(
-            DeviceOrder::from_env_value(Some("PCI_BUS_ID")),
-            DeviceOrder::PciBusId
-        );
-        assert_eq!(
-            DeviceOrder::from_env_value(Some(" pci_bus_id ")),
-            DeviceOrder::PciBusId
-        );
+        assert_eq!(DeviceOrder::from_env_value(Some("")), DeviceOrder::FastestFirst);
+        assert_eq!(DeviceOrder::from_env_value(Some("FASTEST_FIRST")), DeviceOrder::FastestFirst);
+        assert_eq!(DeviceOrder::from_env_value(Some("bogus")), DeviceOrder::FastestFirst);
+        assert_eq!(DeviceOrder::from_env_value(Some("PCI_BUS_ID")), DeviceOrder::PciBusId);
+        assert_eq!(DeviceOrder::from_env_value(Some(" pci_bus_id ")), DeviceOrder::PciBusId);
     }
 
     #[test]
