@@ -60,3 +60,10 @@ def make_kernel():
     yield start
     for k in started:
         k.shutdown()
+
+
+# Whether gpuexp's native sampler thread runs in a kernel, as the kernel's own /proc shows it.
+SAMPLER_RUNNING = (
+    "'gpuexp-sampler' in [open(f'/proc/self/task/{t}/comm').read().strip() "
+    "for t in __import__('os').listdir('/proc/self/task')]"
+)

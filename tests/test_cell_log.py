@@ -8,7 +8,7 @@ import time
 import pytest
 from nbclient.util import run_sync
 
-from conftest import GPU
+from conftest import GPU, SAMPLER_RUNNING
 
 MiB = 1 << 20
 
@@ -80,7 +80,7 @@ def test_a_failing_cell_and_an_interrupted_cell_are_logged(kernel):
     interrupted = kernel.run("raise KeyboardInterrupt", expect_error=True)
     assert "KeyboardInterrupt" in interrupted.error and "gpuexp · cell [" in interrupted.text
     # The sampler runs while the log is on wherever there is a GPU to sample, and only there.
-    assert kernel.value("gpuexp._core.sampler_running()") is GPU
+    assert kernel.value(SAMPLER_RUNNING) is GPU
     assert kernel.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]") == []
 
 
@@ -115,6 +115,8 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
         os.environ["GPUEXP_HOST_PEAK"] = "sampled"   # the sampler thread then runs with every scope
         import gpuexp
         from gpuexp import _core
+        def sampler_running():
+            return eval(%r)
         stop = time.monotonic() + 3
         def scopes():
             while time.monotonic() < stop:
@@ -133,7 +135,7 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
         with contextlib.redirect_stdout(io.StringIO()):
             for t in threads: t.start()
             for t in threads: t.join()
-        assert not _core.sampler_running()
+        assert not sampler_running()
         assert [t.name for t in threading.enumerate()] == ["MainThread"]
         names = []
         for task in os.listdir("/proc/self/task"):
@@ -143,7 +145,7 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
                 pass
         assert "gpuexp-sampler" not in names, names
         print("ok")
-    """))
+    """ % SAMPLER_RUNNING))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -154,21 +156,22 @@ def test_the_sampler_is_joined_at_exit_and_after_fork(tmp_path):
         import os
         os.environ["GPUEXP_HOST_PEAK"] = "sampled"
         import gpuexp
-        from gpuexp import _core
+        def sampler_running():
+            return eval(%r)
         exp = gpuexp.CPUExperiment("left open", cell_log=False)
-        assert _core.sampler_running()
+        assert sampler_running()
         pid = os.fork()
         if pid == 0:
             # The child has no sampler thread and must not think it has one.
-            code = 0 if not _core.sampler_running() else 3
+            code = 0 if not sampler_running() else 3
             with gpuexp.CPUExperiment("child", cell_log=False):
-                code = code or (0 if _core.sampler_running() else 4)
+                code = code or (0 if sampler_running() else 4)
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0, status
-        assert _core.sampler_running()
+        assert sampler_running()
         print("exiting with the sampler running")
-    """))
+    """ % SAMPLER_RUNNING))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "exiting with the sampler running" in done.stdout
@@ -177,7 +180,7 @@ def test_the_sampler_is_joined_at_exit_and_after_fork(tmp_path):
 def test_a_kernel_restart_leaves_no_stuck_process(make_kernel):
     kernel = make_kernel(GPUEXP_HOST_PEAK="sampled")
     kernel.run(SETUP + "exp = CPUExperiment('across a restart')")
-    assert kernel.value("gpuexp._core.sampler_running()") is True
+    assert kernel.value(SAMPLER_RUNNING) is True
     old_pid = kernel.value("__import__('os').getpid()")
     started = time.monotonic()
     run_sync(kernel.client.km.restart_kernel)(now=False)

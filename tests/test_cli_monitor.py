@@ -132,7 +132,7 @@ def test_the_monitor_runs_in_a_kernel_without_taking_the_gil(kernel):
 def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
     pytest.importorskip("matplotlib")
     kernel.run("import time, gpuexp")
-    kernel.run("exp = gpuexp.CPUExperiment('timed', timeline='10ms')")
+    kernel.run("exp = gpuexp.CPUExperiment('timed', monitor='10ms')")
     kernel.run("buf = bytearray(128 << 20)\ntime.sleep(0.2)")
     kernel.run("del exp")
     report = kernel.value("gpuexp.history()[-1].to_dict()")
@@ -143,4 +143,4 @@ def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
     kernel.run(f"gpuexp.history()[-1].plot({str(path)!r});")
     assert path.read_bytes()[:4] == b"\x89PNG"
     untimed = kernel.run("gpuexp.CPUExperiment('plain').finish().plot()", expect_error=True)
-    assert "timeline=True" in untimed.error
+    assert "monitor=True" in untimed.error

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from conftest import GPU
+from conftest import GPU, SAMPLER_RUNNING
 
 MiB = 1 << 20
 
@@ -299,9 +299,9 @@ def test_sampled_host_peak_when_the_kernel_peak_cannot_be_reset(make_kernel):
     kernel = make_kernel(GPUEXP_HOST_PEAK="sampled")
     kernel.run(SETUP + "import time")
     kernel.run('exp = CPUExperiment("sampled")')
-    assert kernel.value("[gpuexp._core.host_peak_exact(), gpuexp._core.sampler_running()]") == [False, True]
+    assert kernel.value("[gpuexp.config()['host_peak'], " + SAMPLER_RUNNING + "]") == ["sampled", True]
     kernel.run("spike = np.ones(300 << 20, dtype=np.uint8)\ntime.sleep(0.05)\ndel spike")
     kernel.run("del exp")
     rss = last_report(kernel)["host"]["rss"]
     assert rss["peak"] >= rss["start"] + 290 * MiB
-    assert kernel.value("gpuexp._core.sampler_running()") is False
+    assert kernel.value(SAMPLER_RUNNING) is False

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import GPU_UUIDS
+from conftest import GPU_UUIDS, SAMPLER_RUNNING
 
 pytestmark = pytest.mark.gpu
 
@@ -35,10 +35,10 @@ def test_a_2_gib_spike_peaks_at_exactly_2_gib_and_nvml_sees_it(kernel):
     assert gpu["torch_allocated"]["consumed"] == 0
     assert gpu["process_used"]["peak_above_start"] >= 2 * GiB  # seen by the 1 ms sampler
     assert "+2.00 GiB" in next(l for l in shown.text.splitlines() if "torch allocated" in l)
-    assert kernel.value("gpuexp._core.sampler_running()") is True
+    assert kernel.value(SAMPLER_RUNNING) is True
     kernel.run("%gpuexp log off")
     kernel.run("pass")
-    assert kernel.value("gpuexp._core.sampler_running()") is False
+    assert kernel.value(SAMPLER_RUNNING) is False
 
 
 def test_gpus_a_cell_never_touched_are_not_shown(kernel):

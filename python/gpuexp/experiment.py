@@ -1,7 +1,6 @@
 """The public experiment scopes. State and teardown live in ``gpuexp._core``."""
 
 import sys
-import time
 
 from . import _core, ipython
 from .monitor import seconds
@@ -19,15 +18,16 @@ class GPUExperiment:
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, timeline=False):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
         devices = _device_indices(devices) if self._gpu else None
         self._handles = ipython.assignment_targets()
         creator = _creator_frame()
-        _finish_replaced(name, self._handles, in_use=ipython.names_bound_before(creator.f_lineno))
-        self._id, start = _core.open_scope(
+        # The core finishes the experiments this one replaces (same name, or bound to a name
+        # this cell binds again) before it opens; names the cell binds above stay theirs.
+        self._id, start, replaced = _core.open_scope(
             name,
             gpu=self._gpu,
             devices=devices,
@@ -36,8 +36,12 @@ class GPUExperiment:
             cell_log=cell_log,
             limit=_size(limit, "limit"),
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
-            timeline_s=None if timeline is False else seconds("100ms" if timeline is True else timeline),
+            monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
+            handles=self._handles,
+            in_use=ipython.names_bound_before(creator.f_lineno),
         )
+        for report in replaced:
+            ipython.show(report)
         ipython.track(self)
         ipython.show(start)
 
@@ -101,8 +105,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True, timeline=False):
-        super().__init__(name, cell_log=cell_log, timeline=timeline)
+    def __init__(self, name=None, *, cell_log=True, monitor=False):
+        super().__init__(name, cell_log=cell_log, monitor=monitor)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
@@ -132,58 +136,11 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     ``multiple_of`` round the answer down.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        raise RuntimeError("find_batch_size measures torch's CUDA allocator: import torch on a machine with a CUDA GPU")
-    if not callable(step):
-        raise TypeError(f"step must be a function of the batch size, e.g. find_batch_size(train_step); got {step!r}")
-    index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
-    limit_bytes = _size(limit, "limit")
-    if margin is None:
-        # At a cap the allocator's rounding and fragmentation still need a little room.
-        margin = 0.02 if limit_bytes is not None else 0.05
-    search = _core.BatchSizeResult(start, max, _core.usable_memory(index, limit_bytes), margin=margin,
-                                   power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications,
-                                   steps_per_trial=steps)
-    # The same cap an experiment's limit= sets, restored after the search.
-    limited = _core.limit_memory([index], limit_bytes) if limit_bytes is not None else []
-    try:
-        previous = None
-        while (trial := search.next_trial()) is not None:
-            batch, role = trial
-            if batch != previous:
-                # Blocks cached at another size would fragment this one; repeats keep the steady state.
-                _core.release_between_trials()
-            previous = batch
-            peaks, seconds = _run_trial(torch, step, batch, index, steps)
-            search.record(batch, role, peaks, seconds)
-            if progress:
-                outcome = "out of memory" if peaks is None else f"peak {peaks[0] / 2**30:.2f} GiB"
-                print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
-    finally:
-        _core.restore_memory_limit(limited)
-        _core.release_between_trials()
-    return search
-
-
-def _run_trial(torch, step, batch, index, steps):
-    """``steps`` steps in a row at a batch size: torch's exact peaks (allocated, reserved), or None if one ran out of memory."""
-    window = _core.measure_begin()
-    started = time.perf_counter()
-    try:
-        for _ in range(steps):
-            step(batch)
-        torch.cuda.synchronize(index)
-    except Exception as error:
-        _core.measure_end(window, index)
-        if not ipython.is_cuda_oom(error):
-            raise
-        # As the OOM rescue does: the failed step's frames must let go of its tensors.
-        ipython.DetachedNamespace().drop_exception(error)
-        del error
-        _core.release_between_trials()
-        return None, time.perf_counter() - started
-    return _core.measure_end(window, index), time.perf_counter() - started
+    return _core.find_batch_size(
+        step, start, max, device=None if device is None else _device_indices(device)[0], limit=_size(limit, "limit"),
+        margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
+        progress=progress, adapter=ipython.DetachedNamespace(),
+    )
 
 
 def _size(value, name):
@@ -207,17 +164,6 @@ def _creator_frame():
     ):
         frame = frame.f_back
     return frame
-
-
-def _finish_replaced(name, targets, in_use):
-    """Finishes the open experiment of the same name, and those about to be rebound, so the
-    new baseline doesn't include their memory. Names in ``in_use`` are kept."""
-    replaced = [e._id for e in ipython.tracked().values() if e._handles & targets]
-    same_name = _core.open_scope_named(name) if name else None
-    for scope_id in dict.fromkeys(replaced + ([same_name] if same_name else [])):
-        if _core.is_open(scope_id):
-            for report in _core.finish(scope_id, keep=sorted(in_use)):
-                ipython.show(report)
 
 
 def _device_indices(devices):

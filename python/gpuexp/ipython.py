@@ -284,13 +284,6 @@ def _before_cell(info=None):
         _core.begin_cell()
 
 
-def is_cuda_oom(error):
-    """torch.OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message."""
-    if not isinstance(error, RuntimeError):
-        return False
-    return type(error).__name__ == "OutOfMemoryError" or ("CUDA" in str(error) and "out of memory" in str(error))
-
-
 def _after_cell(result=None):
     ip = shell()
     if ip is None:
@@ -298,8 +291,9 @@ def _after_cell(result=None):
     namespace = ShellNamespace(ip)
     error = getattr(result, "error_in_exec", None)
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
-    if is_cuda_oom(error) and _core.oom_rescue_enabled():
-        show(_core.rescue_oom(error, namespace))
+    diagnosis = _core.rescue_oom(error, namespace) if error is not None else None
+    if diagnosis is not None:
+        show(diagnosis)
     record = _core.end_cell(getattr(result, "execution_count", None) or 0)
     # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
     if record is not None and _core.cell_log_active():

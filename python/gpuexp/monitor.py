@@ -35,22 +35,22 @@ class Monitor:
         self.interval = seconds(interval)
         self.path = None if path is None else str(path)
         self.gpus = gpus
-        self._timeline = None
+        self._native = None
         self._samples = None
 
     def start(self):
-        if self._timeline is not None and self._timeline.running:
+        if self._native is not None and self._native.running:
             raise RuntimeError("this monitor is already running: stop() it first")
         self._samples = None
-        self._timeline = _core.Timeline(self.interval, self.path, self.gpus)
+        self._native = _core.Monitor(self.interval, self.path, self.gpus)
         return self
 
     def stop(self):
-        if self._timeline is not None:
-            self._timeline.stop()
-            self._samples = json.loads(self._timeline.samples_json())
-            failure = self._timeline.failure
-            self._timeline = None
+        if self._native is not None:
+            self._native.stop()
+            self._samples = json.loads(self._native.samples_json())
+            failure = self._native.failure
+            self._native = None
             if failure:
                 raise OSError(failure)
         return self
@@ -64,8 +64,8 @@ class Monitor:
 
     def samples(self):
         """Every sample so far, oldest first, as dicts (sizes in bytes, times in seconds)."""
-        if self._timeline is not None:
-            return json.loads(self._timeline.samples_json())
+        if self._native is not None:
+            return json.loads(self._native.samples_json())
         return list(self._samples or [])
 
     def to_pandas(self):

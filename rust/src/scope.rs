@@ -72,6 +72,20 @@ pub struct Scope {
     pub first_cell: usize,
     /// Bytes torch may allocate on each of the scope's GPUs (`limit=`), while it is open.
     pub limit: Option<u64>,
+    /// The names the constructor's cell bound the experiment to (`exp = GPUExperiment(...)`):
+    /// a later constructor bound to one of them replaces this scope.
+    pub handles: BTreeSet<String>,
+}
+
+/// What a scope opens with.
+pub struct Opening {
+    pub name: String,
+    pub kind: Kind,
+    pub selection: GpuSelection,
+    pub start: Snapshot,
+    pub cell_log: bool,
+    pub limit: Option<u64>,
+    pub handles: BTreeSet<String>,
 }
 
 /// The cell being run while the log is on.
@@ -137,16 +151,10 @@ impl Registry {
         self.next_id
     }
 
-    pub fn open(
-        &mut self,
-        name: String,
-        kind: Kind,
-        selection: GpuSelection,
-        start: Snapshot,
-        cell_log: bool,
-    ) -> ScopeId {
+    pub fn open(&mut self, opening: Opening) -> ScopeId {
         let id = self.next_window();
-        self.peaks.open(id, &start);
+        self.peaks.open(id, &opening.start);
+        let Opening { name, kind, selection, start, cell_log, limit, handles } = opening;
         let first_cell = self.cells.len();
         self.open.push(Scope {
             id,
@@ -158,7 +166,8 @@ impl Registry {
             closing: false,
             cell_log,
             first_cell,
-            limit: None,
+            limit,
+            handles,
         });
         id
     }
@@ -171,9 +180,15 @@ impl Registry {
         self.open.iter_mut().find(|s| s.id == id)
     }
 
-    /// The open scope of that name, if any (re-running a constructor cell finishes it first).
-    pub fn open_named(&self, name: &str) -> Option<ScopeId> {
-        self.open.iter().find(|s| s.name == name && !s.closing).map(|s| s.id)
+    /// The open scopes a new one replaces: the one of the same name (re-running a constructor
+    /// cell), and those bound to a name the new constructor's cell binds again (`exp = ...`
+    /// after editing the name). They finish first, so the new baseline holds none of their memory.
+    pub fn replaced_by(&self, name: Option<&str>, handles: &BTreeSet<String>) -> Vec<ScopeId> {
+        self.open
+            .iter()
+            .filter(|s| !s.closing && (name == Some(s.name.as_str()) || !s.handles.is_disjoint(handles)))
+            .map(|s| s.id)
+            .collect()
     }
 
     /// Scopes opened after `id` and still open, innermost first: they finish before it does.
@@ -354,8 +369,17 @@ mod tests {
         )
     }
 
+    fn opening(name: &str, kind: Kind, selection: GpuSelection, start: Snapshot) -> Opening {
+        Opening { name: name.into(), kind, selection, start, cell_log: false, limit: None, handles: BTreeSet::new() }
+    }
+
     fn open_cpu(registry: &mut Registry, name: &str) -> ScopeId {
-        registry.open(name.to_string(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false)
+        registry.open(opening(name, Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB)))
+    }
+
+    fn open_bound_to(registry: &mut Registry, name: &str, handles: &[&str]) -> ScopeId {
+        let handles = handles.iter().map(|h| h.to_string()).collect();
+        registry.open(Opening { handles, ..opening(name, Kind::Cpu, GpuSelection::None, host(0.0, 0, 0)) })
     }
 
     // --- PeakBook -------------------------------------------------------------------------
@@ -535,7 +559,10 @@ mod tests {
     fn open_keeps_what_the_scope_needs_and_ids_are_distinct() {
         let mut registry = Registry::default();
         let start = host(42.0, 100 * MIB, 100 * MIB).with_gpu(gpu(0, "GPU-aaaa"));
-        let a = registry.open("a".into(), Kind::Gpu, GpuSelection::Only(vec![0]), start.clone(), false);
+        let a = registry.open(Opening {
+            limit: Some(24 << 30),
+            ..opening("a", Kind::Gpu, GpuSelection::Only(vec![0]), start.clone())
+        });
         let b = open_cpu(&mut registry, "b");
         assert_ne!(a, b);
         assert_eq!(open_ids(&registry), vec![a, b]);
@@ -546,6 +573,7 @@ mod tests {
         assert_eq!(scope.start, start);
         assert!(scope.keep.is_empty());
         assert!(!scope.closing);
+        assert_eq!(scope.limit, Some(24 << 30));
 
         registry.scope_mut(b).expect("b is open").keep.insert("model".into());
         assert!(registry.scope(b).unwrap().keep.contains("model"));
@@ -555,10 +583,8 @@ mod tests {
     #[test]
     fn opening_a_scope_opens_its_peak_window_and_completing_closes_it() {
         let mut registry = Registry::default();
-        let outer =
-            registry.open("outer".into(), Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB), false);
-        let inner =
-            registry.open("inner".into(), Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB), false);
+        let outer = registry.open(opening("outer", Kind::Cpu, GpuSelection::None, host(0.0, 100 * MIB, 100 * MIB)));
+        let inner = registry.open(opening("inner", Kind::Cpu, GpuSelection::None, host(1.0, 120 * MIB, 500 * MIB)));
         registry.peaks.observe(&host(2.0, 130 * MIB, 300 * MIB));
         assert_eq!(registry.peaks.peak(outer, &Gauge::HostRss), Some(500 * MIB));
         assert_eq!(registry.peaks.peak(inner, &Gauge::HostRss), Some(300 * MIB));
@@ -570,19 +596,24 @@ mod tests {
     }
 
     #[test]
-    fn open_named_finds_only_scopes_that_are_open_and_not_closing() {
+    fn a_new_scope_replaces_the_open_one_of_its_name_and_those_bound_to_a_name_it_rebinds() {
         let mut registry = Registry::default();
-        let a = open_cpu(&mut registry, "a");
-        let b = open_cpu(&mut registry, "b");
-        assert_eq!(registry.open_named("a"), Some(a));
-        assert_eq!(registry.open_named("b"), Some(b));
-        assert_eq!(registry.open_named("c"), None);
+        let a = open_bound_to(&mut registry, "a", &["exp"]);
+        let b = open_bound_to(&mut registry, "b", &["other"]);
+        let none = BTreeSet::new();
+        assert_eq!(registry.replaced_by(Some("a"), &none), vec![a]);
+        assert_eq!(registry.replaced_by(Some("c"), &none), Vec::<ScopeId>::new());
+        assert_eq!(registry.replaced_by(None, &["exp".to_string()].into()), vec![a], "exp = GPUExperiment(...) again");
+        assert_eq!(registry.replaced_by(Some("b"), &["exp".to_string()].into()), vec![a, b]);
 
         assert!(matches!(registry.begin_finish(b), Finishing::Ready(_)));
-        assert_eq!(registry.open_named("b"), None, "a scope being torn down is no longer found by name");
-
+        assert_eq!(
+            registry.replaced_by(Some("b"), &none),
+            Vec::<ScopeId>::new(),
+            "a scope being torn down is not replaced"
+        );
         registry.complete(a, report_named("a"));
-        assert_eq!(registry.open_named("a"), None, "a finished scope is history, not open");
+        assert_eq!(registry.replaced_by(Some("a"), &none), Vec::<ScopeId>::new(), "a finished scope is history");
     }
 
     #[test]

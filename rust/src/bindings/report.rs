@@ -1,6 +1,14 @@
-//! The Python types gpuexp returns: reports, metrics, cell records, diagnoses, holders, snapshots.
+//! The Python faces of what gpuexp shows: reports, metrics, cell records, diagnoses, holders,
+//! snapshots. Each is shown as a table (text and HTML) and serialises to JSON.
 
-use super::*;
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::report::{self, CellRecord, Holders, Report};
+use crate::snapshot::Snapshot;
 
 /// `to_json()`, `to_dict()`, `str()` (the text table), `repr()` and `_repr_html_` (the same
 /// table in HTML) for a type that is shown as a table: `$value` is what serialises, `$grid`
@@ -14,7 +22,7 @@ macro_rules! shown_as_table {
                 serde_json::to_string_pretty($value).expect("what gpuexp shows always serialises")
             }
             fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-                json_to_python(py, &self.to_json())
+                $crate::bindings::report::json_to_python(py, &self.to_json())
             }
             fn __str__(&self) -> String {
                 let $this = self;
@@ -180,12 +188,12 @@ shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.grid());
 
 #[pymethods]
 impl ReportPy {
-    /// The experiment's timeline (`timeline=True`) as one figure; saved to `path` when given.
+    /// The timeline of the experiment's monitor (`monitor=True`) as one figure; saved to `path` when given.
     #[pyo3(signature = (path=None))]
     fn plot<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         if self.0.timeline.is_empty() {
             return Err(PyValueError::new_err(
-                "this experiment recorded no timeline: open it with GPUExperiment(..., timeline=True)",
+                "this experiment recorded no timeline: open it with GPUExperiment(..., monitor=True)",
             ));
         }
         let samples = json_to_python(py, &serde_json::to_string(&self.0.timeline).expect("samples serialise"))?;

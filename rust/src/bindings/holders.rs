@@ -1,4 +1,5 @@
-//! The leak hunter's walk: breadth-first from roots a person recognises (notebook names,
+//! What holds memory (`gpuexp.holders()`, and the names a finished experiment's report gives for
+//! memory that did not come back). The walk: breadth-first from roots a person recognises (notebook names,
 //! `Out`, the stored traceback, module globals) through the objects that hold tensors in
 //! practice, to every live tensor and numpy array, keeping the path to each. It keeps no
 //! reference once it returns: the result is paths and sizes.
@@ -9,7 +10,10 @@ use std::time::Instant;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PyModule, PySet, PyString, PyTuple, PyType};
 
-use crate::report::{render_path, Holder, Holders, PathEdge};
+use super::namespace::{hidden_refs, user_names};
+use super::report::HoldersPy;
+use super::torch::PyTorch;
+use crate::report::{self, render_path, Holder, Holders, PathEdge, Report};
 
 /// Enough for a kernel with a few million objects; a walk that hits it says so.
 const VISIT_LIMIT: usize = 5_000_000;
@@ -455,4 +459,80 @@ pub fn inventory<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) 
     }
     walk.run(|_| false)?;
     Ok(walk.found.keys().copied().collect())
+}
+/// Where a leak hunt starts: the notebook's names, then IPython's hidden references.
+pub(super) fn hunt_roots<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let mut roots = user_names(adapter)?;
+    roots.sort_by(|a, b| a.0.cmp(&b.0));
+    roots.extend(hidden_refs(adapter)?);
+    Ok(roots)
+}
+
+pub(super) fn tensors_or_arrays_imported(py: Python) -> bool {
+    let Ok(modules) = py.import("sys").and_then(|sys| sys.getattr("modules")) else { return false };
+    ["torch", "numpy"].iter().any(|name| modules.contains(*name).unwrap_or(false))
+}
+
+/// Names what still holds memory the scope created, where its end shows memory not back.
+pub(super) fn hunt_leaks(
+    py: Python,
+    report: &Report,
+    adapter: Option<&Bound<PyAny>>,
+    before: &HashSet<Buffer>,
+) -> PyResult<Vec<Holders>> {
+    const GPU_SLACK: i64 = 1 << 20;
+    const HOST_SLACK: i64 = 64 << 20;
+    let Some(adapter) = adapter else { return Ok(Vec::new()) };
+    if !tensors_or_arrays_imported(py) {
+        return Ok(Vec::new());
+    }
+    let kept_above_start =
+        |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
+    let mut memories: Vec<Memory> = report
+        .gpus
+        .iter()
+        .filter(|gpu| gpu.torch_allocated.as_ref().is_some_and(|m| kept_above_start(m, GPU_SLACK)))
+        .map(|gpu| Memory::Cuda(gpu.torch_index))
+        .collect();
+    if kept_above_start(&report.host.rss, HOST_SLACK) {
+        memories.push(Memory::Host);
+    }
+    let mut found = Vec::new();
+    for memory in memories {
+        let (holders, _) = hunt(py, memory, hunt_roots(adapter)?, 1 << 20, before)?;
+        if !holders.holders.is_empty() || holders.unreachable > 0 {
+            found.push(holders);
+        }
+    }
+    Ok(found)
+}
+
+/// What holds memory on a GPU (by torch index) or the host, largest first.
+#[pyfunction]
+#[pyo3(signature = (memory, min_bytes, adapter=None))]
+pub(super) fn holders(
+    py: Python,
+    memory: Option<u32>,
+    min_bytes: u64,
+    adapter: Option<Bound<PyAny>>,
+) -> PyResult<HoldersPy> {
+    let memory = match memory {
+        Some(index) => Memory::Cuda(index),
+        None => Memory::Host,
+    };
+    let roots = match &adapter {
+        Some(a) => hunt_roots(a)?,
+        None => Vec::new(),
+    };
+    let (mut found, python_bytes) = hunt(py, memory.clone(), roots, min_bytes, &HashSet::new())?;
+    if let Memory::Cuda(index) = memory {
+        let torch = PyTorch::find(py);
+        if torch.cuda().is_some() {
+            if let Ok(stats) = torch.read_stats(index) {
+                found.no_python_tensor = Some(stats.allocated.saturating_sub(python_bytes));
+                found.cached = Some(stats.reserved.saturating_sub(stats.allocated));
+            }
+        }
+    }
+    Ok(HoldersPy(found))
 }

@@ -1,0 +1,216 @@
+//! `gpuexp.find_batch_size`: the whole search in one call. Rust drives it: it caps torch at
+//! `limit`, asks the search for each trial, runs the user's step, measures torch's exact peaks,
+//! cleans up after an out-of-memory error and restores everything at the end.
+
+use std::time::Instant;
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::registry::registry;
+use super::snapshot::{reset_counters, take_snapshot};
+use super::torch::{apply_limit, release, restore_limit, PyTorch};
+use crate::finder::{self, Next, Outcome, Role, Search, Settings, Trial};
+use crate::report;
+use crate::snapshot::{Gauge, GpuSelection};
+use crate::teardown;
+
+/// The search of `gpuexp.find_batch_size`; its table is the result a user sees.
+#[pyclass(name = "BatchSizeResult", module = "gpuexp", frozen)]
+pub(super) struct BatchSizeResultPy(pub(super) Search);
+
+#[pymethods]
+impl BatchSizeResultPy {
+    /// The largest batch size that ran within the budget (None if none did).
+    #[getter]
+    fn batch_size(&self) -> Option<u64> {
+        self.0.batch_size
+    }
+    #[getter]
+    fn trials(&self) -> usize {
+        self.0.trials.len()
+    }
+    #[getter]
+    fn verdict(&self) -> &str {
+        &self.0.verdict
+    }
+}
+
+shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
+
+/// Runs the search. The arguments are checked before anything touches the GPU. `adapter`
+/// clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
+#[pyfunction]
+#[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
+                    verifications=2, steps=2, progress=true, adapter))]
+#[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
+pub(super) fn find_batch_size(
+    py: Python,
+    step: Bound<PyAny>,
+    start: u64,
+    max: u64,
+    device: Option<u32>,
+    limit: Option<u64>,
+    margin: Option<f64>,
+    power_of_two: bool,
+    multiple_of: u64,
+    verifications: u32,
+    steps: u32,
+    progress: bool,
+    adapter: Bound<PyAny>,
+) -> PyResult<BatchSizeResultPy> {
+    if !step.is_callable() {
+        return Err(PyTypeError::new_err(format!(
+            "step must be a function of the batch size, e.g. find_batch_size(train_step); got {}",
+            step.repr()?
+        )));
+    }
+    // At a cap the allocator's rounding and fragmentation still need a little room.
+    let margin = margin.unwrap_or(if limit.is_some() { 0.02 } else { 0.05 });
+    if !(0.0..1.0).contains(&margin) {
+        return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
+    }
+    let settings =
+        Settings { start, max, usable: 0, margin, power_of_two, multiple_of, verifications, steps_per_trial: steps };
+    let mut search = Search::new(settings).map_err(PyValueError::new_err)?;
+
+    let torch = PyTorch::find(py);
+    let cuda_available = match torch.torch.as_ref() {
+        Some(t) => t.getattr("cuda")?.call_method0("is_available")?.extract::<bool>()?,
+        None => false,
+    };
+    if !cuda_available {
+        return Err(PyRuntimeError::new_err(
+            "find_batch_size measures torch's CUDA allocator: import torch on a machine with a CUDA GPU",
+        ));
+    }
+    let cuda = torch.torch.as_ref().expect("checked above").getattr("cuda")?;
+    let index: u32 = match device {
+        Some(index) => index,
+        None => cuda.call_method0("current_device")?.extract()?,
+    };
+    search.settings.usable = usable_memory(py, index, limit)?;
+
+    let limited = match limit {
+        Some(limit) => apply_limit(py, &GpuSelection::Only(vec![index]), limit)?,
+        None => Vec::new(),
+    };
+    let searched = run_trials(py, &mut search, &step, &cuda, index, progress, &adapter);
+    let restored = restore_limit(py, &limited);
+    let released = release_between_trials(py);
+    searched.and(restored).and(released)?;
+    Ok(BatchSizeResultPy(search))
+}
+
+fn run_trials(
+    py: Python,
+    search: &mut Search,
+    step: &Bound<PyAny>,
+    cuda: &Bound<PyAny>,
+    index: u32,
+    progress: bool,
+    adapter: &Bound<PyAny>,
+) -> PyResult<()> {
+    let mut previous = None;
+    while let Next::Try(batch, role) = search.next_trial() {
+        if previous != Some(batch) {
+            // Blocks cached at another size would fragment this one; repeats keep the steady state.
+            release_between_trials(py)?;
+        }
+        previous = Some(batch);
+        let trial = run_trial(py, step, cuda, batch, index, search.settings.steps_per_trial, role, adapter)?;
+        if progress {
+            let outcome = match trial.outcome {
+                Outcome::Fit { peak, .. } => format!("peak {}", report::bytes(peak)),
+                Outcome::OutOfMemory => "out of memory".into(),
+            };
+            let line = format!(
+                "gpuexp: trial {} ({}) batch size {batch}: {outcome}, {:.2} s",
+                search.trials.len() + 1,
+                role.label(),
+                trial.seconds
+            );
+            py.import("builtins")?.call_method1("print", (line,))?;
+        }
+        search.record(trial);
+    }
+    Ok(())
+}
+
+/// `steps` steps in a row at one batch size, in a peak window of their own: torch's exact
+/// peaks, or an out-of-memory outcome after which the failed step's memory is given back.
+#[allow(clippy::too_many_arguments)]
+fn run_trial(
+    py: Python,
+    step: &Bound<PyAny>,
+    cuda: &Bound<PyAny>,
+    batch: u64,
+    index: u32,
+    steps: u32,
+    role: Role,
+    adapter: &Bound<PyAny>,
+) -> PyResult<Trial> {
+    let (start, torch) = take_snapshot(py, &GpuSelection::AllVisible);
+    let window = registry().open_window(&start);
+    reset_counters(&torch, &start);
+    let started = Instant::now();
+    let ran = (0..steps).try_for_each(|_| step.call1((batch,)).map(drop)).and_then(|()| {
+        cuda.call_method1("synchronize", (index,))?;
+        Ok(())
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let peaks = {
+        let mut registry = registry();
+        match end.gpus.iter().find(|g| g.torch_index == index) {
+            Some(gpu) => {
+                let gauges = [Gauge::TorchAllocated(gpu.uuid.clone()), Gauge::TorchReserved(gpu.uuid.clone())];
+                let [allocated, reserved] = registry.close_window(window, &end, gauges);
+                allocated.zip(reserved)
+            }
+            None => {
+                registry.peaks.close(window);
+                None
+            }
+        }
+    };
+    let outcome = match (ran, peaks) {
+        (Ok(()), Some((peak, reserved))) => Outcome::Fit { peak, reserved },
+        (Ok(()), None) => return Err(PyValueError::new_err(format!("cuda:{index} is not a visible GPU"))),
+        (Err(error), _) if is_oom(py, &error) => {
+            // As the OOM rescue does: the failed step's frames must let go of its tensors.
+            adapter.call_method1("drop_exception", (error.value(py),))?;
+            drop(error);
+            release_between_trials(py)?;
+            Outcome::OutOfMemory
+        }
+        (Err(error), _) => return Err(error),
+    };
+    Ok(Trial { batch, outcome, seconds, role })
+}
+
+fn is_oom(py: Python, error: &PyErr) -> bool {
+    super::oom::is_cuda_oom(error.value(py).as_any())
+}
+
+/// What a step's torch peak may use on a GPU: what torch holds plus what NVML has free, or `limit`.
+fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
+    let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let gpu =
+        now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
+            PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
+        })?;
+    let torch = gpu.torch.unwrap_or_default();
+    Ok(limit.unwrap_or(torch.reserved + gpu.free))
+}
+
+/// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).
+fn release_between_trials(py: Python) -> PyResult<()> {
+    teardown::BETWEEN_TRIALS.iter().try_for_each(|step| release(py, *step))
+}
+
+/// Bytes from "24GiB", "512MiB" or a number.
+#[pyfunction]
+pub(super) fn parse_size(text: &str) -> PyResult<u64> {
+    finder::parse_size(text).map_err(PyValueError::new_err)
+}

@@ -1,0 +1,42 @@
+//! The monitor: a timeline of the host and every GPU recorded by a native thread.
+//! `gpuexp.Monitor` starts and stops one, and adds `to_pandas()` and `plot()`.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::monitor;
+
+#[pyclass(name = "Monitor", module = "gpuexp")]
+pub(super) struct MonitorPy(monitor::Monitor);
+
+#[pymethods]
+impl MonitorPy {
+    #[new]
+    #[pyo3(signature = (interval_s, path=None, gpus=true))]
+    fn new(interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
+        let interval = std::time::Duration::try_from_secs_f64(interval_s).map_err(|_| {
+            PyValueError::new_err(format!("interval must be a positive time such as \"100ms\"; got {interval_s} s"))
+        })?;
+        monitor::Monitor::start(interval, path, gpus).map(MonitorPy).map_err(PyValueError::new_err)
+    }
+
+    /// The samples so far, as a JSON list (the Python side turns it into dicts).
+    fn samples_json(&self) -> String {
+        serde_json::to_string(&self.0.samples()).expect("samples always serialise")
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        self.0.is_running()
+    }
+
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.0.failure()
+    }
+
+    fn stop(&mut self, py: Python) {
+        let monitor = &mut self.0;
+        py.detach(|| monitor.stop());
+    }
+}

@@ -1,0 +1,85 @@
+//! The rescue after a CUDA out-of-memory error, and its diagnosis.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use super::registry::registry;
+use super::report::OomPy;
+use super::snapshot::take_snapshot;
+use super::torch::release;
+use crate::report;
+use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
+use crate::teardown;
+
+/// torch.OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message.
+pub(super) fn is_cuda_oom(error: &Bound<PyAny>) -> bool {
+    if !error.is_instance_of::<PyRuntimeError>() {
+        return false;
+    }
+    let type_name = error.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    let message = error.str().map(|m| m.to_string()).unwrap_or_default();
+    type_name == "OutOfMemoryError" || (message.contains("CUDA") && message.contains("out of memory"))
+}
+
+/// The rescue after a cell's error, when it is a CUDA out-of-memory error and the rescue is on
+/// (`config(oom_rescue=)`): the adapter clears the failed cell's frames and the references to
+/// its exception, then memory is released as at a teardown. Returns the diagnosis (what was
+/// asked for, what the device had, what came back), or None when there was nothing to rescue.
+#[pyfunction]
+#[pyo3(signature = (error, adapter=None))]
+pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<PyAny>>) -> PyResult<Option<OomPy>> {
+    if !is_cuda_oom(&error) || !registry().oom_rescue {
+        return Ok(None);
+    }
+    let message = error.str()?.to_string();
+    let (requested, device) = report::parse_oom_message(&message);
+    let (before, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let cleared = match &adapter {
+        Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
+        None => Vec::new(),
+    };
+    let mut hints = Vec::new();
+    for step in teardown::RELEASE {
+        if let Err(e) = release(py, step) {
+            hints.push(format!("rescue step {step:?} failed: {e}"));
+        }
+    }
+    let (after, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    // The device torch's message names; another GPU's figures would only mislead.
+    let pick = |s: &Snapshot| -> Option<GpuReading> {
+        match device {
+            Some(index) => s.gpus.iter().find(|g| g.torch_index == index).cloned(),
+            None => s.gpus.first().cloned(),
+        }
+    };
+    let (gpu_before, gpu_after) = (pick(&before), pick(&after));
+    let others = gpu_before
+        .as_ref()
+        .map(|g| nvml::other_processes(&g.uuid, &own_pids()))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used })
+        .collect();
+    let mut diagnosis = report::OomDiagnosis {
+        message,
+        torch_index: gpu_before.as_ref().map(|g| g.torch_index).or(device),
+        requested,
+        total: gpu_before.as_ref().map(|g| g.total),
+        free_before: gpu_before.as_ref().map(|g| g.free),
+        free_after: gpu_after.as_ref().map(|g| g.free),
+        torch_allocated_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_allocated_after: gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_reserved_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.reserved),
+        process_used_before: gpu_before.as_ref().and_then(|g| g.process_used),
+        others,
+        hints: Vec::new(),
+        cleared,
+    };
+    diagnosis.hints = diagnosis.hints();
+    diagnosis.hints.extend(hints);
+    Ok(Some(OomPy(diagnosis)))
+}
+
+fn process_name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|n| n.trim().to_string()).unwrap_or_else(|_| "?".into())
+}

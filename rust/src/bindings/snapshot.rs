@@ -1,0 +1,112 @@
+//! Snapshots as the bindings take them: torch read through Python, NVML either fresh or from
+//! the sampler's latest sample, peaks folded in; and the sampler kept running over what is needed.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::registry::registry;
+use super::report::SnapshotPy;
+use super::torch::PyTorch;
+use crate::sampler;
+use crate::snapshot::{host, nvml, GpuSelection, NvmlSource, Snapshot};
+
+pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    snapshot_from(py, selection, &|_, device, pids| nvml::read(device, pids))
+}
+
+/// A snapshot for the per-cell log: NVML figures from the sampler's latest sample (at most
+/// two intervals old) where it has one, since reading the driver again after every cell
+/// would cost more than the rest of the cell log.
+pub(super) fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    snapshot_from(py, selection, &|ident, device, pids| match sampler::latest(&ident.uuid) {
+        Some(reading) => Ok(reading),
+        None => nvml::read(device, pids),
+    })
+}
+
+/// A snapshot with its NVML figures from `read_nvml`, and peaks raised to what the sampler saw.
+fn snapshot_from<'py>(py: Python<'py>, selection: &GpuSelection, read_nvml: &NvmlSource) -> (Snapshot, PyTorch<'py>) {
+    let torch = PyTorch::find(py);
+    let mut snapshot = Snapshot::take(selection, &torch, read_nvml);
+    sampler::apply(&mut snapshot);
+    (snapshot, torch)
+}
+
+/// Starts new peak windows: what the counters saw was just folded into the open windows.
+pub(super) fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
+    host::reset_peak();
+    torch.reset_peaks(snapshot);
+    sampler::reset(snapshot);
+}
+
+/// Runs the sampler over what gpuexp needs now. While a window is open or about to open
+/// (`opening`), or the cell log is on, that is host RSS where VmHWM can't be reset, and the
+/// GPUs when a window or the log covers them. The thread stays up between logged cells, so a
+/// cell never pays for starting it. Returns whether a thread was started anew.
+///
+/// The caller must not hold the registry: the GIL is released here, and a thread that held
+/// the registry while waiting for the GIL back would deadlock with one holding the GIL while
+/// waiting for the registry.
+pub(super) fn update_sampler(py: Python, opening: Option<&Snapshot>) -> bool {
+    let sources = {
+        let registry = registry();
+        let log_gpus = registry.cell_log_active() && registry.cell_selection() != GpuSelection::None;
+        let needed = opening.is_some() || registry.has_windows() || registry.cell_log_active();
+        let gpu_wanted = registry.has_gpu_windows() || log_gpus || opening.is_some_and(|s| !s.gpus.is_empty());
+        let gpus = match opening {
+            _ if !(needed && gpu_wanted) => Vec::new(),
+            Some(s) if !s.gpus.is_empty() => s.gpus.iter().map(|g| g.uuid.clone()).collect(),
+            _ => sampler::sampled_gpus(),
+        };
+        sampler::Sources { host: needed && !host::peak_reset_supported(), gpus }
+    };
+    // Joining with the GIL held would be safe too (the sampler never takes it), but other
+    // Python threads need not wait for the join.
+    py.detach(|| sampler::ensure(sources))
+}
+
+/// The snapshot a window opens at, taken by `take`. A sampler started for it starts first,
+/// so that the thread's own memory (its stack, NVML's per-thread state) is not charged to
+/// the window.
+pub(super) fn opening_snapshot<'py>(
+    py: Python<'py>,
+    selection: &GpuSelection,
+    take: fn(Python<'py>, &GpuSelection) -> (Snapshot, PyTorch<'py>),
+) -> (Snapshot, PyTorch<'py>) {
+    let (probe, torch) = take(py, selection);
+    if update_sampler(py, Some(&probe)) {
+        take(py, selection)
+    } else {
+        (probe, torch)
+    }
+}
+
+pub(super) fn selection(gpu: bool, devices: Option<Vec<u32>>) -> GpuSelection {
+    match (gpu, devices) {
+        (false, _) => GpuSelection::None,
+        (true, None) => GpuSelection::AllVisible,
+        (true, Some(devices)) => GpuSelection::Only(devices),
+    }
+}
+
+pub(super) fn check_devices(py: Python, wanted: &[u32]) -> PyResult<()> {
+    let (all, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    if nvml::available().is_err() {
+        return Ok(());
+    }
+    let visible: Vec<u32> = all.gpus.iter().map(|g| g.torch_index).collect();
+    match wanted.iter().find(|d| !visible.contains(d)) {
+        None => Ok(()),
+        Some(bad) => Err(PyValueError::new_err(format!(
+            "devices=[{bad}]: no such GPU. Visible GPUs (torch indices): {visible:?}; \
+             pass indices from that list, or devices=None for all of them."
+        ))),
+    }
+}
+
+/// The current state of the host and (with `gpu`) every visible GPU.
+#[pyfunction]
+#[pyo3(signature = (gpu=true))]
+pub(super) fn snapshot(py: Python, gpu: bool) -> SnapshotPy {
+    SnapshotPy { snapshot: take_snapshot(py, &selection(gpu, None)).0, title: "snapshot".into() }
+}

@@ -1,0 +1,172 @@
+//! Torch through its Python API: looked up in `sys.modules`, never imported. Its allocator
+//! statistics, the per-process memory cap behind `limit=`, and the steps that give memory back.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::report as units;
+use crate::snapshot::{GpuSelection, Snapshot, TorchProbe, TorchStats};
+use crate::teardown::Step; // MERGE: crate::units once the report split lands
+
+/// Torch as the user's process has it: looked up in `sys.modules`, never imported.
+pub(super) struct PyTorch<'py> {
+    pub(super) torch: Option<Bound<'py, PyAny>>,
+    cuda_initialised: bool,
+}
+
+impl<'py> PyTorch<'py> {
+    pub(super) fn find(py: Python<'py>) -> PyTorch<'py> {
+        let torch =
+            py.import("sys").and_then(|sys| sys.getattr("modules")).and_then(|modules| modules.get_item("torch")).ok();
+        // `is_initialized` only reads a flag: it creates no CUDA context.
+        let cuda_initialised = torch
+            .as_ref()
+            .and_then(|t| t.getattr("cuda").ok()?.call_method0("is_initialized").ok()?.extract::<bool>().ok())
+            .unwrap_or(false);
+        PyTorch { torch, cuda_initialised }
+    }
+
+    pub(super) fn cuda(&self) -> Option<Bound<'py, PyAny>> {
+        self.cuda_initialised.then(|| self.torch.as_ref()?.getattr("cuda").ok()).flatten()
+    }
+
+    pub(super) fn read_stats(&self, index: u32) -> PyResult<TorchStats> {
+        let torch = self.torch.as_ref().expect("called only when imported");
+        // The nested dict straight from C++; `torch.cuda.memory_stats` flattens it in Python, which costs more than the rest of a snapshot.
+        let nested = torch.getattr("_C")?.call_method1("_cuda_memoryStats", (index,));
+        let Ok(stats) = nested else { return flat_stats(torch, index) };
+        let get = |group: &str, field: &str| -> PyResult<u64> {
+            stats.get_item(group)?.get_item("all")?.get_item(field)?.extract()
+        };
+        Ok(TorchStats {
+            allocated: get("allocated_bytes", "current")?,
+            reserved: get("reserved_bytes", "current")?,
+            peak_allocated: get("allocated_bytes", "peak")?,
+            peak_reserved: get("reserved_bytes", "peak")?,
+            num_ooms: stats.get_item("num_ooms")?.extract()?,
+        })
+    }
+
+    /// Resets torch's peak counters on the devices a snapshot covered. The C function, not
+    /// `torch.cuda.reset_peak_memory_stats`, which gpuexp wraps to notice the user's resets.
+    pub(super) fn reset_peaks(&self, snapshot: &Snapshot) {
+        let Some(c) = self.cuda().and_then(|_| self.torch.as_ref()?.getattr("_C").ok()) else { return };
+        for gpu in snapshot.gpus.iter().filter(|g| g.torch.is_some()) {
+            let _ = c.call_method1("_cuda_resetPeakMemoryStats", (gpu.torch_index,));
+        }
+    }
+}
+
+fn flat_stats(torch: &Bound<PyAny>, index: u32) -> PyResult<TorchStats> {
+    let stats = torch.getattr("cuda")?.call_method1("memory_stats", (index,))?;
+    let get =
+        |key: &str| -> PyResult<u64> { Ok(stats.get_item(key).ok().map(|v| v.extract()).transpose()?.unwrap_or(0)) };
+    Ok(TorchStats {
+        allocated: get("allocated_bytes.all.current")?,
+        reserved: get("reserved_bytes.all.current")?,
+        peak_allocated: get("allocated_bytes.all.peak")?,
+        peak_reserved: get("reserved_bytes.all.peak")?,
+        num_ooms: get("num_ooms")?,
+    })
+}
+
+impl TorchProbe for PyTorch<'_> {
+    fn imported(&self) -> bool {
+        self.torch.is_some()
+    }
+
+    fn device_uuids(&self) -> Option<Vec<String>> {
+        // Torch's devices are fixed once CUDA is initialised, so they are read once per process.
+        static UUIDS: Mutex<Option<(u32, Vec<String>)>> = Mutex::new(None);
+        let cuda = self.cuda()?;
+        let pid = std::process::id();
+        let mut cached = UUIDS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((owner, uuids)) = cached.as_ref() {
+            if *owner == pid {
+                return Some(uuids.clone());
+            }
+        }
+        let count: u32 = cuda.call_method0("device_count").ok()?.extract().ok()?;
+        let uuids = (0..count)
+            .map(|i| {
+                let props = cuda.call_method1("get_device_properties", (i,)).ok()?;
+                props.getattr("uuid").ok()?.str().ok().map(|s| s.to_string())
+            })
+            .collect::<Option<Vec<String>>>()?;
+        *cached = Some((pid, uuids.clone()));
+        Some(uuids)
+    }
+
+    fn stats(&self, torch_index: u32) -> Option<TorchStats> {
+        self.torch.as_ref()?;
+        if !self.cuda_initialised {
+            return Some(TorchStats::default());
+        }
+        self.read_stats(torch_index).ok()
+    }
+}
+
+/// Caps torch's allocations on the scope's GPUs at `limit` bytes each (its per-process memory
+/// fraction), to rehearse a smaller card; returns the fractions to restore.
+pub(super) fn apply_limit(py: Python, selection: &GpuSelection, limit: u64) -> PyResult<Vec<(u32, f64)>> {
+    let torch = PyTorch::find(py);
+    let Some(torch_module) = torch.torch.as_ref() else {
+        return Err(PyValueError::new_err("limit= caps torch's allocations: import torch first"));
+    };
+    let cuda = torch_module.getattr("cuda")?;
+    let count: u32 = cuda.call_method0("device_count")?.extract()?;
+    let devices: Vec<u32> = match selection {
+        GpuSelection::Only(devices) => devices.clone(),
+        GpuSelection::AllVisible => (0..count).collect(),
+        GpuSelection::None => return Err(PyValueError::new_err("limit= applies to GPUs: use GPUExperiment")),
+    };
+    let memory = cuda.getattr("memory")?;
+    let mut previous = Vec::new();
+    for device in devices {
+        let total: u64 = cuda.call_method1("get_device_properties", (device,))?.getattr("total_memory")?.extract()?;
+        if limit > total {
+            return Err(PyValueError::new_err(format!(
+                "limit={} is more than cuda:{device} has ({}): pass a smaller size",
+                units::bytes(limit),
+                units::bytes(total)
+            )));
+        }
+        let before = match memory.getattr("get_per_process_memory_fraction") {
+            Ok(get) => get.call1((device,))?.extract()?,
+            Err(_) => 1.0,
+        };
+        cuda.call_method1("set_per_process_memory_fraction", (limit as f64 / total as f64, device))?;
+        previous.push((device, before));
+    }
+    Ok(previous)
+}
+
+pub(super) fn restore_limit(py: Python, limited: &[(u32, f64)]) -> PyResult<()> {
+    if limited.is_empty() {
+        return Ok(());
+    }
+    let cuda = py.import("torch")?.getattr("cuda")?;
+    for (device, fraction) in limited {
+        cuda.call_method1("set_per_process_memory_fraction", (*fraction, *device))?;
+    }
+    Ok(())
+}
+
+/// One of the steps that give memory back once nothing refers to it ([`teardown::RELEASE`]).
+pub(super) fn release(py: Python, step: Step) -> PyResult<()> {
+    let torch = PyTorch::find(py);
+    match (step, torch.cuda()) {
+        (Step::CollectGarbage, _) => py.import("gc")?.call_method0("collect").map(drop),
+        (Step::FreeCublasWorkspaces, Some(_)) => {
+            let c = torch.torch.as_ref().expect("cuda implies torch").getattr("_C")?;
+            if c.hasattr("_cuda_clearCublasWorkspaces")? {
+                c.call_method0("_cuda_clearCublasWorkspaces")?;
+            }
+            Ok(())
+        }
+        (Step::EmptyCache, Some(cuda)) => cuda.call_method0("empty_cache").map(drop),
+        _ => Ok(()),
+    }
+}
