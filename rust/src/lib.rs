@@ -4,8 +4,8 @@
 pub mod cli;
 pub mod finder;
 pub mod monitor;
+pub mod peak_sampler;
 pub mod report;
-pub mod sampler;
 pub mod scope;
 pub mod snapshot;
 pub mod teardown;

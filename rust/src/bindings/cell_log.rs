@@ -85,7 +85,7 @@ pub(super) fn config<'py>(
                 "sample_interval_ms must be a positive number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {ms}"
             ))
         })?;
-        py.detach(|| sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
+        py.detach(|| peak_sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
     }
     let mut registry = registry();
     if let Some(all) = cell_log_all_gpus {
@@ -95,7 +95,7 @@ pub(super) fn config<'py>(
         registry.oom_rescue = rescue;
     }
     let settings = PyDict::new(py);
-    settings.set_item("sample_interval_ms", sampler::interval().as_secs_f64() * 1e3)?;
+    settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
     settings.set_item("oom_rescue", registry.oom_rescue)?;
     Ok(settings)
@@ -104,7 +104,7 @@ pub(super) fn config<'py>(
 /// Stops the sampler thread (at interpreter exit, and when a kernel shuts down).
 #[pyfunction]
 pub(super) fn shutdown(py: Python) {
-    py.detach(sampler::stop);
+    py.detach(peak_sampler::stop);
 }
 
 #[pyfunction]
@@ -133,7 +133,7 @@ pub(super) fn host_peak_exact() -> bool {
 
 #[pyfunction]
 pub(super) fn sampler_running() -> bool {
-    sampler::is_running()
+    peak_sampler::is_running()
 }
 
 #[pyfunction]
