@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::report::bytes;
 use crate::snapshot::nvml::{self, DeviceStatus, Listed};
+use crate::units::bytes;
 
 /// `gpuexp status`: what the driver says, then every device.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -9,6 +9,7 @@ pub mod report;
 pub mod scope;
 pub mod snapshot;
 pub mod teardown;
+pub mod units;
 
 #[cfg(feature = "python")]
 mod bindings;

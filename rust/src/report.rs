@@ -5,6 +5,7 @@ use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
 use serde::Serialize;
 
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
+use crate::units::{bytes, rfc3339, signed_bytes, size_in_bytes};
 
 /// One gauge over a scope. consumed = before_teardown − start; reclaimed = before_teardown − end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -289,30 +290,6 @@ fn unavailable_row(label: String) -> Vec<String> {
     row
 }
 
-/// Sizes in binary units, two decimals: what a person reads against `nvidia-smi` and torch.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut value = n as f64 / 1024.0;
-    let mut unit = 0;
-    // Compare after rounding to two decimals, so 1 MiB − 1 B reads "1.00 MiB", not "1024.00 KiB".
-    while value >= 1023.995 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.2} {}", UNITS[unit])
-}
-
-pub fn signed_bytes(n: i64) -> String {
-    match n {
-        0 => "0 B".into(),
-        n if n > 0 => format!("+{}", bytes(n as u64)),
-        n => format!("-{}", bytes(n.unsigned_abs())),
-    }
-}
-
 /// The cells of a table, rendered to text and to HTML from the same strings so that both
 /// always show the same figures.
 pub struct Grid {
@@ -566,24 +543,6 @@ pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     }
 }
 
-/// UTC time as RFC 3339, without pulling in a date crate for one format.
-pub fn rfc3339(unix_seconds: f64) -> String {
-    let secs = unix_seconds.floor() as i64;
-    let millis = ((unix_seconds - secs as f64) * 1000.0).round().min(999.0) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Howard Hinnant's days-to-civil algorithm.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -592,7 +551,6 @@ mod tests {
     use crate::snapshot::testing::{gpu, host, torch, GIB};
     use crate::snapshot::TorchStats;
 
-    const KIB: u64 = 1 << 10;
     const MIB: u64 = 1 << 20;
 
     fn finished(
@@ -877,78 +835,6 @@ mod tests {
         assert_ne!(row.torch_allocated.unwrap().reclaimed, Some((18 * GIB) as i64));
     }
 
-    // --- bytes ----------------------------------------------------------------------------
-
-    #[test]
-    fn bytes_are_shown_in_binary_units_with_two_decimals() {
-        assert_eq!(bytes(0), "0 B");
-        assert_eq!(bytes(1), "1 B");
-        assert_eq!(bytes(1023), "1023 B");
-        assert_eq!(bytes(KIB), "1.00 KiB");
-        assert_eq!(bytes(MIB + MIB / 2), "1.50 MiB");
-        assert_eq!(bytes(GIB), "1.00 GiB");
-        assert_eq!(bytes(80 * GIB), "80.00 GiB");
-        assert_eq!(bytes(1 << 40), "1.00 TiB");
-        assert_eq!(bytes(1 << 50), "1.00 PiB");
-    }
-
-    #[test]
-    fn huge_sizes_stay_in_the_largest_unit() {
-        assert_eq!(bytes(1 << 60), "1024.00 PiB");
-        assert_eq!(bytes(u64::MAX), "16384.00 PiB");
-    }
-
-    #[test]
-    fn a_size_that_rounds_up_to_the_next_unit_is_shown_in_that_unit() {
-        assert_eq!(bytes(MIB - 1), "1.00 MiB");
-        assert_eq!(bytes(GIB - 1), "1.00 GiB");
-    }
-
-    #[test]
-    fn signed_bytes_show_the_direction() {
-        assert_eq!(signed_bytes(0), "0 B");
-        assert_eq!(signed_bytes(1023), "+1023 B");
-        assert_eq!(signed_bytes(-1023), "-1023 B");
-        assert_eq!(signed_bytes(GIB as i64), "+1.00 GiB");
-        assert_eq!(signed_bytes(-((MIB + MIB / 2) as i64)), "-1.50 MiB");
-        assert_eq!(signed_bytes(i64::MAX), "+8192.00 PiB");
-        assert_eq!(signed_bytes(i64::MIN), "-8192.00 PiB");
-    }
-
-    // --- rfc3339 --------------------------------------------------------------------------
-
-    #[test]
-    fn rfc3339_formats_utc_with_milliseconds() {
-        assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(1_700_000_000.25), "2023-11-14T22:13:20.250Z");
-        assert_eq!(rfc3339(1_700_000_000.0 + 0.001), "2023-11-14T22:13:20.001Z");
-        assert_eq!(rfc3339(253_402_300_799.0), "9999-12-31T23:59:59.000Z");
-    }
-
-    #[test]
-    fn rfc3339_handles_leap_days_and_century_years() {
-        assert_eq!(rfc3339(1_709_164_800.0), "2024-02-29T00:00:00.000Z");
-        assert_eq!(rfc3339(1_709_251_199.5), "2024-02-29T23:59:59.500Z");
-        assert_eq!(rfc3339(1_709_251_200.0), "2024-03-01T00:00:00.000Z");
-        // 2000 is a leap year (divisible by 400), 2100 is not (divisible by 100).
-        assert_eq!(rfc3339(951_782_400.0), "2000-02-29T00:00:00.000Z");
-        assert_eq!(rfc3339(4_107_542_400.0 - 86_400.0), "2100-02-28T00:00:00.000Z");
-        assert_eq!(rfc3339(4_107_542_400.0), "2100-03-01T00:00:00.000Z");
-        assert_eq!(rfc3339(1_704_067_199.0), "2023-12-31T23:59:59.000Z");
-    }
-
-    #[test]
-    fn rfc3339_before_the_epoch_counts_backwards() {
-        assert_eq!(rfc3339(-1.0), "1969-12-31T23:59:59.000Z");
-        assert_eq!(rfc3339(-0.5), "1969-12-31T23:59:59.500Z");
-    }
-
-    #[test]
-    fn rfc3339_never_shows_a_thousandth_millisecond() {
-        let shown = rfc3339(1_700_000_000.999_9);
-        assert!(shown.ends_with(".999Z") || shown == "2023-11-14T22:13:21.000Z", "{shown}");
-    }
-
     // --- text, HTML and JSON --------------------------------------------------------------
 
     /// A finished report with a bit of everything: two GPUs, torch on one, an unavailable
@@ -1223,17 +1109,9 @@ pub struct OomDiagnosis {
 pub fn parse_oom_message(message: &str) -> (Option<u64>, Option<u32>) {
     let requested = message.split("Tried to allocate ").nth(1).and_then(|rest| {
         let mut words = rest.split_whitespace();
-        let number: f64 = words.next()?.parse().ok()?;
+        let number = words.next()?;
         let unit = words.next()?.trim_end_matches(['.', ';', ',', ')']);
-        let scale = match unit {
-            "B" | "bytes" => 1.0,
-            "KiB" => 1024.0,
-            "MiB" => 1024.0 * 1024.0,
-            "GiB" => 1024.0 * 1024.0 * 1024.0,
-            "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-            _ => return None,
-        };
-        Some((number * scale).round() as u64)
+        size_in_bytes(number, unit).map(|n| n.round() as u64)
     });
     // "GPU 0 has a total capacity" (torch 2) or "(GPU 1; 79.19 GiB total capacity" (torch 1).
     let device = message.split("GPU ").nth(1).and_then(|rest| {
@@ -1337,6 +1215,8 @@ mod oom_tests {
         assert_eq!(parse_oom_message(new), (Some(2 * GIB), Some(0)));
         let old = "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 1; 79.19 GiB total capacity";
         assert_eq!(parse_oom_message(old), (Some(20 << 20), Some(1)));
+        let small = "CUDA out of memory. Tried to allocate 512 bytes. GPU 2 has a total capacity of 79.19 GiB";
+        assert_eq!(parse_oom_message(small), (Some(512), Some(2)));
         assert_eq!(parse_oom_message("CUDA error: out of memory"), (None, None));
         assert_eq!(parse_oom_message("Tried to allocate lots of GPU memory"), (None, None));
     }

@@ -111,7 +111,7 @@ pub(super) fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyRe
 /// Bytes from "24GiB", "512MiB" or a number.
 #[pyfunction]
 pub(super) fn parse_size(text: &str) -> PyResult<u64> {
-    finder::parse_size(text).map_err(PyValueError::new_err)
+    units::parse_size(text).map_err(PyValueError::new_err)
 }
 
 /// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).

@@ -31,6 +31,7 @@ use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
 use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, NvmlSource, Snapshot, TorchProbe, TorchStats};
 use crate::teardown::{self, Binding, NameState, Step};
+use crate::units;
 
 static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
 
@@ -309,8 +310,8 @@ fn apply_limit(py: Python, selection: &GpuSelection, limit: u64) -> PyResult<Vec
         if limit > total {
             return Err(PyValueError::new_err(format!(
                 "limit={} is more than cuda:{device} has ({}): pass a smaller size",
-                report::bytes(limit),
-                report::bytes(total)
+                units::bytes(limit),
+                units::bytes(total)
             )));
         }
         let before = match memory.getattr("get_per_process_memory_fraction") {

@@ -66,10 +66,10 @@ impl MetricPy {
     fn __repr__(&self) -> String {
         format!(
             "Metric(start={}, peak={}, consumed={}, reclaimed={})",
-            report::bytes(self.start),
-            report::bytes(self.peak),
-            report::signed_bytes(self.consumed),
-            self.reclaimed.map(report::signed_bytes).unwrap_or_else(|| "—".into())
+            units::bytes(self.start),
+            units::bytes(self.peak),
+            units::signed_bytes(self.consumed),
+            self.reclaimed.map(units::signed_bytes).unwrap_or_else(|| "—".into())
         )
     }
 }
