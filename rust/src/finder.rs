@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use crate::report::Grid;
+use crate::grid::Grid;
 use crate::units::bytes;
 
 /// How one trial of the step went.

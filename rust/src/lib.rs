@@ -3,6 +3,7 @@
 
 pub mod cli;
 pub mod finder;
+pub mod grid;
 pub mod monitor;
 pub mod peak_sampler;
 pub mod report;

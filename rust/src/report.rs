@@ -1,9 +1,8 @@
-//! Reports: what a scope consumed, reclaimed and peaked at, as JSON, a text table
-//! (comfy-table) and an HTML table built from the same cells.
+//! Reports: what a scope consumed, reclaimed and peaked at, as JSON and as a table (a [`Grid`]).
 
-use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
 use serde::Serialize;
 
+use crate::grid::{prefixed, Grid};
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
 use crate::units::{bytes, rfc3339, signed_bytes, size_in_bytes};
 
@@ -290,78 +289,6 @@ fn unavailable_row(label: String) -> Vec<String> {
     row
 }
 
-/// The cells of a table, rendered to text and to HTML from the same strings so that both
-/// always show the same figures.
-pub struct Grid {
-    pub title: String,
-    pub lines: Vec<String>,
-    pub header: Vec<String>,
-    pub rows: Vec<Vec<String>>,
-    /// Lines under the table, shown as they are ("note: …", "hint: …").
-    pub notes: Vec<String>,
-    /// Without borders: the per-cell log sits under every cell and must stay small.
-    pub compact: bool,
-}
-
-impl Grid {
-    pub fn to_text(&self) -> String {
-        let mut table = Table::new();
-        table
-            .load_style(if self.compact { presets::NOTHING } else { presets::UTF8_FULL_CONDENSED })
-            .set_content_arrangement(ContentArrangement::Disabled)
-            .set_header(&self.header);
-        for row in &self.rows {
-            table.add_row(row);
-        }
-        for column in table.column_iter_mut().skip(1) {
-            column.set_cell_alignment(CellAlignment::Right);
-        }
-        let mut out = String::new();
-        out.push_str(&self.title);
-        out.push('\n');
-        for line in &self.lines {
-            out.push_str(line);
-            out.push('\n');
-        }
-        out.push_str(&table.to_string());
-        for note in &self.notes {
-            out.push('\n');
-            out.push_str(note);
-        }
-        out
-    }
-
-    pub fn to_html(&self) -> String {
-        let mut out = String::from(if self.compact {
-            "<div class=\"gpuexp\" style=\"font-size:smaller\">"
-        } else {
-            "<div class=\"gpuexp\">"
-        });
-        out.push_str(&format!("<b>{}</b><br>", escape(&self.title)));
-        for line in &self.lines {
-            out.push_str(&format!("<span>{}</span><br>", escape(line)));
-        }
-        out.push_str("<table><thead><tr>");
-        for (i, head) in self.header.iter().enumerate() {
-            out.push_str(&format!("<th style=\"text-align:{}\">{}</th>", align(i), escape(head)));
-        }
-        out.push_str("</tr></thead><tbody>");
-        for row in &self.rows {
-            out.push_str("<tr>");
-            for (i, cell) in row.iter().enumerate() {
-                out.push_str(&format!("<td style=\"text-align:{}\">{}</td>", align(i), escape(cell)));
-            }
-            out.push_str("</tr>");
-        }
-        out.push_str("</tbody></table>");
-        for note in &self.notes {
-            out.push_str(&format!("<small>{}</small><br>", escape(note)));
-        }
-        out.push_str("</div>");
-        out
-    }
-}
-
 /// One figure over one cell: how it moved, and how high it went above where the cell began.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct CellMetric {
@@ -491,22 +418,6 @@ impl CellRecord {
     }
 }
 
-fn prefixed(label: &str, lines: &[String]) -> Vec<String> {
-    lines.iter().map(|line| format!("{label}: {line}")).collect()
-}
-
-fn align(column: usize) -> &'static str {
-    if column == 0 {
-        "left"
-    } else {
-        "right"
-    }
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
 /// The current state, as `gpuexp.snapshot()` and a new experiment show it.
 pub fn snapshot_grid(snapshot: &Snapshot, title: &str) -> Grid {
     let host = &snapshot.host;
@@ -548,6 +459,8 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+    use crate::grid::escape;
+    use crate::grid::testing::{expected_cells, html_cells, text_cells};
     use crate::snapshot::testing::{gpu, host, torch, GIB};
     use crate::snapshot::TorchStats;
 
@@ -870,37 +783,6 @@ mod tests {
         let span = Span { start: &start, before_teardown: &now, end: None };
         let names = Names { deleted: vec!["never shown while running".into()], ..Names::default() };
         Report::build("live", true, span, |_| None, names)
-    }
-
-    /// The cells of the comfy-table box in `text`, header first.
-    fn text_cells(text: &str) -> Vec<Vec<String>> {
-        text.lines()
-            .filter(|line| line.starts_with('│'))
-            .map(|line| line.trim_matches('│').split(['│', '┆']).map(|cell| cell.trim().to_string()).collect())
-            .collect()
-    }
-
-    fn unescape(html: &str) -> String {
-        html.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&amp;", "&")
-    }
-
-    /// The cells of every `<tr>` in `html`, header first, unescaped.
-    fn html_cells(html: &str) -> Vec<Vec<String>> {
-        html.split("<tr>")
-            .skip(1)
-            .map(|row| {
-                let row = &row[..row.find("</tr>").expect("every row is closed")];
-                // Each piece after "<td" or "<th" is ` style="...">CELL</td>`.
-                row.split('<')
-                    .filter(|piece| ["td ", "th ", "td>", "th>"].iter().any(|tag| piece.starts_with(tag)))
-                    .map(|piece| unescape(&piece[piece.find('>').expect("a tag ends") + 1..]))
-                    .collect()
-            })
-            .collect()
-    }
-
-    fn expected_cells(grid: &Grid) -> Vec<Vec<String>> {
-        std::iter::once(grid.header.clone()).chain(grid.rows.iter().cloned()).collect()
     }
 
     #[test]
