@@ -23,15 +23,16 @@ use types::*;
 
 use hunter::{Buffer, Memory};
 
-use crate::cli;
 use crate::finder;
 use crate::monitor;
 use crate::peak_sampler;
 use crate::report::{self, CellRecord, Holders, Names, Report, Span};
 use crate::scope::{Finishing, Kind, Registry, ScopeId};
 use crate::snapshot::{host, nvml, own_pids, GpuReading, GpuSelection, NvmlSource, Snapshot, TorchProbe, TorchStats};
+use crate::status;
 use crate::teardown::{self, Binding, NameState, Step};
 use crate::units;
+use crate::watch;
 
 static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
 
