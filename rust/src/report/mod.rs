@@ -1,4 +1,4 @@
-//! Reports: what a scope consumed, reclaimed and peaked at, as JSON and as a table (a [`Grid`]).
+//! Reports: what a scope consumed, reclaimed and peaked at, as JSON and as a table (a [`Grid`](crate::grid::Grid)).
 //! The rest of the report family lives beside it: the cell log's records, the OOM diagnosis,
 //! what still holds memory, and the snapshot's table.
 
