@@ -5,7 +5,8 @@
 
 use serde::Serialize;
 
-use crate::report::{bytes, Grid};
+use crate::grid::Grid;
+use crate::units::bytes;
 
 /// How one trial of the step went.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -412,32 +413,6 @@ impl Search {
     }
 }
 
-/// Bytes from "24GiB", "512 MiB", "1.5GB" or a plain number: how people write memory sizes.
-/// GB and MB are read as GiB and MiB, as nvidia-smi and torch's messages mean them.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().map_err(|_| size_error(text))?;
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(size_error(text)),
-    };
-    let value = number * scale;
-    if !value.is_finite() || value < 1.0 {
-        return Err(size_error(text));
-    }
-    Ok(value as u64)
-}
-
-fn size_error(text: &str) -> String {
-    format!("{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -635,17 +610,6 @@ mod tests {
         let found = run(s, 24 << 30, peak).batch_size.unwrap() as f64;
         let truth = true_max(24 << 30, peak) as f64;
         assert!(found >= truth * 0.949 && found < truth, "found {found}, true {truth}");
-    }
-
-    #[test]
-    fn sizes_are_read_as_people_write_them() {
-        assert_eq!(parse_size("24GiB"), Ok(24 << 30));
-        assert_eq!(parse_size(" 1.5 GB "), Ok(3 << 29));
-        assert_eq!(parse_size("512mib"), Ok(512 << 20));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        for bad in ["", "GiB", "24 parsecs", "-3GiB", "0"] {
-            assert!(parse_size(bad).unwrap_err().contains("24GiB"), "{bad}");
-        }
     }
 
     #[test]

@@ -1,14 +1,29 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
-pub mod cli;
+/// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
+/// Tables: one set of cells, rendered as text and as HTML.
+pub mod grid;
+/// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// The thread that raises peaks between snapshots where no peak counter exists.
+pub mod peak_sampler;
+/// What a scope, a cell, an OOM or a leak hunt found, as JSON and tables.
 pub mod report;
-pub mod sampler;
+/// The registry of scopes: nesting, start snapshots, peak windows, history.
 pub mod scope;
+/// One reading of host memory, NVML and torch's allocator.
 pub mod snapshot;
+/// `gpuexp status`: the driver and every device.
+pub mod status;
+/// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
+/// Sizes and times as people read and write them.
+pub mod units;
+/// `gpuexp watch`: a refresh every interval, live, CSV or JSON lines.
+pub mod watch;
 
+/// The PyO3 module `gpuexp._core`: the only code that knows Python.
 #[cfg(feature = "python")]
 mod bindings;

@@ -1,6 +1,6 @@
-//! A timeline: a native thread records host and GPU figures at a fixed interval and writes
+//! The timeline: a native thread records host and GPU figures at a fixed interval and writes
 //! each sample as it goes (JSON Lines or CSV), so a crash loses at most one interval. Like the
-//! sampler it never touches Python.
+//! peak sampler it never touches Python.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

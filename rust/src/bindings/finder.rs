@@ -10,10 +10,10 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
-use crate::finder::{self, Next, Outcome, Role, Search, Settings, Trial};
-use crate::report;
+use crate::finder::{Next, Outcome, Role, Search, Settings, Trial};
 use crate::snapshot::{Gauge, GpuSelection};
 use crate::teardown;
+use crate::units;
 
 /// The search of `gpuexp.find_batch_size`; its table is the result a user sees.
 #[pyclass(name = "BatchSizeResult", module = "gpuexp", frozen)]
@@ -121,7 +121,7 @@ fn run_trials(
         let trial = run_trial(py, step, cuda, batch, index, search.settings.steps_per_trial, role, adapter)?;
         if progress {
             let outcome = match trial.outcome {
-                Outcome::Fit { peak, .. } => format!("peak {}", report::bytes(peak)),
+                Outcome::Fit { peak, .. } => format!("peak {}", units::bytes(peak)),
                 Outcome::OutOfMemory => "out of memory".into(),
             };
             let line = format!(
@@ -212,5 +212,5 @@ fn release_between_trials(py: Python) -> PyResult<()> {
 /// Bytes from "24GiB", "512MiB" or a number.
 #[pyfunction]
 pub(super) fn parse_size(text: &str) -> PyResult<u64> {
-    finder::parse_size(text).map_err(PyValueError::new_err)
+    units::parse_size(text).map_err(PyValueError::new_err)
 }

@@ -6,7 +6,7 @@ use pyo3::types::PyDict;
 
 use super::registry::registry;
 use super::report::ReportPy;
-use crate::sampler;
+use crate::peak_sampler;
 use crate::snapshot::host;
 
 /// Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
@@ -25,7 +25,7 @@ pub(super) fn config<'py>(
                 "sample_interval_ms must be a positive number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {ms}"
             ))
         })?;
-        py.detach(|| sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
+        py.detach(|| peak_sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
     }
     let mut registry = registry();
     if let Some(all) = cell_log_all_gpus {
@@ -35,7 +35,7 @@ pub(super) fn config<'py>(
         registry.oom_rescue = rescue;
     }
     let settings = PyDict::new(py);
-    settings.set_item("sample_interval_ms", sampler::interval().as_secs_f64() * 1e3)?;
+    settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
     settings.set_item("oom_rescue", registry.oom_rescue)?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
@@ -45,7 +45,7 @@ pub(super) fn config<'py>(
 /// Stops the sampler thread (at interpreter exit, and when a kernel shuts down).
 #[pyfunction]
 pub(super) fn shutdown(py: Python) {
-    py.detach(sampler::stop);
+    py.detach(peak_sampler::stop);
 }
 
 #[pyfunction]

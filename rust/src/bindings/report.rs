@@ -9,6 +9,7 @@ use pyo3::types::PyList;
 
 use crate::report::{self, CellRecord, Holders, Report};
 use crate::snapshot::Snapshot;
+use crate::units;
 
 /// `to_json()`, `to_dict()`, `str()` (the text table), `repr()` and `_repr_html_` (the same
 /// table in HTML) for a type that is shown as a table: `$value` is what serialises, `$grid`
@@ -74,10 +75,10 @@ impl MetricPy {
     fn __repr__(&self) -> String {
         format!(
             "Metric(start={}, peak={}, consumed={}, reclaimed={})",
-            report::bytes(self.start),
-            report::bytes(self.peak),
-            report::signed_bytes(self.consumed),
-            self.reclaimed.map(report::signed_bytes).unwrap_or_else(|| "—".into())
+            units::bytes(self.start),
+            units::bytes(self.peak),
+            units::signed_bytes(self.consumed),
+            self.reclaimed.map(units::signed_bytes).unwrap_or_else(|| "—".into())
         )
     }
 }

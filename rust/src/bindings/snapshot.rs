@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::report::SnapshotPy;
 use super::torch::PyTorch;
-use crate::sampler;
+use crate::peak_sampler;
 use crate::snapshot::{host, nvml, GpuSelection, NvmlSource, Snapshot};
 
 pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
@@ -18,7 +18,7 @@ pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (
 /// two intervals old) where it has one, since reading the driver again after every cell
 /// would cost more than the rest of the cell log.
 pub(super) fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    snapshot_from(py, selection, &|ident, device, pids| match sampler::latest(&ident.uuid) {
+    snapshot_from(py, selection, &|ident, device, pids| match peak_sampler::latest(&ident.uuid) {
         Some(reading) => Ok(reading),
         None => nvml::read(device, pids),
     })
@@ -28,7 +28,7 @@ pub(super) fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection)
 fn snapshot_from<'py>(py: Python<'py>, selection: &GpuSelection, read_nvml: &NvmlSource) -> (Snapshot, PyTorch<'py>) {
     let torch = PyTorch::find(py);
     let mut snapshot = Snapshot::take(selection, &torch, read_nvml);
-    sampler::apply(&mut snapshot);
+    peak_sampler::apply(&mut snapshot);
     (snapshot, torch)
 }
 
@@ -36,7 +36,7 @@ fn snapshot_from<'py>(py: Python<'py>, selection: &GpuSelection, read_nvml: &Nvm
 pub(super) fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
     host::reset_peak();
     torch.reset_peaks(snapshot);
-    sampler::reset(snapshot);
+    peak_sampler::reset(snapshot);
 }
 
 /// Runs the sampler over what gpuexp needs now. While a window is open or about to open
@@ -56,13 +56,13 @@ pub(super) fn update_sampler(py: Python, opening: Option<&Snapshot>) -> bool {
         let gpus = match opening {
             _ if !(needed && gpu_wanted) => Vec::new(),
             Some(s) if !s.gpus.is_empty() => s.gpus.iter().map(|g| g.uuid.clone()).collect(),
-            _ => sampler::sampled_gpus(),
+            _ => peak_sampler::sampled_gpus(),
         };
-        sampler::Sources { host: needed && !host::peak_reset_supported(), gpus }
+        peak_sampler::Sources { host: needed && !host::peak_reset_supported(), gpus }
     };
     // Joining with the GIL held would be safe too (the sampler never takes it), but other
     // Python threads need not wait for the join.
-    py.detach(|| sampler::ensure(sources))
+    py.detach(|| peak_sampler::ensure(sources))
 }
 
 /// The snapshot a window opens at, taken by `take`. A sampler started for it starts first,

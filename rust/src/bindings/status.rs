@@ -3,18 +3,19 @@
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cli;
+use crate::status;
+use crate::watch;
 
 /// `gpuexp status`: the driver, and every GPU with its compute processes (when asked).
 #[pyclass(name = "GpuStatus", module = "gpuexp", frozen)]
-pub(super) struct GpuStatusPy(cli::Status);
+pub(super) struct GpuStatusPy(status::Status);
 
 #[pymethods]
 impl GpuStatusPy {
     #[new]
     #[pyo3(signature = (cuda_order=false, processes=true))]
     fn new(cuda_order: bool, processes: bool) -> PyResult<Self> {
-        cli::Status::read(cuda_order, processes).map(GpuStatusPy).map_err(PyRuntimeError::new_err)
+        status::Status::read(cuda_order, processes).map(GpuStatusPy).map_err(PyRuntimeError::new_err)
     }
 
     /// The newest CUDA version the driver supports, e.g. "13.0".
@@ -38,7 +39,7 @@ impl GpuStatusPy {
 
 /// `gpuexp watch`: devices opened once, then a refresh every interval, written from Rust.
 #[pyclass(name = "Watch", module = "gpuexp", frozen)]
-pub(super) struct WatchPy(cli::Watch);
+pub(super) struct WatchPy(watch::Watch);
 
 #[pymethods]
 impl WatchPy {
@@ -46,26 +47,26 @@ impl WatchPy {
     #[new]
     fn new(cuda_order: bool, style: &str, interval_s: f64) -> PyResult<Self> {
         let style = match style {
-            "live" => cli::Style::Live,
-            "csv" => cli::Style::Csv,
-            "json" => cli::Style::JsonLines,
+            "live" => watch::Style::Live,
+            "csv" => watch::Style::Csv,
+            "json" => watch::Style::JsonLines,
             other => return Err(PyValueError::new_err(format!("style {other:?}: use \"live\", \"csv\" or \"json\""))),
         };
         let interval =
             std::time::Duration::try_from_secs_f64(interval_s).ok().filter(|i| !i.is_zero()).ok_or_else(|| {
                 PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}"))
             })?;
-        cli::Watch::open(cuda_order, style, interval).map(WatchPy).map_err(PyRuntimeError::new_err)
+        watch::Watch::open(cuda_order, style, interval).map(WatchPy).map_err(PyRuntimeError::new_err)
     }
 
     /// Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes; `redraw` clears
     /// the screen before each refresh.
     #[pyo3(signature = (log=None, redraw=false))]
     fn run(&self, py: Python, log: Option<std::path::PathBuf>, redraw: bool) -> PyResult<()> {
-        let mut output = cli::Output::open(log.as_deref(), redraw).map_err(PyValueError::new_err)?;
+        let mut output = watch::Output::open(log.as_deref(), redraw).map_err(PyValueError::new_err)?;
         let mut interrupted = None;
         let ran = self.0.run(&mut output, |left| {
-            py.detach(|| cli::nap(left));
+            py.detach(|| watch::nap(left));
             match py.check_signals() {
                 Ok(()) => true,
                 Err(signal) => {

@@ -6,9 +6,9 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::report as units;
 use crate::snapshot::{GpuSelection, Snapshot, TorchProbe, TorchStats};
-use crate::teardown::Step; // MERGE: crate::units once the report split lands
+use crate::teardown::Step;
+use crate::units;
 
 /// Torch as the user's process has it: looked up in `sys.modules`, never imported.
 pub(super) struct PyTorch<'py> {

@@ -14,7 +14,7 @@ use serde::Serialize;
 pub use host::HostReading;
 pub use nvml::GpuIdent;
 use nvml::ProcessUse;
-pub use torch::{NoTorch, TorchProbe, TorchStats};
+pub use torch::{TorchProbe, TorchStats};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GpuReading {

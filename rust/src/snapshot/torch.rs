@@ -25,18 +25,3 @@ pub trait TorchProbe {
     /// when CUDA is not initialised (no allocation can exist yet).
     fn stats(&self, torch_index: u32) -> Option<TorchStats>;
 }
-
-/// The probe for processes without torch, and for CPU-only scopes.
-pub struct NoTorch;
-
-impl TorchProbe for NoTorch {
-    fn imported(&self) -> bool {
-        false
-    }
-    fn device_uuids(&self) -> Option<Vec<String>> {
-        None
-    }
-    fn stats(&self, _torch_index: u32) -> Option<TorchStats> {
-        None
-    }
-}

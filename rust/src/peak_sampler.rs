@@ -1,7 +1,8 @@
-//! A native thread for what has no peak counter: NVML's device and process memory, and host
-//! RSS where the kernel's VmHWM cannot be reset. It never touches Python, so it never waits
-//! for the GIL and the GIL never waits for it. A spike shorter than the interval can fall
-//! between two samples; torch's allocator peaks and VmHWM have no such gap.
+//! Peaks between snapshots: a native thread samples what has no peak counter of its own (NVML's
+//! device and process memory, and host RSS where the kernel's VmHWM cannot be reset), keeps the
+//! highest value since the last reset, and `apply` raises a snapshot's peaks to it. It never
+//! touches Python, so it never waits for the GIL and the GIL never waits for it. A spike shorter
+//! than the interval can fall between two samples; torch's allocator peaks and VmHWM have no such gap.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

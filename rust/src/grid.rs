@@ -1,0 +1,180 @@
+//! Tables: the cells of one, rendered as text (comfy-table) and as HTML from the same strings.
+
+use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+
+/// The cells of a table, rendered to text and to HTML from the same strings so that both
+/// always show the same figures.
+pub struct Grid {
+    pub title: String,
+    pub lines: Vec<String>,
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+    /// Lines under the table, shown as they are ("note: …", "hint: …").
+    pub notes: Vec<String>,
+    /// Without borders: the per-cell log sits under every cell and must stay small.
+    pub compact: bool,
+}
+
+impl Grid {
+    pub fn to_text(&self) -> String {
+        let mut table = Table::new();
+        table
+            .load_style(if self.compact { presets::NOTHING } else { presets::UTF8_FULL_CONDENSED })
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .set_header(&self.header);
+        for row in &self.rows {
+            table.add_row(row);
+        }
+        for column in table.column_iter_mut().skip(1) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+        let mut out = String::new();
+        out.push_str(&self.title);
+        out.push('\n');
+        for line in &self.lines {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out.push_str(&table.to_string());
+        for note in &self.notes {
+            out.push('\n');
+            out.push_str(note);
+        }
+        out
+    }
+
+    pub fn to_html(&self) -> String {
+        let mut out = String::from(if self.compact {
+            "<div class=\"gpuexp\" style=\"font-size:smaller\">"
+        } else {
+            "<div class=\"gpuexp\">"
+        });
+        out.push_str(&format!("<b>{}</b><br>", escape(&self.title)));
+        for line in &self.lines {
+            out.push_str(&format!("<span>{}</span><br>", escape(line)));
+        }
+        out.push_str("<table><thead><tr>");
+        for (i, head) in self.header.iter().enumerate() {
+            out.push_str(&format!("<th style=\"text-align:{}\">{}</th>", align(i), escape(head)));
+        }
+        out.push_str("</tr></thead><tbody>");
+        for row in &self.rows {
+            out.push_str("<tr>");
+            for (i, cell) in row.iter().enumerate() {
+                out.push_str(&format!("<td style=\"text-align:{}\">{}</td>", align(i), escape(cell)));
+            }
+            out.push_str("</tr>");
+        }
+        out.push_str("</tbody></table>");
+        for note in &self.notes {
+            out.push_str(&format!("<small>{}</small><br>", escape(note)));
+        }
+        out.push_str("</div>");
+        out
+    }
+}
+
+/// Lines under a table, each under its label ("note: …", "hint: …").
+pub fn prefixed(label: &str, lines: &[String]) -> Vec<String> {
+    lines.iter().map(|line| format!("{label}: {line}")).collect()
+}
+
+fn align(column: usize) -> &'static str {
+    if column == 0 {
+        "left"
+    } else {
+        "right"
+    }
+}
+
+pub(crate) fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// Reading the cells back out of both renderings, for tests of every table.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::Grid;
+
+    /// The cells of the comfy-table box in `text`, header first.
+    pub(crate) fn text_cells(text: &str) -> Vec<Vec<String>> {
+        text.lines()
+            .filter(|line| line.starts_with('│'))
+            .map(|line| line.trim_matches('│').split(['│', '┆']).map(|cell| cell.trim().to_string()).collect())
+            .collect()
+    }
+
+    fn unescape(html: &str) -> String {
+        html.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&amp;", "&")
+    }
+
+    /// The cells of every `<tr>` in `html`, header first, unescaped.
+    pub(crate) fn html_cells(html: &str) -> Vec<Vec<String>> {
+        html.split("<tr>")
+            .skip(1)
+            .map(|row| {
+                let row = &row[..row.find("</tr>").expect("every row is closed")];
+                // Each piece after "<td" or "<th" is ` style="...">CELL</td>`.
+                row.split('<')
+                    .filter(|piece| ["td ", "th ", "td>", "th>"].iter().any(|tag| piece.starts_with(tag)))
+                    .map(|piece| unescape(&piece[piece.find('>').expect("a tag ends") + 1..]))
+                    .collect()
+            })
+            .collect()
+    }
+
+    pub(crate) fn expected_cells(grid: &Grid) -> Vec<Vec<String>> {
+        std::iter::once(grid.header.clone()).chain(grid.rows.iter().cloned()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{expected_cells, html_cells, text_cells};
+    use super::*;
+
+    fn grid(compact: bool) -> Grid {
+        Grid {
+            title: "t <1> & \"2\"".into(),
+            lines: vec!["line <a>".into()],
+            header: ["memory", "size"].map(String::from).to_vec(),
+            rows: vec![vec!["x<y".into(), "1.00 GiB".into()], vec!["a & b".into(), "\"q\"".into()]],
+            notes: prefixed("note", &["n > m".to_string()]),
+            compact,
+        }
+    }
+
+    #[test]
+    fn text_and_html_show_the_same_cells_and_html_escapes_every_string() {
+        let g = grid(false);
+        assert_eq!(text_cells(&g.to_text()), expected_cells(&g));
+        assert_eq!(html_cells(&g.to_html()), expected_cells(&g));
+        let html = g.to_html();
+        for raw in ["<1>", "<a>", "x<y", "n > m", "\"q\""] {
+            assert!(!html.contains(raw), "{raw} unescaped in {html}");
+        }
+        assert!(html.contains("<b>t &lt;1&gt; &amp; &quot;2&quot;</b>"), "{html}");
+        assert!(
+            html.contains("<span>line &lt;a&gt;</span>") && html.contains("<small>note: n &gt; m</small>"),
+            "{html}"
+        );
+    }
+
+    #[test]
+    fn labels_are_left_aligned_and_figures_right() {
+        let html = grid(false).to_html();
+        let row = "<td style=\"text-align:left\">x&lt;y</td><td style=\"text-align:right\">1.00 GiB</td>";
+        assert!(html.contains(row), "{html}");
+        let text = grid(false).to_text();
+        assert!(text.contains("│ a & b  ┆      \"q\" │"), "{text}");
+    }
+
+    #[test]
+    fn a_compact_grid_has_no_borders_and_smaller_html() {
+        let text = grid(true).to_text();
+        assert!(!text.contains('│') && !text.contains('─'), "{text}");
+        assert!(text.starts_with("t <1> & \"2\"\nline <a>\n") && text.ends_with("\nnote: n > m"), "{text}");
+        assert!(grid(true).to_html().starts_with("<div class=\"gpuexp\" style=\"font-size:smaller\"><b>"));
+        assert!(grid(false).to_html().starts_with("<div class=\"gpuexp\"><b>"));
+    }
+}

@@ -1,0 +1,173 @@
+//! What still holds memory: the objects that keep it alive, each with the path to it from
+//! something a person recognises.
+
+use serde::Serialize;
+
+use crate::grid::Grid;
+use crate::units::bytes;
+
+/// One object that keeps memory alive, and the way to it from something a person recognises.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Holder {
+    /// How to reach it: `cache[0]`, `model.encoder.layers.3.weight`, `Out[12]`, …
+    pub path: String,
+    pub bytes: u64,
+    /// "cuda:0", "cpu".
+    pub device: String,
+    /// "tensor", "ndarray".
+    pub kind: String,
+    pub shape: String,
+}
+
+/// What holds memory on a device (or on the host), largest first.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Holders {
+    pub device: String,
+    pub holders: Vec<Holder>,
+    /// Live tensors no root reaches (only C++ or an uncollected cycle refers to them).
+    pub unreachable: u64,
+    /// Allocated by torch with no Python tensor at all: saved for backward, CUDA graph pools, workspaces.
+    pub no_python_tensor: Option<u64>,
+    /// Reserved by torch's allocator but not allocated: its cache, and fragmentation.
+    pub cached: Option<u64>,
+    pub objects_visited: u64,
+    pub seconds: f64,
+}
+
+impl Holders {
+    pub fn grid(&self, title: &str) -> Grid {
+        let mut rows: Vec<Vec<String>> = self
+            .holders
+            .iter()
+            .map(|h| vec![h.path.clone(), bytes(h.bytes), format!("{} {} {}", h.kind, h.shape, h.device)])
+            .collect();
+        let mut extra = |label: &str, value: Option<u64>, what: &str| {
+            if let Some(value) = value.filter(|v| *v > 0) {
+                rows.push(vec![label.to_string(), bytes(value), what.to_string()]);
+            }
+        };
+        extra("(no reachable referrer)", Some(self.unreachable), "live tensors only C++ or a cycle holds");
+        extra("(no Python tensor)", self.no_python_tensor, "saved for backward, CUDA graph pools, workspaces");
+        extra("(reserved, unallocated)", self.cached, "torch's cache and fragmentation: empty_cache() frees it");
+        Grid {
+            title: format!("gpuexp · {title} · {}", self.device),
+            lines: Vec::new(),
+            header: ["held by", "size", "what"].map(String::from).to_vec(),
+            rows,
+            notes: vec![format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)],
+            compact: false,
+        }
+    }
+}
+
+/// Renders an object path from its edges, the way a person writes it: module children,
+/// parameters and buffers as dotted names (`model.encoder.layers.3.weight`).
+pub fn render_path(edges: &[PathEdge]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < edges.len() {
+        match (&edges[i], edges.get(i + 1)) {
+            (PathEdge::Attr(a), Some(PathEdge::Key(k)))
+                if matches!(a.as_str(), "_modules" | "_parameters" | "_buffers") =>
+            {
+                out.push('.');
+                out.push_str(k.trim_matches('\''));
+                i += 2;
+                continue;
+            }
+            (PathEdge::Root(name), _) => out.push_str(name),
+            (PathEdge::Attr(a), _) => {
+                out.push('.');
+                out.push_str(a);
+            }
+            (PathEdge::Key(k), _) => out.push_str(&format!("[{k}]")),
+            (PathEdge::Index(n), _) => out.push_str(&format!("[{n}]")),
+            (PathEdge::Closure(name), _) => out.push_str(&format!(" (closure cell {name})")),
+            (PathEdge::Frame(name), _) => out.push_str(&format!(" → {name}")),
+            (PathEdge::Local(name), _) => out.push_str(&format!(" → local {name}")),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// One step from an object to something it refers to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PathEdge {
+    /// Where a path starts: a notebook name, `Out[3]`, `mymod.CACHE`, a traceback frame.
+    Root(String),
+    Attr(String),
+    /// A dict key, already written as a person would (`'exp_avg'`, `model.0.weight`).
+    Key(String),
+    Index(usize),
+    Closure(String),
+    /// A frame of a traceback: "step(), line 3".
+    Frame(String),
+    Local(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(edges: Vec<PathEdge>) -> String {
+        render_path(&edges)
+    }
+
+    #[test]
+    fn module_children_and_parameters_read_as_dotted_names() {
+        use PathEdge::*;
+        let edges = vec![
+            Root("model".into()),
+            Attr("_modules".into()),
+            Key("'encoder'".into()),
+            Attr("_modules".into()),
+            Key("'layers'".into()),
+            Attr("_modules".into()),
+            Key("'3'".into()),
+            Attr("_parameters".into()),
+            Key("'weight'".into()),
+        ];
+        assert_eq!(path(edges), "model.encoder.layers.3.weight");
+    }
+
+    #[test]
+    fn containers_closures_and_frames() {
+        use PathEdge::*;
+        assert_eq!(path(vec![Root("cache".into()), Index(0)]), "cache[0]");
+        assert_eq!(
+            path(vec![Root("opt".into()), Attr("state".into()), Key("model.0.weight".into()), Key("'exp_avg'".into())]),
+            "opt.state[model.0.weight]['exp_avg']"
+        );
+        assert_eq!(path(vec![Root("fn".into()), Closure("buf".into())]), "fn (closure cell buf)");
+        assert_eq!(
+            path(vec![Root("traceback: step, line 3".into()), Local("held".into())]),
+            "traceback: step, line 3 → local held"
+        );
+    }
+
+    #[test]
+    fn the_table_lists_holders_then_memory_without_referrers() {
+        let holders = Holders {
+            device: "cuda:0".into(),
+            holders: vec![Holder {
+                path: "cache[0]".into(),
+                bytes: 1 << 30,
+                device: "cuda:0".into(),
+                kind: "tensor".into(),
+                shape: "[1073741824]".into(),
+            }],
+            unreachable: 0,
+            no_python_tensor: Some(64 << 20),
+            cached: Some(0),
+            objects_visited: 10,
+            seconds: 0.01,
+        };
+        let text = holders.grid("holders").to_text();
+        assert!(
+            text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"),
+            "{text}"
+        );
+        assert!(!text.contains("(reserved, unallocated)") && !text.contains("(no reachable referrer)"), "{text}");
+    }
+}

@@ -1,0 +1,196 @@
+//! Sizes and times as people read and write them: binary units both ways, from one table, and
+//! UTC timestamps.
+
+/// Units of 1024ⁿ bytes, n being the position: how [`bytes`] writes each, and the spellings a
+/// size is read with, in any case. GB and MB mean GiB and MiB, as nvidia-smi and torch mean them.
+const UNITS: [(&str, &[&str]); 6] = [
+    ("B", &["b", "byte", "bytes"]),
+    ("KiB", &["k", "kb", "kib"]),
+    ("MiB", &["m", "mb", "mib"]),
+    ("GiB", &["g", "gb", "gib"]),
+    ("TiB", &["t", "tb", "tib"]),
+    ("PiB", &["p", "pb", "pib"]),
+];
+
+/// Sizes in binary units, two decimals: what a person reads against `nvidia-smi` and torch.
+pub fn bytes(n: u64) -> String {
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 1;
+    // Compare after rounding to two decimals, so 1 MiB − 1 B reads "1.00 MiB", not "1024.00 KiB".
+    while value >= 1023.995 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit].0)
+}
+
+pub fn signed_bytes(n: i64) -> String {
+    match n {
+        0 => "0 B".into(),
+        n if n > 0 => format!("+{}", bytes(n as u64)),
+        n => format!("-{}", bytes(n.unsigned_abs())),
+    }
+}
+
+/// Bytes in `number` of `unit` ("2.00" and "GiB", as torch's messages write them), unrounded;
+/// None when the number is none or the unit is not in the table.
+pub fn size_in_bytes(number: &str, unit: &str) -> Option<f64> {
+    let number: f64 = number.parse().ok()?;
+    let unit = unit.to_ascii_lowercase();
+    let power = UNITS.iter().position(|(_, spellings)| spellings.contains(&unit.as_str()))?;
+    Some(number * 1024f64.powi(power as i32))
+}
+
+/// Bytes from "24GiB", "512 MiB", "1.5GB" or a plain number: how people write memory sizes.
+/// GB and MB are read as GiB and MiB, as nvidia-smi and torch's messages mean them.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let unit = match unit.trim() {
+        "" => "b",
+        unit => unit,
+    };
+    match size_in_bytes(number, unit) {
+        Some(value) if value.is_finite() && value >= 1.0 => Ok(value as u64),
+        _ => Err(format!("{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes")),
+    }
+}
+
+/// UTC time as RFC 3339, without pulling in a date crate for one format.
+pub fn rfc3339(unix_seconds: f64) -> String {
+    let secs = unix_seconds.floor() as i64;
+    let millis = ((unix_seconds - secs as f64) * 1000.0).round().min(999.0) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    // --- bytes ----------------------------------------------------------------------------
+
+    #[test]
+    fn bytes_are_shown_in_binary_units_with_two_decimals() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1), "1 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(KIB), "1.00 KiB");
+        assert_eq!(bytes(MIB + MIB / 2), "1.50 MiB");
+        assert_eq!(bytes(GIB), "1.00 GiB");
+        assert_eq!(bytes(80 * GIB), "80.00 GiB");
+        assert_eq!(bytes(1 << 40), "1.00 TiB");
+        assert_eq!(bytes(1 << 50), "1.00 PiB");
+    }
+
+    #[test]
+    fn huge_sizes_stay_in_the_largest_unit() {
+        assert_eq!(bytes(1 << 60), "1024.00 PiB");
+        assert_eq!(bytes(u64::MAX), "16384.00 PiB");
+    }
+
+    #[test]
+    fn a_size_that_rounds_up_to_the_next_unit_is_shown_in_that_unit() {
+        assert_eq!(bytes(MIB - 1), "1.00 MiB");
+        assert_eq!(bytes(GIB - 1), "1.00 GiB");
+    }
+
+    #[test]
+    fn signed_bytes_show_the_direction() {
+        assert_eq!(signed_bytes(0), "0 B");
+        assert_eq!(signed_bytes(1023), "+1023 B");
+        assert_eq!(signed_bytes(-1023), "-1023 B");
+        assert_eq!(signed_bytes(GIB as i64), "+1.00 GiB");
+        assert_eq!(signed_bytes(-((MIB + MIB / 2) as i64)), "-1.50 MiB");
+        assert_eq!(signed_bytes(i64::MAX), "+8192.00 PiB");
+        assert_eq!(signed_bytes(i64::MIN), "-8192.00 PiB");
+    }
+
+    // --- reading sizes --------------------------------------------------------------------
+
+    #[test]
+    fn sizes_are_read_as_people_write_them() {
+        assert_eq!(parse_size("24GiB"), Ok(24 << 30));
+        assert_eq!(parse_size(" 1.5 GB "), Ok(3 << 29));
+        assert_eq!(parse_size("512mib"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4096 bytes"), Ok(4096));
+        assert_eq!(parse_size("2k"), Ok(2048));
+        assert_eq!(parse_size("1.5"), Ok(1), "a fraction of a byte is cut off");
+        for bad in ["", "GiB", "24 parsecs", "-3GiB", "0", "0.5", "1e3", "24 GiB extra"] {
+            assert!(parse_size(bad).unwrap_err().contains("24GiB"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn torch_spellings_of_a_size_are_read_in_any_case() {
+        assert_eq!(size_in_bytes("2.00", "GiB"), Some((2 * GIB) as f64));
+        assert_eq!(size_in_bytes("20.00", "MiB"), Some((20 * MIB) as f64));
+        assert_eq!(size_in_bytes("512", "bytes"), Some(512.0));
+        assert_eq!(size_in_bytes("1", "gib"), size_in_bytes("1", "GB"));
+        assert_eq!(size_in_bytes("0.5", "KiB"), Some(512.0));
+        assert_eq!(size_in_bytes("2.00", "parsecs"), None);
+        assert_eq!(size_in_bytes("lots", "GiB"), None);
+        assert_eq!(size_in_bytes("2", ""), None, "a unit is asked for; parse_size supplies bytes itself");
+    }
+
+    #[test]
+    fn what_bytes_writes_reads_back() {
+        for n in [512, 3 * KIB, 5 * MIB, 7 * GIB, 9 << 40, 11 << 50] {
+            let shown = bytes(n);
+            assert_eq!(parse_size(&shown), Ok(n), "{shown}");
+        }
+    }
+
+    // --- rfc3339 --------------------------------------------------------------------------
+
+    #[test]
+    fn rfc3339_formats_utc_with_milliseconds() {
+        assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000.25), "2023-11-14T22:13:20.250Z");
+        assert_eq!(rfc3339(1_700_000_000.0 + 0.001), "2023-11-14T22:13:20.001Z");
+        assert_eq!(rfc3339(253_402_300_799.0), "9999-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn rfc3339_handles_leap_days_and_century_years() {
+        assert_eq!(rfc3339(1_709_164_800.0), "2024-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(1_709_251_199.5), "2024-02-29T23:59:59.500Z");
+        assert_eq!(rfc3339(1_709_251_200.0), "2024-03-01T00:00:00.000Z");
+        // 2000 is a leap year (divisible by 400), 2100 is not (divisible by 100).
+        assert_eq!(rfc3339(951_782_400.0), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(4_107_542_400.0 - 86_400.0), "2100-02-28T00:00:00.000Z");
+        assert_eq!(rfc3339(4_107_542_400.0), "2100-03-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_704_067_199.0), "2023-12-31T23:59:59.000Z");
+    }
+
+    #[test]
+    fn rfc3339_before_the_epoch_counts_backwards() {
+        assert_eq!(rfc3339(-1.0), "1969-12-31T23:59:59.000Z");
+        assert_eq!(rfc3339(-0.5), "1969-12-31T23:59:59.500Z");
+    }
+
+    #[test]
+    fn rfc3339_never_shows_a_thousandth_millisecond() {
+        let shown = rfc3339(1_700_000_000.999_9);
+        assert!(shown.ends_with(".999Z") || shown == "2023-11-14T22:13:21.000Z", "{shown}");
+    }
+}
