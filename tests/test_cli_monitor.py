@@ -136,8 +136,8 @@ def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
     kernel.run("buf = bytearray(128 << 20)\ntime.sleep(0.2)")
     kernel.run("del exp")
     report = kernel.value("gpuexp.history()[-1].to_dict()")
-    assert len(report["timeline"]) >= 10
-    rss = [s["rss"] for s in report["timeline"]]
+    assert len(report["monitor"]) >= 10
+    rss = [s["rss"] for s in report["monitor"]]
     assert max(rss) - min(rss) >= 120 << 20, rss
     path = tmp_path / "timed.png"
     kernel.run(f"gpuexp.history()[-1].plot({str(path)!r});")

@@ -22,7 +22,7 @@ def test_a_tensor_appended_to_a_preexisting_list_survives_and_is_named(kernel):
     shown = kernel.run("del exp")
     assert kernel.value("torch.cuda.memory_allocated()") - base == GiB  # user data outside the scope survives
     assert "still held on cuda:0: cache[0] (1.00 GiB)" in shown.text
-    held = kernel.value("gpuexp.history()[-1].to_dict()['still_held'][0]")
+    held = kernel.value("gpuexp.history()[-1].to_dict()['holders'][0]")
     assert held["device"] == "cuda:0" and held["holders"][0]["path"] == "cache[0]"
 
 

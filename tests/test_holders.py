@@ -80,7 +80,7 @@ def test_a_finished_experiment_names_what_still_holds_its_memory(kernel):
     shown = kernel.run("del exp")
     assert "still held on host: cache[0] (256.00 MiB)" in shown.text
     report = kernel.value("gpuexp.history()[-1].to_dict()")
-    assert report["still_held"][0]["holders"][0]["path"] == "cache[0]"
+    assert report["holders"][0]["holders"][0]["path"] == "cache[0]"
     assert kernel.value("len(cache)") == 1  # named, never deleted: it is user data outside the scope
 
 
@@ -90,7 +90,7 @@ def test_nothing_is_named_when_everything_came_back(kernel):
     kernel.run("big = np.ones(256 << 20, dtype=np.uint8)")
     shown = kernel.run("del exp")
     assert "still held" not in shown.text
-    assert kernel.value("gpuexp.history()[-1].to_dict()['still_held']") == []
+    assert kernel.value("gpuexp.history()[-1].to_dict()['holders']") == []
 
 
 def test_bad_arguments_get_clear_errors(kernel):

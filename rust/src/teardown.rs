@@ -1,6 +1,12 @@
 //! Teardown: which names a scope deletes, and the order of the steps that give memory back.
+//! [`run`] is the whole sequence; the world it acts on comes in through two traits, which the
+//! bindings implement over the user's Python namespace and torch, and the tests over fakes.
 
 use std::collections::{BTreeSet, HashSet};
+
+use serde::Serialize;
+
+use crate::snapshot::Snapshot;
 
 /// The steps of a teardown, in the order they must run: references go first so that the
 /// collector can free the objects, and the allocator can only return blocks nothing uses.
@@ -58,6 +64,91 @@ pub struct Plan {
     pub kept: Vec<String>,
 }
 
+/// What teardown did to names and hidden references.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Names {
+    /// Names the scope created, deleted.
+    pub deleted: Vec<String>,
+    /// Names that existed before the scope and were bound to new objects in it, deleted.
+    pub rebound: Vec<String>,
+    /// Names the scope created or rebound that were left alone (keep(), modules).
+    pub kept: Vec<String>,
+    /// Hidden references dropped: Out entries, `_`, the stored last exception.
+    pub cleared: Vec<String>,
+}
+
+/// The user's namespace as a scope sees it, judged against the identities pinned at its start.
+pub trait Namespace {
+    /// Every user name (IPython's own left out), with how it compares with the scope's start.
+    fn names(&self) -> Result<Vec<NameState>, String>;
+    /// Deletes a name. One already gone is no error: a `__del__` run by an earlier deletion
+    /// may have removed it.
+    fn delete(&mut self, name: &str) -> Result<(), String>;
+    /// The hidden references (Out entries, `_`, the stored exception) that appeared or changed
+    /// during the scope: they can only refer to what the scope displayed or raised.
+    fn changed_hidden(&self) -> Result<Vec<String>, String>;
+    fn drop_hidden(&mut self, label: &str) -> Result<(), String>;
+}
+
+/// What gives memory back once nothing refers to it, and reads where memory stands.
+pub trait Release {
+    /// One of [`RELEASE`]'s steps.
+    fn release(&mut self, step: Step) -> Result<(), String>;
+    fn snapshot(&mut self) -> Snapshot;
+}
+
+/// What a teardown did, and where memory stood at its end.
+pub struct Teardown {
+    pub names: Names,
+    pub end: Snapshot,
+    /// A step that failed, in words; the steps after it still ran.
+    pub notes: Vec<String>,
+}
+
+/// Runs every step of [`ORDER`]. A step that fails is noted and the rest still run: a teardown
+/// that stopped halfway would leave memory held and no report. `namespace` is None where the
+/// scope has none to act on (a function body in a script): it then only releases and measures.
+pub fn run(mut namespace: Option<&mut dyn Namespace>, memory: &mut dyn Release, keep: &BTreeSet<String>) -> Teardown {
+    let mut names = Names::default();
+    let mut notes = Vec::new();
+    let mut end = None;
+    for step in ORDER {
+        let done = match (step, namespace.as_deref_mut()) {
+            (Step::DeleteNames, Some(namespace)) => delete_names(namespace, keep, &mut names),
+            (Step::DropHiddenRefs, Some(namespace)) => drop_hidden(namespace, &mut names),
+            (Step::DeleteNames | Step::DropHiddenRefs, None) => Ok(()),
+            (Step::CollectGarbage | Step::FreeCublasWorkspaces | Step::EmptyCache, _) => memory.release(step),
+            (Step::EndSnapshot, _) => {
+                end = Some(memory.snapshot());
+                Ok(())
+            }
+        };
+        if let Err(e) = done {
+            notes.push(format!("teardown step {step:?} failed: {e}"));
+        }
+    }
+    Teardown { names, end: end.expect("EndSnapshot is a step of every teardown"), notes }
+}
+
+fn delete_names(namespace: &mut dyn Namespace, keep: &BTreeSet<String>, names: &mut Names) -> Result<(), String> {
+    let plan = plan(namespace.names()?, keep);
+    for name in plan.delete.iter().chain(&plan.rebound) {
+        namespace.delete(name)?;
+    }
+    names.deleted = plan.delete;
+    names.rebound = plan.rebound;
+    names.kept = plan.kept;
+    Ok(())
+}
+
+fn drop_hidden(namespace: &mut dyn Namespace, names: &mut Names) -> Result<(), String> {
+    for label in namespace.changed_hidden()? {
+        namespace.drop_hidden(&label)?;
+        names.cleared.push(label);
+    }
+    Ok(())
+}
+
 /// Names that belong to IPython or to the module machinery, never to the user's data.
 /// `hidden` is the shell's own list (`user_ns_hidden`); the rest are the names IPython
 /// creates as a session goes on (`_12`, `_i12`, `_`, `__`, …) and module dunders.
@@ -113,6 +204,102 @@ pub fn check_keep(requested: &[String], exists: impl Fn(&str) -> bool, created: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::testing::host;
+
+    /// A namespace and a torch that record what teardown asked of them, in order.
+    #[derive(Default)]
+    struct World {
+        names: Vec<NameState>,
+        hidden: Vec<String>,
+        calls: Vec<String>,
+        failing: Option<&'static str>,
+    }
+
+    impl World {
+        fn call(&mut self, call: String) -> Result<(), String> {
+            let fails = self.failing.is_some_and(|f| call.starts_with(f));
+            self.calls.push(call);
+            if fails {
+                Err("KeyboardInterrupt".into())
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    impl Namespace for World {
+        fn names(&self) -> Result<Vec<NameState>, String> {
+            Ok(self.names.clone())
+        }
+        fn delete(&mut self, name: &str) -> Result<(), String> {
+            self.names.retain(|n| n.name != name);
+            self.call(format!("delete {name}"))
+        }
+        fn changed_hidden(&self) -> Result<Vec<String>, String> {
+            Ok(self.hidden.clone())
+        }
+        fn drop_hidden(&mut self, label: &str) -> Result<(), String> {
+            self.call(format!("drop {label}"))
+        }
+    }
+
+    impl Release for World {
+        fn release(&mut self, step: Step) -> Result<(), String> {
+            self.call(format!("{step:?}"))
+        }
+        fn snapshot(&mut self) -> Snapshot {
+            self.calls.push("snapshot".into());
+            host(9.0, 1, 2)
+        }
+    }
+
+    fn world() -> World {
+        World {
+            names: vec![
+                state("model", Binding::Created),
+                state("data", Binding::Unchanged),
+                state("x", Binding::Rebound),
+                state("best", Binding::Created),
+            ],
+            hidden: vec!["Out[3]".into(), "_".into()],
+            ..World::default()
+        }
+    }
+
+    #[test]
+    fn a_teardown_deletes_then_drops_hidden_references_then_releases_then_measures() {
+        let mut namespace = world();
+        let mut memory = World::default();
+        let done = run(Some(&mut namespace), &mut memory, &BTreeSet::from(["best".to_string()]));
+        assert_eq!(done.names.deleted, ["model"]);
+        assert_eq!(done.names.rebound, ["x"]);
+        assert_eq!(done.names.kept, ["best"]);
+        assert_eq!(done.names.cleared, ["Out[3]", "_"]);
+        assert_eq!(namespace.calls, ["delete model", "delete x", "drop Out[3]", "drop _"]);
+        assert_eq!(memory.calls, ["CollectGarbage", "FreeCublasWorkspaces", "EmptyCache", "snapshot"]);
+        assert_eq!(done.end, host(9.0, 1, 2));
+        assert!(done.notes.is_empty());
+    }
+
+    #[test]
+    fn a_failed_step_is_noted_and_every_later_step_still_runs() {
+        let mut namespace = World { failing: Some("delete"), ..world() };
+        let mut memory = World { failing: Some("CollectGarbage"), ..World::default() };
+        let done = run(Some(&mut namespace), &mut memory, &BTreeSet::new());
+        assert_eq!(done.notes.len(), 2, "{:?}", done.notes);
+        assert!(done.notes[0].contains("DeleteNames") && done.notes[0].contains("KeyboardInterrupt"));
+        assert!(done.notes[1].contains("CollectGarbage"));
+        assert!(namespace.calls.contains(&"drop _".to_string()), "hidden references are still dropped");
+        assert_eq!(memory.calls.last().map(String::as_str), Some("snapshot"), "the end is still measured");
+    }
+
+    #[test]
+    fn without_a_namespace_a_teardown_only_releases_and_measures() {
+        let mut memory = World::default();
+        let done = run(None, &mut memory, &BTreeSet::new());
+        assert_eq!(done.names, Names::default());
+        assert_eq!(memory.calls, ["CollectGarbage", "FreeCublasWorkspaces", "EmptyCache", "snapshot"]);
+    }
 
     fn state(name: &str, binding: Binding) -> NameState {
         NameState { name: name.into(), binding, is_module: false, is_owner: false }

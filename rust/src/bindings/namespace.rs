@@ -4,9 +4,9 @@
 use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyWeakrefReference};
+use pyo3::types::{PyDict, PyModule, PyWeakrefReference};
 
-use crate::teardown;
+use crate::teardown::{self, Binding, NameState};
 
 /// Remembers which object a name held, without keeping big objects alive: a weak reference
 /// where the type allows one (tensors, arrays, modules), a strong one otherwise (ints, lists),
@@ -62,7 +62,7 @@ pub(super) fn hidden_refs<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(Str
     refs.iter().map(|(label, object)| Ok((label.extract()?, object))).collect()
 }
 
-pub(super) fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin> {
+fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin> {
     refs.into_iter().map(|(name, object)| (name, Pin::new(&object))).collect()
 }
 
@@ -70,4 +70,89 @@ pub(super) fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin>
 #[pyfunction]
 pub(super) fn bound_names(adapter: &Bound<PyAny>, object: &Bound<PyAny>) -> PyResult<Vec<String>> {
     Ok(user_names(adapter)?.into_iter().filter(|(_, value)| value.is(object)).map(|(name, _)| name).collect())
+}
+
+/// The namespace as a scope found it: what each name and hidden reference held, by identity,
+/// and the experiment object itself (`exp.finish()` leaves `exp` usable).
+pub(super) struct Baseline {
+    adapter: Py<PyAny>,
+    names: HashMap<String, Pin>,
+    hidden: HashMap<String, Pin>,
+    owner: Option<Pin>,
+}
+
+impl Baseline {
+    pub(super) fn take(adapter: &Bound<PyAny>, owner: Option<&Bound<PyAny>>) -> PyResult<Baseline> {
+        Ok(Baseline {
+            names: pin_all(user_names(adapter)?),
+            hidden: pin_all(hidden_refs(adapter)?),
+            owner: owner.map(Pin::new),
+            adapter: adapter.clone().unbind(),
+        })
+    }
+
+    pub(super) fn adapter<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        self.adapter.bind(py).clone()
+    }
+
+    /// The user's names the scope created so far, the experiment's own name left out.
+    pub(super) fn created(&self, py: Python) -> PyResult<Vec<String>> {
+        let is_owner = |value: &Bound<PyAny>| self.owner.as_ref().is_some_and(|owner| owner.holds(value));
+        let current = user_names(self.adapter.bind(py))?;
+        Ok(current.into_iter().filter(|(n, v)| !self.names.contains_key(n) && !is_owner(v)).map(|(n, _)| n).collect())
+    }
+}
+
+/// A scope's namespace at its teardown, judged against its baseline.
+pub(super) struct Judged<'a, 'py> {
+    pub(super) py: Python<'py>,
+    pub(super) baseline: &'a Baseline,
+}
+
+impl Judged<'_, '_> {
+    fn adapter(&self) -> Bound<'_, PyAny> {
+        self.baseline.adapter(self.py)
+    }
+}
+
+impl teardown::Namespace for Judged<'_, '_> {
+    fn names(&self) -> Result<Vec<NameState>, String> {
+        let names = user_names(&self.adapter()).map_err(|e| e.to_string())?;
+        Ok(names
+            .into_iter()
+            .map(|(name, value)| NameState {
+                binding: match self.baseline.names.get(&name) {
+                    None => Binding::Created,
+                    Some(pin) if pin.holds(&value) => Binding::Unchanged,
+                    Some(_) => Binding::Rebound,
+                },
+                is_module: value.is_instance_of::<PyModule>(),
+                is_owner: self.baseline.owner.as_ref().is_some_and(|owner| owner.holds(&value)),
+                name,
+            })
+            .collect())
+    }
+
+    fn delete(&mut self, name: &str) -> Result<(), String> {
+        let deleted = || -> PyResult<()> {
+            let Some(namespace) = namespace(&self.adapter())? else { return Ok(()) };
+            if namespace.contains(name)? {
+                namespace.del_item(name)?;
+            }
+            Ok(())
+        };
+        deleted().map_err(|e| e.to_string())
+    }
+
+    fn changed_hidden(&self) -> Result<Vec<String>, String> {
+        let refs = hidden_refs(&self.adapter()).map_err(|e| e.to_string())?;
+        let unchanged = |label: &String, object: &Bound<PyAny>| {
+            self.baseline.hidden.get(label).is_some_and(|pin| pin.holds(object))
+        };
+        Ok(refs.into_iter().filter(|(label, object)| !unchanged(label, object)).map(|(label, _)| label).collect())
+    }
+
+    fn drop_hidden(&mut self, label: &str) -> Result<(), String> {
+        self.adapter().call_method1("drop_hidden", (label,)).map(drop).map_err(|e| e.to_string())
+    }
 }

@@ -192,12 +192,12 @@ impl ReportPy {
     /// The timeline of the experiment's monitor (`monitor=True`) as one figure; saved to `path` when given.
     #[pyo3(signature = (path=None))]
     fn plot<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
-        if self.0.timeline.is_empty() {
+        if self.0.monitor.is_empty() {
             return Err(PyValueError::new_err(
                 "this experiment recorded no timeline: open it with GPUExperiment(..., monitor=True)",
             ));
         }
-        let samples = json_to_python(py, &serde_json::to_string(&self.0.timeline).expect("samples serialise"))?;
+        let samples = json_to_python(py, &serde_json::to_string(&self.0.monitor).expect("samples serialise"))?;
         let title = format!("gpuexp · {}", self.0.name);
         py.import("gpuexp.monitor")?.call_method1("plot_samples", (samples, path, title))
     }

@@ -1,32 +1,29 @@
 //! Experiment scopes: opening one (pins, limit, monitor, start snapshot) and finishing it
-//! (teardown in Rust's order, the report, the holders of what did not come back).
+//! (the core's teardown over the user's namespace, the report, the holders of what did not
+//! come back).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyModule;
 
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
-use super::namespace::{hidden_refs, namespace, pin_all, user_names, Pin};
+use super::namespace::{user_names, Baseline, Judged};
 use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
 use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
 use super::torch::{apply_limit, release, restore_limit};
 use crate::monitor;
-use crate::report::{Names, Report, Span};
+use crate::report::Details;
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
-use crate::snapshot::GpuSelection;
-use crate::teardown::{self, Binding, NameState, Step};
+use crate::snapshot::{GpuSelection, Snapshot};
+use crate::teardown::{self, Step};
 
-/// The Python side of an open scope: its namespace adapter and identity baselines.
-struct Pins {
-    /// The glue object from `gpuexp.ipython`: `namespace`, `system_names()`, `hidden_refs()`, `drop_hidden()`.
-    adapter: Option<Py<PyAny>>,
-    names: HashMap<String, Pin>,
-    hidden: HashMap<String, Pin>,
-    owner: Option<Pin>,
+/// What an open scope holds on the Python side.
+struct Held {
+    /// None outside any namespace (a function body in a script): nothing to delete there.
+    baseline: Option<Baseline>,
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
     buffers: HashSet<Buffer>,
@@ -36,10 +33,26 @@ struct Pins {
     monitor: Option<monitor::Monitor>,
 }
 
-static PINS: LazyLock<Mutex<HashMap<ScopeId, Pins>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
-fn pins() -> MutexGuard<'static, HashMap<ScopeId, Pins>> {
-    PINS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+fn held() -> MutexGuard<'static, HashMap<ScopeId, Held>> {
+    HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Torch's release steps and snapshots of the scope's devices, for the core's teardown.
+struct Releaser<'py> {
+    py: Python<'py>,
+    selection: GpuSelection,
+}
+
+impl teardown::Release for Releaser<'_> {
+    fn release(&mut self, step: Step) -> Result<(), String> {
+        release(self.py, step).map_err(|e| e.to_string())
+    }
+
+    fn snapshot(&mut self) -> Snapshot {
+        take_snapshot(self.py, &self.selection).0
+    }
 }
 
 /// Opens a scope; returns its id, the state it starts from, and the reports of the scopes it
@@ -72,21 +85,12 @@ pub(super) fn open_scope(
         check_devices(py, wanted)?;
     }
     // Pins are made before the start snapshot so their own memory is not charged to the scope.
-    let baseline = Pins {
-        names: match &adapter {
-            Some(a) => pin_all(user_names(a)?),
-            None => HashMap::new(),
-        },
-        hidden: match &adapter {
-            Some(a) => pin_all(hidden_refs(a)?),
-            None => HashMap::new(),
-        },
+    let scope_held = Held {
+        baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref())).transpose()?,
         buffers: match &adapter {
             Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
             _ => HashSet::new(),
         },
-        adapter: adapter.map(Bound::unbind),
-        owner: owner.as_ref().map(Pin::new),
         limited: match limit {
             Some(limit) => apply_limit(py, &selection, limit)?,
             None => Vec::new(),
@@ -110,7 +114,7 @@ pub(super) fn open_scope(
         (id, title)
     };
     reset_counters(&torch, &start);
-    pins().insert(id, baseline);
+    held().insert(id, scope_held);
     Ok((id, SnapshotPy { snapshot: start, title }, replaced))
 }
 
@@ -131,23 +135,22 @@ pub(super) fn is_open(id: ScopeId) -> bool {
 /// Protects names from deletion; each must exist now.
 #[pyfunction]
 pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
-    let created: Vec<String>;
-    let existing: HashSet<String>;
-    {
-        let pins = pins();
-        let Some(scope_pins) = pins.get(&id) else {
+    let adapter_and_created = {
+        let held = held();
+        let Some(scope_held) = held.get(&id) else {
             return Err(PyValueError::new_err(
                 "keep(): this experiment has already finished; nothing more will be deleted.",
             ));
         };
-        let adapter = scope_pins.adapter.as_ref().map(|a| a.bind(py).clone());
-        let current = match &adapter {
-            Some(a) => user_names(a)?,
-            None => Vec::new(),
-        };
-        created = current.iter().filter(|(n, _)| !scope_pins.names.contains_key(n)).map(|(n, _)| n.clone()).collect();
-        existing = current.into_iter().map(|(n, _)| n).collect();
-    }
+        match &scope_held.baseline {
+            Some(baseline) => Some((baseline.adapter(py), baseline.created(py)?)),
+            None => None,
+        }
+    };
+    let (existing, created): (HashSet<String>, Vec<String>) = match adapter_and_created {
+        Some((adapter, created)) => (user_names(&adapter)?.into_iter().map(|(n, _)| n).collect(), created),
+        None => (HashSet::new(), Vec::new()),
+    };
     teardown::check_keep(&names, |n| existing.contains(n), &created).map_err(PyValueError::new_err)?;
     let mut registry = registry();
     let scope = registry.scope_mut(id).ok_or_else(|| unknown(id))?;
@@ -176,109 +179,37 @@ pub(super) fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
         Finishing::Unknown => return Err(unknown(id)),
         Finishing::Ready(scope) => scope,
     };
-    let mut scope_pins = pins().remove(&id);
+    let mut scope_held = held().remove(&id);
     let (before, _) = take_snapshot(py, &scope.selection);
     registry().peaks.observe(&before);
 
-    let mut names = Names::default();
-    let mut notes = Vec::new();
-    let mut end = None;
-    for step in teardown::ORDER {
-        let done = match step {
-            Step::DeleteNames => delete_names(py, scope_pins.as_ref(), &scope.keep, &mut names),
-            Step::DropHiddenRefs => drop_hidden_refs(py, scope_pins.as_ref(), &mut names),
-            Step::CollectGarbage | Step::FreeCublasWorkspaces | Step::EmptyCache => release(py, step),
-            Step::EndSnapshot => {
-                end = Some(take_snapshot(py, &scope.selection).0);
-                Ok(())
-            }
-        };
-        if let Err(e) = done {
-            notes.push(format!("teardown step {step:?} failed: {e}"));
+    let mut judged = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|baseline| Judged { py, baseline });
+    let namespace = judged.as_mut().map(|j| j as &mut dyn teardown::Namespace);
+    let mut releaser = Releaser { py, selection: scope.selection.clone() };
+    let done = teardown::run(namespace, &mut releaser, &scope.keep);
+
+    let mut details = Details { names: done.names, notes: done.notes, ..Details::default() };
+    if let Some(scope_held) = scope_held.as_mut() {
+        if let Err(e) = restore_limit(py, &scope_held.limited) {
+            details.notes.push(format!("restoring torch's memory fraction failed: {e}"));
         }
-    }
-    let end = end.expect("EndSnapshot is a step of every teardown");
-    let mut timeline = Vec::new();
-    if let Some(pins) = scope_pins.as_mut() {
-        if let Err(e) = restore_limit(py, &pins.limited) {
-            notes.push(format!("restoring torch's memory fraction failed: {e}"));
-        }
-        if let Some(mut monitor) = pins.monitor.take() {
+        if let Some(mut monitor) = scope_held.monitor.take() {
             py.detach(|| monitor.stop());
-            timeline = monitor.samples();
+            details.monitor = monitor.samples();
         }
     }
-    let mut report = {
-        let registry = registry();
-        let mut report = Report::build(
-            &scope.name,
-            scope.kind == Kind::Gpu,
-            Span { start: &scope.start, before_teardown: &before, end: Some(&end) },
-            |gauge| registry.peaks.peak(id, gauge),
-            names,
-        );
-        report.cells = registry.cells_of(&scope);
-        report.limit = scope.limit;
-        report.timeline = timeline;
-        report
-    };
-    report.notes.extend(notes);
+    let mut report = registry().report_of(&scope, &before, Some(&done.end), details);
     // The hunt runs Python code, so the registry is not held (see `registry`).
-    let adapter = scope_pins.as_ref().and_then(|p| p.adapter.as_ref()).map(|a| a.bind(py).clone());
-    let before = scope_pins.as_ref().map(|p| &p.buffers);
-    match holders::hunt_leaks(py, &report, adapter.as_ref(), before.unwrap_or(&HashSet::new())) {
-        Ok(still_held) => report.still_held = still_held,
+    let adapter = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|b| b.adapter(py));
+    let buffers = scope_held.as_ref().map(|h| &h.buffers);
+    match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
+        Ok(found) => report.holders = found,
         Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
     }
-    drop(scope_pins);
+    drop(scope_held);
     finished.push(ReportPy(registry().complete(id, report)));
     update_sampler(py, None);
     Ok(finished)
-}
-
-fn delete_names(py: Python, pins: Option<&Pins>, keep: &BTreeSet<String>, names: &mut Names) -> PyResult<()> {
-    let Some(pins) = pins else { return Ok(()) };
-    let Some(adapter) = pins.adapter.as_ref().map(|a| a.bind(py)) else { return Ok(()) };
-    let Some(namespace) = namespace(adapter)? else { return Ok(()) };
-    let states = user_names(adapter)?.into_iter().map(|(name, value)| {
-        let binding = match pins.names.get(&name) {
-            None => Binding::Created,
-            Some(pin) if pin.holds(&value) => Binding::Unchanged,
-            Some(_) => Binding::Rebound,
-        };
-        NameState {
-            is_module: value.is_instance_of::<PyModule>(),
-            is_owner: pins.owner.as_ref().is_some_and(|owner| owner.holds(&value)),
-            name,
-            binding,
-        }
-    });
-    let plan = teardown::plan(states.collect::<Vec<_>>(), keep);
-    for name in plan.delete.iter().chain(&plan.rebound) {
-        // A `__del__` run by an earlier deletion may have removed it already.
-        if namespace.contains(name)? {
-            namespace.del_item(name)?;
-        }
-    }
-    names.deleted = plan.delete;
-    names.rebound = plan.rebound;
-    names.kept = plan.kept;
-    Ok(())
-}
-
-/// Drops the hidden references that appeared or changed during the scope: they can only
-/// refer to what the scope displayed or raised.
-fn drop_hidden_refs(py: Python, pins: Option<&Pins>, names: &mut Names) -> PyResult<()> {
-    let Some(pins) = pins else { return Ok(()) };
-    let Some(adapter) = pins.adapter.as_ref().map(|a| a.bind(py)) else { return Ok(()) };
-    for (label, object) in hidden_refs(adapter)? {
-        if pins.hidden.get(&label).is_some_and(|pin| pin.holds(&object)) {
-            continue;
-        }
-        adapter.call_method1("drop_hidden", (&label,))?;
-        names.cleared.push(label);
-    }
-    Ok(())
 }
 
 /// The report of a scope as it stands: live while open, final once finished.
@@ -295,15 +226,7 @@ pub(super) fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
     let mut registry = registry();
     registry.peaks.observe(&now);
     let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
-    let mut live = Report::build(
-        &scope.name,
-        scope.kind == Kind::Gpu,
-        Span { start: &scope.start, before_teardown: &now, end: None },
-        |gauge| registry.peaks.peak(id, gauge),
-        Names::default(),
-    );
-    live.cells = registry.cells_of(scope);
-    Ok(ReportPy(Arc::new(live)))
+    Ok(ReportPy(Arc::new(registry.report_of(scope, &now, None, Details::default()))))
 }
 
 /// The records of the cells that ran while a scope was open.

@@ -17,7 +17,9 @@ pub use oom::{parse_oom_message, OomDiagnosis, OtherProcess};
 pub use snapshot::snapshot_grid;
 
 use crate::grid::{prefixed, Grid};
+use crate::monitor::Sample;
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
+use crate::teardown::Names;
 use crate::units::{bytes, rfc3339, signed_bytes};
 
 /// One gauge over a scope. consumed = before_teardown − start; reclaimed = before_teardown − end.
@@ -77,19 +79,6 @@ pub struct GpuReport {
     pub num_ooms: Option<u64>,
 }
 
-/// What teardown did to names and hidden references.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Names {
-    /// Names the scope created, deleted.
-    pub deleted: Vec<String>,
-    /// Names that existed before the scope and were bound to new objects in it, deleted.
-    pub rebound: Vec<String>,
-    /// Names the scope created or rebound that were left alone (keep(), modules).
-    pub kept: Vec<String>,
-    /// Hidden references dropped: Out entries, `_`, the stored last exception.
-    pub cleared: Vec<String>,
-}
-
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
     pub name: String,
@@ -106,11 +95,22 @@ pub struct Report {
     /// The cell log of the cells that ran while the scope was open.
     pub cells: Vec<CellRecord>,
     /// Where memory the scope created did not come back: what still holds it.
-    pub still_held: Vec<Holders>,
+    pub holders: Vec<Holders>,
     /// Bytes torch could allocate on each GPU while the scope was open (`limit=`).
     pub limit: Option<u64>,
-    /// The samples of its timeline (`timeline=True`).
-    pub timeline: Vec<crate::monitor::Sample>,
+    /// The timeline its monitor recorded (`monitor=True`).
+    pub monitor: Vec<Sample>,
+}
+
+/// What a report holds beside its figures: what teardown did and what the scope recorded.
+#[derive(Default)]
+pub struct Details {
+    pub names: Names,
+    /// Steps that failed, after the snapshots' own notes.
+    pub notes: Vec<String>,
+    pub cells: Vec<CellRecord>,
+    pub limit: Option<u64>,
+    pub monitor: Vec<Sample>,
 }
 
 /// The snapshots a report is built from; `end` is None while the scope is open.
@@ -121,7 +121,7 @@ pub struct Span<'a> {
 }
 
 impl Report {
-    pub fn build(name: &str, gpu: bool, span: Span, peak: impl Fn(&Gauge) -> Option<u64>, names: Names) -> Report {
+    pub fn build(name: &str, gpu: bool, span: Span, peak: impl Fn(&Gauge) -> Option<u64>, details: Details) -> Report {
         let Span { start, before_teardown: before, end } = span;
         // `read` says whether a snapshot has the figure's source at all (a GPU NVML failed to
         // read is absent): no source means unknown, never zero. A source that reports None
@@ -185,6 +185,7 @@ impl Report {
                 notes.push(note.clone());
             }
         }
+        notes.extend(details.notes);
         let finished_at = end.map(|e| e.taken_at);
         Report {
             name: name.to_string(),
@@ -193,14 +194,14 @@ impl Report {
             started_at: rfc3339(start.taken_at),
             finished_at: finished_at.map(rfc3339),
             duration_s: finished_at.unwrap_or(before.taken_at) - start.taken_at,
-            names,
+            names: details.names,
             host,
             gpus,
             notes,
-            cells: Vec::new(),
-            still_held: Vec::new(),
-            limit: None,
-            timeline: Vec::new(),
+            cells: details.cells,
+            holders: Vec::new(),
+            limit: details.limit,
+            monitor: details.monitor,
         }
     }
 
@@ -225,7 +226,7 @@ impl Report {
         if let Some(limit) = self.limit {
             lines.push(format!("limit: torch could allocate {} per GPU (a smaller card, rehearsed)", bytes(limit)));
         }
-        for held in &self.still_held {
+        for held in &self.holders {
             let named: Vec<String> =
                 held.holders.iter().take(5).map(|h| format!("{} ({})", h.path, bytes(h.bytes))).collect();
             let mut line = format!("still held on {}: {}", held.device, named.join(", "));

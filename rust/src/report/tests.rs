@@ -5,12 +5,13 @@ use crate::grid::escape;
 use crate::grid::testing::{expected_cells, html_cells, text_cells};
 use crate::snapshot::testing::{gpu, host, torch, GIB};
 use crate::snapshot::TorchStats;
+use crate::teardown::Names;
 
 const MIB: u64 = 1 << 20;
 
 fn finished(name: &str, start: &Snapshot, before: &Snapshot, end: &Snapshot, peaks: &HashMap<Gauge, u64>) -> Report {
     let span = Span { start, before_teardown: before, end: Some(end) };
-    Report::build(name, true, span, |g| peaks.get(g).copied(), Names::default())
+    Report::build(name, true, span, |g| peaks.get(g).copied(), Details::default())
 }
 
 fn no_peaks() -> HashMap<Gauge, u64> {
@@ -115,7 +116,7 @@ fn without_a_recorded_peak_the_peak_is_the_highest_reading() {
 fn a_cpu_scope_reports_kind_cpu() {
     let s = host(0.0, 1, 1);
     let span = Span { start: &s, before_teardown: &s, end: Some(&s) };
-    let report = Report::build("c", false, span, |_| None, Names::default());
+    let report = Report::build("c", false, span, |_| None, Details::default());
     assert_eq!(report.kind, "cpu");
 }
 
@@ -227,7 +228,7 @@ fn process_used_is_unavailable_if_any_snapshot_lacked_it() {
     // While the scope is open only start and now count.
     let (s, now) = (at(0.0, known), at(1.0, known));
     let span = Span { start: &s, before_teardown: &now, end: None };
-    let live = Report::build("x", true, span, |_| None, Names::default());
+    let live = Report::build("x", true, span, |_| None, Details::default());
     assert!(live.gpus[0].process_used.is_some());
 }
 
@@ -247,7 +248,7 @@ fn a_live_report_is_not_finished_and_reclaims_nothing() {
     let mut now = host(103.0, 300 * MIB, 300 * MIB).with_gpu(with_torch(gpu(0, uuid), GIB, 2 * GIB)).with_note("n");
     now.host.available = 50 * GIB;
     let span = Span { start: &start, before_teardown: &now, end: None };
-    let report = Report::build("live", true, span, |_| None, Names::default());
+    let report = Report::build("live", true, span, |_| None, Details::default());
     assert!(!report.finished);
     assert_eq!(report.finished_at, None);
     assert_eq!(report.duration_s, 3.0);
@@ -306,7 +307,13 @@ fn rich_report() -> Report {
         cleared: vec!["Out[3]".into(), "_".into()],
     };
     let span = Span { start: &start, before_teardown: &before, end: Some(&end) };
-    Report::build("train <big> & \"fast\"", true, span, |g| peaks.get(g).copied(), names)
+    Report::build(
+        "train <big> & \"fast\"",
+        true,
+        span,
+        |g| peaks.get(g).copied(),
+        Details { names, ..Details::default() },
+    )
 }
 
 fn live_report() -> Report {
@@ -314,7 +321,7 @@ fn live_report() -> Report {
     let now = host(2.0, 200 * MIB, 200 * MIB).with_gpu(with_torch(gpu(0, "GPU-aaaa"), GIB, GIB));
     let span = Span { start: &start, before_teardown: &now, end: None };
     let names = Names { deleted: vec!["never shown while running".into()], ..Names::default() };
-    Report::build("live", true, span, |_| None, names)
+    Report::build("live", true, span, |_| None, Details { names, ..Details::default() })
 }
 
 #[test]
@@ -393,7 +400,13 @@ fn a_live_grid_shows_now_and_no_teardown() {
 fn a_finished_scope_that_deleted_nothing_says_so() {
     let s = host(0.0, 0, 0);
     let names = Names { kept: vec!["k".into()], ..Names::default() };
-    let report = Report::build("n", false, Span { start: &s, before_teardown: &s, end: Some(&s) }, |_| None, names);
+    let report = Report::build(
+        "n",
+        false,
+        Span { start: &s, before_teardown: &s, end: Some(&s) },
+        |_| None,
+        Details { names, ..Details::default() },
+    );
     let text = report.grid().to_text();
     assert!(text.contains("deleted: nothing"), "{text}");
     assert!(text.contains("kept: k"), "{text}");

@@ -1,0 +1,339 @@
+//! The scope registry: open scopes nest by time, each keeps its start snapshot and its peaks,
+//! and finished scopes stay in this kernel's history.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use crate::report::{CellRecord, Details, Report, Span};
+use crate::snapshot::{Gauge, GpuSelection, Snapshot};
+
+pub type ScopeId = u64;
+
+/// Peaks of nested windows over process-wide counters that can only be reset as a whole
+/// (the kernel's VmHWM, torch's one peak per device). Before any reset, the counters' peaks
+/// are folded into every open window, so opening an inner window never erases an outer peak.
+#[derive(Default, Debug)]
+pub struct PeakBook {
+    windows: BTreeMap<u64, HashMap<Gauge, u64>>,
+}
+
+impl PeakBook {
+    /// Folds a snapshot's values and counter peaks into every open window.
+    pub fn observe(&mut self, snapshot: &Snapshot) {
+        let gauges = snapshot.gauges();
+        for peaks in self.windows.values_mut() {
+            for (gauge, _, peak) in &gauges {
+                let seen = peaks.entry(gauge.clone()).or_insert(0);
+                *seen = (*seen).max(*peak);
+            }
+        }
+    }
+
+    /// Opens a window at `snapshot`, which must be taken just before the caller resets the
+    /// counters: what they saw until then belongs to the windows already open.
+    pub fn open(&mut self, window: u64, snapshot: &Snapshot) {
+        self.observe(snapshot);
+        let start = snapshot.gauges().into_iter().map(|(gauge, current, _)| (gauge, current)).collect();
+        self.windows.insert(window, start);
+    }
+
+    pub fn peak(&self, window: u64, gauge: &Gauge) -> Option<u64> {
+        self.windows.get(&window)?.get(gauge).copied()
+    }
+
+    pub fn close(&mut self, window: u64) {
+        self.windows.remove(&window);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.windows.is_empty()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Cpu,
+    Gpu,
+}
+
+#[derive(Clone, Debug)]
+pub struct Scope {
+    pub id: ScopeId,
+    pub name: String,
+    pub kind: Kind,
+    pub selection: GpuSelection,
+    pub start: Snapshot,
+    pub keep: BTreeSet<String>,
+    /// Set once teardown has begun: a second finish (say from `__del__` during teardown) waits for none.
+    pub closing: bool,
+    /// Whether the scope asks for the per-cell log.
+    pub cell_log: bool,
+    /// Index of the first cell record made while the scope was open.
+    pub first_cell: usize,
+    /// Bytes torch may allocate on each of the scope's GPUs (`limit=`), while it is open.
+    pub limit: Option<u64>,
+    /// The names the constructor's cell bound the experiment to (`exp = GPUExperiment(...)`):
+    /// a later constructor bound to one of them replaces this scope.
+    pub handles: BTreeSet<String>,
+}
+
+/// What a scope opens with.
+pub struct Opening {
+    pub name: String,
+    pub kind: Kind,
+    pub selection: GpuSelection,
+    pub start: Snapshot,
+    pub cell_log: bool,
+    pub limit: Option<u64>,
+    pub handles: BTreeSet<String>,
+}
+
+/// The cell being run while the log is on.
+#[derive(Clone, Debug)]
+pub struct OpenCell {
+    pub window: u64,
+    pub start: Snapshot,
+    pub notes: Vec<String>,
+}
+
+/// Where a scope stands when someone asks to finish it.
+pub enum Finishing {
+    Finished(Arc<Report>),
+    /// Teardown is under way further up the stack.
+    InProgress,
+    Ready(Box<Scope>),
+    Unknown,
+}
+
+pub struct Registry {
+    next_id: ScopeId,
+    unnamed: u64,
+    open: Vec<Scope>,
+    finished: Vec<(ScopeId, Arc<Report>)>,
+    pub peaks: PeakBook,
+    cell: Option<OpenCell>,
+    cells: Vec<Arc<CellRecord>>,
+    /// `%gpuexp log on`: the cell log without an experiment.
+    pub standalone_log: bool,
+    /// Show every GPU in the cell log, not only those the cell touched.
+    pub cell_log_all_gpus: bool,
+    /// Rescue after a CUDA OOM (on unless the user wants `%debug` on the failed frames).
+    pub oom_rescue: bool,
+}
+
+impl Default for Registry {
+    fn default() -> Registry {
+        Registry {
+            next_id: 0,
+            unnamed: 0,
+            open: Vec::new(),
+            finished: Vec::new(),
+            peaks: PeakBook::default(),
+            cell: None,
+            cells: Vec::new(),
+            standalone_log: false,
+            cell_log_all_gpus: false,
+            oom_rescue: true,
+        }
+    }
+}
+
+impl Registry {
+    pub fn name_or_default(&mut self, name: Option<String>) -> String {
+        name.unwrap_or_else(|| {
+            self.unnamed += 1;
+            format!("exp-{}", self.unnamed)
+        })
+    }
+
+    fn next_window(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    pub fn open(&mut self, opening: Opening) -> ScopeId {
+        let id = self.next_window();
+        self.peaks.open(id, &opening.start);
+        let Opening { name, kind, selection, start, cell_log, limit, handles } = opening;
+        let first_cell = self.cells.len();
+        self.open.push(Scope {
+            id,
+            name,
+            kind,
+            selection,
+            start,
+            keep: BTreeSet::new(),
+            closing: false,
+            cell_log,
+            first_cell,
+            limit,
+            handles,
+        });
+        id
+    }
+
+    pub fn scope(&self, id: ScopeId) -> Option<&Scope> {
+        self.open.iter().find(|s| s.id == id)
+    }
+
+    pub fn scope_mut(&mut self, id: ScopeId) -> Option<&mut Scope> {
+        self.open.iter_mut().find(|s| s.id == id)
+    }
+
+    /// The open scopes a new one replaces: the one of the same name (re-running a constructor
+    /// cell), and those bound to a name the new constructor's cell binds again (`exp = ...`
+    /// after editing the name). They finish first, so the new baseline holds none of their memory.
+    pub fn replaced_by(&self, name: Option<&str>, handles: &BTreeSet<String>) -> Vec<ScopeId> {
+        self.open
+            .iter()
+            .filter(|s| !s.closing && (name == Some(s.name.as_str()) || !s.handles.is_disjoint(handles)))
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// Scopes opened after `id` and still open, innermost first: they finish before it does.
+    pub fn inner_of(&self, id: ScopeId) -> Vec<ScopeId> {
+        match self.open.iter().position(|s| s.id == id) {
+            Some(at) => self.open[at + 1..].iter().rev().filter(|s| !s.closing).map(|s| s.id).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Marks the scope as closing and hands out what its teardown needs.
+    pub fn begin_finish(&mut self, id: ScopeId) -> Finishing {
+        if let Some(report) = self.report(id) {
+            return Finishing::Finished(report);
+        }
+        match self.scope_mut(id) {
+            Some(scope) if scope.closing => Finishing::InProgress,
+            Some(scope) => {
+                scope.closing = true;
+                Finishing::Ready(Box::new(scope.clone()))
+            }
+            None => Finishing::Unknown,
+        }
+    }
+
+    /// Records the finished report and closes the scope's peak window.
+    pub fn complete(&mut self, id: ScopeId, report: Report) -> Arc<Report> {
+        self.open.retain(|s| s.id != id);
+        self.peaks.close(id);
+        let report = Arc::new(report);
+        self.finished.push((id, report.clone()));
+        report
+    }
+
+    /// A scope's report as it stands: final with `end`, live without. The registry adds the
+    /// scope's peaks, its cells and its limit to `details`.
+    pub fn report_of(&self, scope: &Scope, before: &Snapshot, end: Option<&Snapshot>, details: Details) -> Report {
+        let details = Details { cells: self.cells_of(scope), limit: scope.limit, ..details };
+        let span = Span { start: &scope.start, before_teardown: before, end };
+        Report::build(&scope.name, scope.kind == Kind::Gpu, span, |gauge| self.peaks.peak(scope.id, gauge), details)
+    }
+
+    pub fn report(&self, id: ScopeId) -> Option<Arc<Report>> {
+        self.finished.iter().find(|(done, _)| *done == id).map(|(_, r)| r.clone())
+    }
+
+    pub fn history(&self) -> Vec<Arc<Report>> {
+        self.finished.iter().map(|(_, r)| r.clone()).collect()
+    }
+
+    /// Whether any peak window is open (a scope or a logged cell): samplers are needed only then.
+    pub fn has_windows(&self) -> bool {
+        !self.peaks.is_empty()
+    }
+
+    /// Whether an open window covers GPUs.
+    pub fn has_gpu_windows(&self) -> bool {
+        self.open.iter().any(|s| s.kind == Kind::Gpu) || self.cell.as_ref().is_some_and(|c| !c.start.gpus.is_empty())
+    }
+
+    // ---- the per-cell log ----
+
+    pub fn cell_log_active(&self) -> bool {
+        self.standalone_log || self.open.iter().any(|s| s.cell_log && !s.closing)
+    }
+
+    /// What the cell log measures: GPUs too, unless only CPU experiments asked for it.
+    pub fn cell_selection(&self) -> GpuSelection {
+        let gpu_wanted = self.standalone_log || self.open.iter().any(|s| s.cell_log && s.kind == Kind::Gpu);
+        if gpu_wanted {
+            GpuSelection::AllVisible
+        } else {
+            GpuSelection::None
+        }
+    }
+
+    /// Opens a peak window of its own (one trial of the batch-size finder) at `start`, taken
+    /// just before the counters are reset.
+    pub fn open_window(&mut self, start: &Snapshot) -> u64 {
+        let window = self.next_window();
+        self.peaks.open(window, start);
+        window
+    }
+
+    /// Closes a window opened by [`Registry::open_window`], returning its peaks of `gauges`, the
+    /// end snapshot's counters included.
+    pub fn close_window<const N: usize>(
+        &mut self,
+        window: u64,
+        end: &Snapshot,
+        gauges: [Gauge; N],
+    ) -> [Option<u64>; N] {
+        self.peaks.observe(end);
+        let peaks = gauges.map(|gauge| self.peaks.peak(window, &gauge));
+        self.peaks.close(window);
+        peaks
+    }
+
+    /// Opens the cell's peak window at `start`, taken just before the counters are reset.
+    pub fn begin_cell(&mut self, start: Snapshot) {
+        if let Some(stale) = self.cell.take() {
+            self.peaks.close(stale.window);
+        }
+        let window = self.next_window();
+        self.peaks.open(window, &start);
+        self.cell = Some(OpenCell { window, start, notes: Vec::new() });
+    }
+
+    /// What the running cell's start snapshot covered: its end snapshot must cover the same.
+    pub fn open_cell_selection(&self) -> Option<GpuSelection> {
+        let cell = self.cell.as_ref()?;
+        Some(if cell.start.gpus.is_empty() { GpuSelection::None } else { GpuSelection::AllVisible })
+    }
+
+    /// Something the record of the running cell should say.
+    pub fn note_cell(&mut self, note: String) {
+        if let Some(cell) = self.cell.as_mut() {
+            if !cell.notes.contains(&note) {
+                cell.notes.push(note);
+            }
+        }
+    }
+
+    /// Closes the running cell's window and records it under the shell's number for the cell.
+    pub fn end_cell(&mut self, execution_count: u64, end: &Snapshot) -> Option<Arc<CellRecord>> {
+        let cell = self.cell.take()?;
+        self.peaks.observe(end);
+        let peaks = &self.peaks;
+        let record = CellRecord::build(execution_count, &cell.start, end, |g| peaks.peak(cell.window, g), cell.notes);
+        self.peaks.close(cell.window);
+        let record = Arc::new(record);
+        self.cells.push(record.clone());
+        Some(record)
+    }
+
+    /// Every cell record of this kernel, oldest first.
+    pub fn cells(&self) -> &[Arc<CellRecord>] {
+        &self.cells
+    }
+
+    /// The records of the cells that ran while the scope was open.
+    pub fn cells_of(&self, scope: &Scope) -> Vec<CellRecord> {
+        self.cells[scope.first_cell.min(self.cells.len())..].iter().map(|c| c.as_ref().clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;
