@@ -25,15 +25,17 @@ def test_bad_limits_get_clear_errors(kernel):
     assert cpu.error.startswith("TypeError")
 
 
-def test_the_search_can_be_driven_without_a_gpu(kernel):
-    """The search itself is plain bookkeeping: fed a linear model of a step, it finds the size in 5 trials."""
+def test_the_arguments_are_checked_before_the_gpu(kernel):
+    """Bad arguments name their fix even on a machine without a GPU (the search's own logic is
+    covered by the Rust tests in rust/src/finder/tests.rs)."""
     kernel.run(SETUP)
-    kernel.run(
-        "search = gpuexp._core.BatchSizeResult(8, 4096, 24 << 30, margin=0.0)\n"
-        "while (trial := search.next_trial()) is not None:\n"
-        "    bs, role = trial\n"
-        "    peak = (2 << 30) + bs * (90 << 20)\n"
-        "    search.record(bs, role, (peak, peak), 0.1)"
-    )
-    assert kernel.value("[search.batch_size, search.trials]") == [250, 5]
-    assert "gpuexp · batch size 250 · 5 trials" in kernel.run("print(search)").text
+    not_callable = kernel.run("gpuexp.find_batch_size(None)", expect_error=True)
+    assert not_callable.error.startswith("TypeError") and "find_batch_size(train_step)" in not_callable.error
+    for call, expected in (
+        ("start=0", "start must be at least 1"),
+        ("start=64, max=8", "max at least start"),
+        ("multiple_of=0", "multiple_of must be at least 1"),
+        ("margin=1.5", "margin must be a share below 1"),
+    ):
+        failed = kernel.run(f"gpuexp.find_batch_size(lambda bs: None, {call})", expect_error=True)
+        assert failed.error.startswith("ValueError") and expected in failed.error, (call, failed.error)

@@ -76,8 +76,11 @@ pub(super) fn open_scope(
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
+    // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
+    // head would still hold.
+    let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
     let mut replaced = Vec::new();
-    for id in registry().replaced_by(name.as_deref(), &handles) {
+    for id in replaced_ids {
         replaced.extend(finish(py, id, in_use.iter().cloned().collect())?);
     }
     let selection = selection(gpu, devices);
