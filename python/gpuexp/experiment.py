@@ -27,7 +27,7 @@ class GPUExperiment:
         creator = _creator_frame()
         # The core finishes the experiments this one replaces (same name, or bound to a name
         # this cell binds again) before it opens; names the cell binds above stay theirs.
-        self._id, start, replaced = _core.open_scope(
+        self._id, start, replaced, interrupted = _core.open_scope(
             name,
             gpu=self._gpu,
             devices=devices,
@@ -44,6 +44,8 @@ class GPUExperiment:
             ipython.show(report)
         ipython.track(self)
         ipython.show(start)
+        if interrupted:  # held while the scope opened; the experiment is open and tracked now
+            raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had opened")
 
     @property
     def name(self):
@@ -71,9 +73,11 @@ class GPUExperiment:
         """
         if not _core.is_open(self._id):
             return _core.scope_report(self._id)
-        reports = _core.finish(self._id)
+        reports, interrupted = _core.finish(self._id)
         for report in reports:
             ipython.show(report)
+        if interrupted:  # held while the teardown ran: every step ran and the report is shown
+            raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had finished")
         return _core.scope_report(self._id)
 
     def __enter__(self):
@@ -89,6 +93,8 @@ class GPUExperiment:
             return
         try:
             self.finish()
+        except KeyboardInterrupt as error:
+            ipython.hold_interrupt(error)  # __del__ cannot raise it
         except Exception as error:  # __del__ cannot raise; say what happened instead
             ipython.warn(f"finishing experiment {scope_id} failed: {error!r}")
 

@@ -5,8 +5,10 @@ The core (``gpuexp._core``) decides what to delete and in which order; the adapt
 only read and remove entries where IPython (or a plain module) keeps them.
 """
 
+import _thread
 import ast
 import sys
+import threading
 import traceback
 import weakref
 
@@ -284,6 +286,29 @@ def _before_cell(info=None):
         _core.begin_cell()
 
 
+_held_interrupt = None
+
+
+def hold_interrupt(error):
+    """An interrupt gpuexp held while a teardown ran inside ``__del__`` (``del exp``), which cannot
+    raise: in IPython it becomes the cell's error once the cell ends, as an interrupt that came
+    after the teardown would have; in a script it is raised again in the main thread."""
+    global _held_interrupt
+    if shell() is not None:
+        _held_interrupt = error
+    else:
+        threading.Timer(0.001, _thread.interrupt_main).start()
+
+
+def _raise_held_interrupt(ip, result):
+    global _held_interrupt
+    error, _held_interrupt = _held_interrupt, None
+    if error is None or result is None or not result.success:
+        return
+    result.error_in_exec = error
+    ip.showtraceback((type(error), error, error.__traceback__))
+
+
 def _after_cell(result=None):
     ip = shell()
     if ip is None:
@@ -302,9 +327,13 @@ def _after_cell(result=None):
         bound = set(_core.bound_names(namespace, experiment))
         if experiment._handles and not bound:
             # The user deleted or rebound every name of it; hidden references (Out, _) don't count.
-            experiment.finish()
+            try:
+                experiment.finish()
+            except KeyboardInterrupt as error:
+                hold_interrupt(error)
         elif bound:
             experiment._handles = bound
+    _raise_held_interrupt(ip, result)
 
 
 def watch_torch_peak_resets():

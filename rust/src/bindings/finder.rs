@@ -7,6 +7,7 @@ use std::time::Instant;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::interrupts;
 use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
@@ -96,9 +97,15 @@ pub(super) fn find_batch_size(
         None => Vec::new(),
     };
     let searched = run_trials(py, &mut search, &step, &cuda, index, progress, &adapter);
+    // The cap comes off and the cache empties whatever stopped the search, Ctrl-C included.
+    let held = interrupts::hold(py);
     let restored = restore_limit(py, &limited);
     let released = release_between_trials(py);
+    let interrupted = held.release(py);
     searched.and(restored).and(released)?;
+    if interrupted {
+        return Err(interrupts::interrupted());
+    }
     Ok(BatchSizeResultPy(search))
 }
 
@@ -179,9 +186,12 @@ fn run_trial(
         (Ok(()), None) => return Err(PyValueError::new_err(format!("cuda:{index} is not a visible GPU"))),
         (Err(error), _) if is_oom(py, &error) => {
             // As the OOM rescue does: the failed step's frames must let go of its tensors.
-            adapter.call_method1("drop_exception", (error.value(py),))?;
+            let held = interrupts::hold(py);
+            let dropped = adapter.call_method1("drop_exception", (error.value(py),)).map(drop);
             drop(error);
-            release_between_trials(py)?;
+            let released = release_between_trials(py);
+            held.release_and_raise(py)?;
+            dropped.and(released)?;
             Outcome::OutOfMemory
         }
         (Err(error), _) => return Err(error),

@@ -8,6 +8,7 @@ mod cell_log;
 mod error;
 mod finder;
 mod holders;
+mod interrupts;
 mod kernel;
 mod monitor;
 mod namespace;

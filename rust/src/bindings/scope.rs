@@ -9,6 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
+use super::interrupts;
 use super::namespace::{user_names, Baseline, Judged};
 use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
@@ -55,9 +56,10 @@ impl teardown::Release for Releaser<'_> {
     }
 }
 
-/// Opens a scope; returns its id, the state it starts from, and the reports of the scopes it
+/// Opens a scope; returns its id, the state it starts from, the reports of the scopes it
 /// replaced (see [`crate::scope::Registry::replaced_by`]), which finish first keeping `in_use`:
-/// names the constructor's cell binds above the constructor. `adapter` is None outside any
+/// names the constructor's cell binds above the constructor, and whether an interrupt came
+/// while it opened (held until then: see `interrupts`). `adapter` is None outside any
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
 #[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None,
@@ -75,13 +77,34 @@ pub(super) fn open_scope(
     monitor_s: Option<f64>,
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
+) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
+    let held = interrupts::hold(py);
+    let opened = open(py, name, gpu, devices, adapter, owner, cell_log, limit, monitor_s, handles, in_use);
+    let interrupted = held.release(py);
+    let (id, start, replaced) = opened?;
+    Ok((id, start, replaced, interrupted))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn open(
+    py: Python,
+    name: Option<String>,
+    gpu: bool,
+    devices: Option<Vec<u32>>,
+    adapter: Option<Bound<PyAny>>,
+    owner: Option<Bound<PyAny>>,
+    cell_log: bool,
+    limit: Option<u64>,
+    monitor_s: Option<f64>,
+    handles: BTreeSet<String>,
+    in_use: BTreeSet<String>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
     // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
     // head would still hold.
     let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
     let mut replaced = Vec::new();
     for id in replaced_ids {
-        replaced.extend(finish(py, id, in_use.iter().cloned().collect())?);
+        replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
     }
     let selection = selection(gpu, devices);
     if let GpuSelection::Only(wanted) = &selection {
@@ -162,16 +185,24 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
 }
 
 /// Finishes a scope, and first every scope opened inside it. Returns the reports of the
-/// scopes it finished, innermost first; empty when this scope's teardown is already under way.
-/// `keep` adds names to protect, without the existence check of `keep()`: a replacing
-/// constructor passes the names its cell still uses.
+/// scopes it finished, innermost first (empty when this scope's teardown is already under
+/// way), and whether an interrupt came meanwhile: it is held until every step has run, and the
+/// caller raises it once the reports are shown. `keep` adds names to protect, without the
+/// existence check of `keep()`.
 #[pyfunction]
 #[pyo3(signature = (id, keep=Vec::new()))]
-pub(super) fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>> {
+pub(super) fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<(Vec<ReportPy>, bool)> {
+    let held = interrupts::hold(py);
+    let finished = finish_with_inner(py, id, keep);
+    let interrupted = held.release(py);
+    Ok((finished?, interrupted))
+}
+
+fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>> {
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish(py, inner_id, keep.clone())?);
+        finished.extend(finish_with_inner(py, inner_id, keep.clone())?);
     }
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);

@@ -1,0 +1,71 @@
+//! Ctrl-C, or Jupyter's interrupt button, held while gpuexp does work that must not stop
+//! halfway: a teardown, an opening, the finder's cleanup. An interrupt that cut a teardown short
+//! left memory held by `Out` and `_` and no report; held, it is raised once the work is done.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyKeyboardInterrupt;
+use pyo3::prelude::*;
+use pyo3::types::PyCFunction;
+
+/// SIGINT's handler replaced by one that only records, until [`Held::release`].
+pub(super) struct Held<'py> {
+    /// The `signal` module and the handler to put back; None where nothing was replaced:
+    /// handlers can only be set from the main thread, and a non-Python handler is left alone.
+    replaced: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    caught: Arc<AtomicBool>,
+}
+
+pub(super) fn hold(py: Python) -> Held {
+    let caught = Arc::new(AtomicBool::new(false));
+    let replaced = replace_handler(py, &caught).ok().flatten();
+    Held { replaced, caught }
+}
+
+fn replace_handler<'py>(
+    py: Python<'py>,
+    caught: &Arc<AtomicBool>,
+) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let threading = py.import("threading")?;
+    if !threading.call_method0("current_thread")?.is(&threading.call_method0("main_thread")?) {
+        return Ok(None);
+    }
+    let signal = py.import("signal")?;
+    let sigint = signal.getattr("SIGINT")?;
+    let previous = signal.call_method1("getsignal", (&sigint,))?;
+    if !previous.is_callable() {
+        return Ok(None);
+    }
+    let flag = caught.clone();
+    let recorder = PyCFunction::new_closure(py, None, None, move |_, _| flag.store(true, Ordering::SeqCst))?;
+    signal.call_method1("signal", (&sigint, recorder))?;
+    Ok(Some((signal.into_any(), previous)))
+}
+
+impl Held<'_> {
+    /// Puts the handler back; returns whether an interrupt came while it was held.
+    pub(super) fn release(self, py: Python) -> bool {
+        if let Some((signal, previous)) = &self.replaced {
+            // A signal that arrived since the last Python code ran is recorded now, not raised
+            // by the handler put back.
+            let _ = py.check_signals();
+            if let Ok(sigint) = signal.getattr("SIGINT") {
+                let _ = signal.call_method1("signal", (sigint, previous));
+            }
+        }
+        self.caught.load(Ordering::SeqCst)
+    }
+
+    /// Puts the handler back and raises the interrupt if one came.
+    pub(super) fn release_and_raise(self, py: Python) -> PyResult<()> {
+        if self.release(py) {
+            return Err(interrupted());
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn interrupted() -> PyErr {
+    PyKeyboardInterrupt::new_err("gpuexp held this interrupt until its work was done")
+}
