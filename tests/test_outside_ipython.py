@@ -73,7 +73,8 @@ def _interpreters():
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     found = {}
     for minor in range(9, 15):
-        candidates = [shutil.which(f"python3.{minor}")] + sorted(glob.glob(str(pyenv / f"3.{minor}.*" / "bin" / "python3")))
+        installed = sorted(glob.glob(str(pyenv / f"3.{minor}.*" / "bin" / "python3")))
+        candidates = [shutil.which(f"python3.{minor}"), *installed]
         for path in filter(None, candidates):
             if subprocess.run([path, "-c", "pass"], capture_output=True).returncode == 0:
                 found[minor] = pytest.param(path, id=f"3.{minor}")
