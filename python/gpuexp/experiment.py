@@ -2,9 +2,14 @@
 
 import sys
 import time
+import weakref
 
 from . import _core, ipython
+from .devices import device_indices
 from .monitor import seconds
+from .torch_peaks import watch_torch_peak_resets
+
+_open = {}  # scope id -> weak reference to its experiment, for the cell events that notice `del exp`
 
 
 class GPUExperiment:
@@ -23,7 +28,7 @@ class GPUExperiment:
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
-        devices = _device_indices(devices) if self._gpu else None
+        devices = device_indices(devices) if self._gpu else None
         self._handles = ipython.assignment_targets()
         creator = _creator_frame()
         _finish_replaced(name, self._handles, in_use=ipython.names_bound_before(creator.f_lineno))
@@ -38,7 +43,9 @@ class GPUExperiment:
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
             timeline_s=None if timeline is False else seconds("100ms" if timeline is True else timeline),
         )
-        ipython.track(self)
+        _open[self._id] = weakref.ref(self)
+        # From now on the scope's torch peaks must survive a user's reset.
+        watch_torch_peak_resets()
         ipython.show(start)
 
     @property
@@ -118,9 +125,9 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     which stops within 1% of the edge and holds ``margin`` of that size back. Each trial runs
     the step ``steps`` times in a row, from an emptied cache at each new size: the second step
     shows the steady state (optimizer state, and the blocks the first step left cached), which
-    is where a size that fits once can still run out. Every out-of-memory error is cleaned up as the OOM rescue does, and torch's cache
-    is emptied at the end, so the next run starts as the trials did. A step that raises
-    anything else stops the search with that error.
+    is where a size that fits once can still run out. Every out-of-memory error is cleaned up
+    as the OOM rescue does, and torch's cache is emptied at the end, so the next run starts as
+    the trials did. A step that raises anything else stops the search with that error.
 
     The memory a step may use is what torch holds plus what is free on the device, less what
     torch keeps cached at a small size and ``margin`` (default 5%) of the part that grows with
@@ -137,7 +144,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
         raise RuntimeError("find_batch_size measures torch's CUDA allocator: import torch on a machine with a CUDA GPU")
     if not callable(step):
         raise TypeError(f"step must be a function of the batch size, e.g. find_batch_size(train_step); got {step!r}")
-    index = torch.cuda.current_device() if device is None else _device_indices(device)[0]
+    index = torch.cuda.current_device() if device is None else device_indices(device)[0]
     limit_bytes = _size(limit, "limit")
     if margin is None:
         # At a cap the allocator's rounding and fragmentation still need a little room.
@@ -159,7 +166,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
             search.record(batch, role, peaks, seconds)
             if progress:
                 outcome = "out of memory" if peaks is None else f"peak {peaks[0] / 2**30:.2f} GiB"
-                print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s", flush=True)
+                print(f"gpuexp: trial {search.trials} ({role}) batch size {batch}: {outcome}, {seconds:.2f} s",
+                      flush=True)
     finally:
         _core.restore_memory_limit(limited)
         _core.release_between_trials()
@@ -167,7 +175,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
 
 
 def _run_trial(torch, step, batch, index, steps):
-    """``steps`` steps in a row at a batch size: torch's exact peaks (allocated, reserved), or None if one ran out of memory."""
+    """``steps`` steps in a row at a batch size: torch's exact peaks (allocated, reserved), or None
+    if one ran out of memory."""
     window = _core.measure_begin()
     started = time.perf_counter()
     try:
@@ -212,7 +221,7 @@ def _creator_frame():
 def _finish_replaced(name, targets, in_use):
     """Finishes the open experiment of the same name, and those about to be rebound, so the
     new baseline doesn't include their memory. Names in ``in_use`` are kept."""
-    replaced = [e._id for e in ipython.tracked().values() if e._handles & targets]
+    replaced = [e._id for e in tracked().values() if e._handles & targets]
     same_name = _core.open_scope_named(name) if name else None
     for scope_id in dict.fromkeys(replaced + ([same_name] if same_name else [])):
         if _core.is_open(scope_id):
@@ -220,33 +229,13 @@ def _finish_replaced(name, targets, in_use):
                 ipython.show(report)
 
 
-def _device_indices(devices):
-    """Torch indices from ints, 'cuda:N' strings or torch.device objects."""
-    if devices is None:
-        return None
-    if isinstance(devices, (int, str)) or hasattr(devices, "type"):
-        devices = [devices]
-    indices = []
-    for device in devices:
-        index = _device_index(device)
-        if index is None:
-            raise ValueError(
-                f"devices={devices!r}: use GPU indices as torch numbers them, "
-                "e.g. devices=[0, 1], devices='cuda:1' or devices=torch.device('cuda', 1)"
-            )
-        indices.append(index)
-    return indices
-
-
-def _device_index(device):
-    if isinstance(device, bool):
-        return None
-    if isinstance(device, int):
-        return device if device >= 0 else None
-    if isinstance(device, str):
-        text = device.strip().lower()
-        text = text[len("cuda:"):] if text.startswith("cuda:") else text
-        return int(text) if text.isdigit() else None
-    if getattr(device, "type", None) == "cuda":
-        return device.index or 0
-    return None
+def tracked():
+    """The open experiments, by scope id."""
+    live = {}
+    for scope_id, ref in list(_open.items()):
+        experiment = ref()
+        if experiment is None or not _core.is_open(scope_id):
+            _open.pop(scope_id, None)
+        else:
+            live[scope_id] = experiment
+    return live
