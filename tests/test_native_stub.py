@@ -9,11 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gpuexp._core as core
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "python" / "gpuexp" / "_core.pyi"
 FIX = "update python/gpuexp/_core.pyi"
+
+
+@pytest.fixture
+def core():
+    import gpuexp._core
+
+    return gpuexp._core
 
 
 def public(names):
@@ -33,7 +40,7 @@ def stub_names():
     return public(names)
 
 
-def test_the_stub_declares_exactly_the_modules_names():
+def test_the_stub_declares_exactly_the_modules_names(core):
     runtime, stub = public(dir(core)), stub_names()
     assert runtime == stub, (
         f"{FIX}: gpuexp._core has {sorted(runtime - stub)} that the stub lacks, "
@@ -77,7 +84,7 @@ def test_stubtest_reads_this_stub_and_sees_a_difference(tmp_path):
     assert f"gpuexp._core.{name} is not present in stub" in done.stdout, done.stdout
 
 
-def test_the_installed_package_ships_the_stub():
+def test_the_installed_package_ships_the_stub(core):
     installed = Path(core.__file__).parent
     assert (installed / "py.typed").is_file(), "the wheel lacks gpuexp/py.typed: type checkers would skip the stub"
     shipped = installed / "_core.pyi"

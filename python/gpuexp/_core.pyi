@@ -5,7 +5,7 @@ method or argument added, removed or renamed in the bindings must be changed her
 """
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, Protocol, TypedDict, final
 
 # The id of an experiment scope, as `open_scope` returns it.
@@ -25,7 +25,7 @@ class _NamespaceAdapter(Protocol):
     def system_names(self) -> Iterable[str]:
         """Names of the namespace that belong to the shell, not the user (``user_ns_hidden``)."""
 
-    def hidden_refs(self) -> Mapping[str, object]:
+    def hidden_refs(self) -> dict[str, object]:
         """The references kept behind the user's back, by the label a report lists them under:
         ``Out[n]``, ``_``, ``__``, ``___``, ``last exception``, ``last cell result``, ``last traceback``."""
 
