@@ -6,17 +6,22 @@ VENV   := .venv
 BIN    := $(abspath $(VENV))/bin
 PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-installed
+# An abi3 wheel for CPython 3.9+ on glibc 2.17 and newer (manylinux2014): zig links it against
+# glibc 2.17's symbols. maturin takes --zig only on its command line (pyproject.toml's
+# [tool.maturin] has no such key), so the flags live here.
+WHEEL  := --release --zig --compatibility manylinux2014
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: all venv build demo test test-rust test-python gpu-wheel bench clean
+.PHONY: all venv build demo lint rust-linters test test-rust test-python wheel-check gpu-wheel bench clean
 
 all: test
 
 $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.5,<2" pytest nbclient nbformat ipykernel numpy torch pandas matplotlib
+	$(PY) -m pip install -q "maturin>=1.5,<2" ziglang pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
+		ruff mypy auditwheel
 	touch $@
 
 venv: $(DEPS)
@@ -24,11 +29,27 @@ venv: $(DEPS)
 # Builds the abi3 wheel and installs it into the venv, so tests exercise what users install.
 build: $(DEPS)
 	rm -rf dist
-	$(BIN)/maturin build --release --quiet -o dist
+	$(BIN)/maturin build $(WHEEL) --quiet -o dist
 	$(PY) -m pip install -q --force-reinstall --no-deps dist/gpuexp-*.whl
+
+# The wheel's platform tag as auditwheel sees it, and an install and import on CPython 3.9 to 3.13.
+wheel-check: build
+	tests/wheel_check.sh dist/gpuexp-*.whl
 
 demo: build
 	$(PY) notebooks/run.py notebooks/quickstart.ipynb
+
+# rustfmt and clippy come with rustup's default profile; a minimal one gets them added here.
+rust-linters:
+	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+
+# Formatting and lints, enforced: `make test` (and so CI) fails on any of them.
+lint: $(DEPS) rust-linters
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	cargo clippy --workspace --all-targets --features python --quiet -- -D warnings
+	$(BIN)/ruff check
 
 test-rust:
 	cargo test --workspace --quiet
@@ -36,13 +57,13 @@ test-rust:
 test-python: build
 	$(PY) -m pytest -q tests
 
-test: test-rust test-python
+test: lint test-rust test-python
 
 # The wheel for the GPU machine (see ../shared/gpu/README.md): .whl/ travels with `carry`.
 gpu-wheel: $(DEPS)
 	mkdir -p .whl
 	rm -f .whl/gpuexp-*.whl
-	$(BIN)/maturin build --release --quiet -o .whl
+	$(BIN)/maturin build $(WHEEL) --quiet -o .whl
 
 bench: build
 	$(PY) bench/snapshot_cost.py

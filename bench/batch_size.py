@@ -88,8 +88,10 @@ def parse_args(argv=None):
     parser.add_argument("--max", type=int, default=8192, help="largest batch size any tool may try (default 8192)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="smaller models and a 4GiB limit, for a fast run")
-    parser.add_argument("--models", default="conv,transformer", help="comma-separated: conv, transformer (default both)")
-    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {', '.join(TOOLS)} (default all)")
+    parser.add_argument("--models", default="conv,transformer",
+                        help="comma-separated: conv, transformer (default both)")
+    parser.add_argument("--tools", default=",".join(TOOLS),
+                        help=f"comma-separated subset of {', '.join(TOOLS)} (default all)")
     parser.add_argument("--accelerate-steps", type=int, default=2,
                         help="training steps inside accelerate's decorated function (default 2)")
     parser.add_argument("--cpu-smoke", action="store_true",
@@ -305,7 +307,8 @@ def memory_limit(torch, limit_bytes, index):
     """Caps torch's allocations at limit_bytes on the GPU, as gpuexp does with limit=; restores the
     previous fraction afterwards."""
     memory = torch.cuda.memory
-    before = memory.get_per_process_memory_fraction(index) if hasattr(memory, "get_per_process_memory_fraction") else 1.0
+    get_fraction = getattr(memory, "get_per_process_memory_fraction", None)
+    before = get_fraction(index) if get_fraction is not None else 1.0
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
     try:
@@ -335,7 +338,8 @@ def synced_clock(torch):
 
 def new_record(tool):
     return {"tool": tool, "label": LABELS[tool], "status": "ok", "reason": None, "batch_size": None,
-            "sizes_tried": None, "step_calls": None, "wall_s": None, "rerun_ooms": None, "rerun_runs": None, "trials": []}
+            "sizes_tried": None, "step_calls": None, "wall_s": None, "rerun_ooms": None, "rerun_runs": None,
+            "trials": []}
 
 
 # ---- the tools ---------------------------------------------------------------------------
@@ -359,7 +363,8 @@ def run_true_max(torch, workload, device, args):
                 break
         seconds = time.perf_counter() - t0
         record["trials"].append({"batch_size": mid, "fits": fits, "seconds": round(seconds, 4)})
-        print(f"  true max: batch size {mid}: {'fits (2 steps)' if fits else 'out of memory'}, {seconds:.2f} s", flush=True)
+        outcome = "fits (2 steps)" if fits else "out of memory"
+        print(f"  true max: batch size {mid}: {outcome}, {seconds:.2f} s", flush=True)
         if fits:
             lo = mid
         else:
@@ -381,7 +386,7 @@ def run_gpuexp(torch, workload, device, args, gpuexp):
 
     def counted_step(batch_size):
         calls["steps"] += 1
-        step(batch_size)
+        step(batch_size)  # noqa: F821 (ruff misreads the `del step` after the search, which frees the model)
 
     started = synced_clock(torch)
     try:
@@ -519,8 +524,8 @@ def _lightning_search(torch, pl, Tuner, workload, device, args, root):
 def run_accelerate(torch, workload, device, args):
     record = new_record("accelerate")
     try:
-        from accelerate.utils import find_executable_batch_size
         import accelerate
+        from accelerate.utils import find_executable_batch_size
         record["version"] = accelerate.__version__
     except Exception as why:
         record.update(status="unavailable", reason=f"cannot import accelerate ({type(why).__name__}: {why})")
@@ -540,7 +545,7 @@ def run_accelerate(torch, workload, device, args):
         trials.append({"batch_size": batch_size, "fits": False})
         for _ in range(args.accelerate_steps):
             counts["steps"] += 1
-            step(batch_size)
+            step(batch_size)  # noqa: F821 (ruff misreads the `del step` at the end)
         trials[-1]["fits"] = True
         return batch_size
 
@@ -584,7 +589,9 @@ def table(workload_result):
         share = f"{100 * size / true:.1f}%" if (true and size is not None) else "n/a"
         reruns = f"{r['rerun_ooms']}/{r['rerun_runs']}" if r["rerun_runs"] else "n/a"
         wall = f"{r['wall_s']:.2f}" if r["wall_s"] is not None else "n/a"
-        rows.append(f"| {r['label']} | {size if size is not None else 'none'} | {share} | {r['sizes_tried']} | {r['step_calls']} | {wall} | {reruns} |")
+        found = size if size is not None else "none"
+        rows.append(f"| {r['label']} | {found} | {share} | {r['sizes_tried']} | {r['step_calls']} | {wall} "
+                    f"| {reruns} |")
     return "\n".join(rows)
 
 
@@ -623,7 +630,8 @@ def checks(workload_result):
         return out
     if g["status"] != "ok" or g["batch_size"] is None:
         why = g["reason"] or "found no batch size"
-        return [{"target": "runs", "ok": False, "line": f"FAIL {name}: gpuexp.find_batch_size did not give an answer ({why})"}]
+        line = f"FAIL {name}: gpuexp.find_batch_size did not give an answer ({why})"
+        return [{"target": "runs", "ok": False, "line": line}]
     size = g["batch_size"]
     if true:
         share = size / true
@@ -640,8 +648,8 @@ def checks(workload_result):
                         f"({g['rerun_ooms']} of {g['rerun_runs']} did)"})
     ok = g["sizes_tried"] <= TARGET_TRIALS
     out.append({"target": "sizes_tried", "ok": ok, "value": g["sizes_tried"],
-                "line": f"{'PASS' if ok else 'FAIL'} {name}: gpuexp tries <= {TARGET_TRIALS} sizes ({g['sizes_tried']}, "
-                        f"{g['step_calls']} step calls)"})
+                "line": f"{'PASS' if ok else 'FAIL'} {name}: gpuexp tries <= {TARGET_TRIALS} sizes "
+                        f"({g['sizes_tried']}, {g['step_calls']} step calls)"})
     return out
 
 
@@ -766,7 +774,8 @@ def main(argv=None):
         "host": platform.node(),
         "versions": versions(),
     }
-    print(f"# Batch-size finders side by side\n\nMachine: {machine['gpu']} ({gib(props.total_memory)}), torch {machine['torch']} "
+    print(f"# Batch-size finders side by side\n\n"
+          f"Machine: {machine['gpu']} ({gib(props.total_memory)}), torch {machine['torch']} "
           f"(CUDA {machine['cuda']}), Python {machine['python']}, gpuexp {machine['versions']['gpuexp']}, "
           f"lightning {machine['versions']['lightning'] or machine['versions']['pytorch_lightning']}, "
           f"accelerate {machine['versions']['accelerate']}.\n"

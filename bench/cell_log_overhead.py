@@ -86,7 +86,7 @@ def _bench_sampler():
 
 def _bench_emit(**values):
     print(%r + json.dumps(values))
-""" % MARK
+""" % MARK  # noqa: UP031 (the kernel code is full of braces that .format would need doubled)
 
 SETUPS = {
     "none": "",
@@ -94,7 +94,8 @@ SETUPS = {
 import gpuexp
 %gpuexp log on
 _BENCH["gpuexp_config"] = gpuexp.config(sample_interval_ms=1) if _BENCH["cuda"] else gpuexp.config()
-_BENCH["variant"] = "import gpuexp; %gpuexp log on" + ("; gpuexp.config(sample_interval_ms=1)" if _BENCH["cuda"] else "")
+_BENCH["variant"] = "import gpuexp; %gpuexp log on" + (
+    "; gpuexp.config(sample_interval_ms=1)" if _BENCH["cuda"] else "")
 """,
     EXTRA_CONFIG: """\
 import gpuexp
@@ -122,7 +123,8 @@ if _BENCH["cuda"]:
 else:
     from ipyexperiments import IPyExperimentsCPU
     exp = IPyExperimentsCPU()
-    _BENCH["variant"] = "exp = IPyExperimentsCPU() (no CUDA: IPyExperimentsPytorch requires it; CellLogger on, gc.collect after each cell)"
+    _BENCH["variant"] = ("exp = IPyExperimentsCPU() (no CUDA: IPyExperimentsPytorch requires it; "
+                         "CellLogger on, gc.collect after each cell)")
 """,
     "ipython_memory_usage": """\
 import ipython_memory_usage
@@ -155,7 +157,8 @@ PEER_PACKAGES = {"ipyexperiments": "ipyexperiments", "ipython_memory_usage": "ip
 REPORT_STATE = """\
 _bench_versions = {}
 import importlib.metadata as _bench_md
-for _bench_pkg in ("gpuexp", "ipyexperiments", "ipython_memory_usage", "ipykernel", "ipython", "jupyter_client", "pynvml", "nvidia-ml-py", "memory_profiler", "psutil"):
+for _bench_pkg in ("gpuexp", "ipyexperiments", "ipython_memory_usage", "ipykernel", "ipython", "jupyter_client",
+                   "pynvml", "nvidia-ml-py", "memory_profiler", "psutil"):
     try:
         _bench_versions[_bench_pkg] = _bench_md.version(_bench_pkg)
     except Exception:
@@ -239,8 +242,10 @@ for _ in range(_bench_shown):  # alternated, so that both see the same IOPub bac
     t0 = time.perf_counter_ns(); _bench_gi.show(_bench_rec); t1 = time.perf_counter_ns()
     _bench_display(_BenchTiny()); t2 = time.perf_counter_ns()
     _bench_d_rec.append(t1 - t0); _bench_d_tiny.append(t2 - t1)
-_bench_parts[f"gpuexp's show(record), sent to the frontend (median of {{_bench_shown}})"] = _bench_stats.median(_bench_d_rec) / 1e3
-_bench_parts["reference: IPython display() of a tiny object with text/plain + text/html"] = _bench_stats.median(_bench_d_tiny) / 1e3
+_bench_parts[f"gpuexp's show(record), sent to the frontend (median of {{_bench_shown}})"] = (
+    _bench_stats.median(_bench_d_rec) / 1e3)
+_bench_parts["reference: IPython display() of a tiny object with text/plain + text/html"] = (
+    _bench_stats.median(_bench_d_tiny) / 1e3)
 _bench_data = {{"text/plain": str(_bench_rec), "text/html": _bench_rec._repr_html_()}}
 _bench_emit(parts_us=_bench_parts, sampler_running_after_begin=sum(_bench_running) / len(_bench_running),
             mime_chars={{k: len(v) for k, v in _bench_data.items()}}, n=_bench_n)
@@ -375,7 +380,8 @@ def parse_args(argv=None):
                              "an object as large as gpuexp's record, i.e. what any displayed per-cell output costs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one cell may take (default 600)")
     parser.add_argument("--paired", type=int, default=9,
-                        help="log-off/log-on pairs of each workload in gpuexp's own kernel, the (b) verdict (default 9)")
+                        help="log-off/log-on pairs of each workload in gpuexp's own kernel, "
+                             "the (b) verdict (default 9)")
     args = parser.parse_args(argv)
     args.cells = args.cells if args.cells is not None else (30 if args.quick else 300)
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
@@ -436,7 +442,7 @@ def kernel_env(root, name):
 def last_line(text):
     """The last non-empty line (where an error's message is), cut to 300 characters."""
     text = text.strip()
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     return (lines[-1] if lines else text)[:300]
 
 
@@ -482,7 +488,7 @@ def start(config, spec_manager, root, workdir, args):
             config.fail(f"setup failed: {setup.error}")
             return
         probe = config.kernel.execute("pass")
-        callback_errors = [l for l in "".join(probe.stderr).splitlines() if "Error in callback" in l]
+        callback_errors = [line for line in "".join(probe.stderr).splitlines() if "Error in callback" in line]
         if probe.error or callback_errors:
             config.fail(f"a trivial cell fails once it is on: {probe.error or callback_errors[0]}: "
                         f"{last_line(''.join(probe.stderr))}")
@@ -552,7 +558,7 @@ def measure_workloads(configs, baseline, stat_path, args):
     for rep in range(args.repeats + 1):  # rep 0 is the warm-up
         for wi, workload in enumerate(workloads):
             for c in rotated(live, rep + wi):
-                out = guarded(c, lambda k: k.run(codes[workload]))
+                out = guarded(c, lambda k, code=codes[workload]: k.run(code))
                 if out is None or rep == 0:
                     continue
                 value = out.values()
@@ -577,8 +583,8 @@ def measure_paired(config, codes, workloads, pairs):
         for workload in workloads:
             seconds = {}
             for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                guarded(config, lambda k: k.run(f"%gpuexp log {state}"))
-                out = guarded(config, lambda k: k.run(codes[workload]))
+                guarded(config, lambda k, line=f"%gpuexp log {state}": k.run(line))
+                out = guarded(config, lambda k, code=codes[workload]: k.run(code))
                 if out is None or not out.values():
                     return
                 seconds[state] = out.values()[-1]["s"]
@@ -642,7 +648,8 @@ def verdicts(summary, gpuexp_names):
     out = {}
     for name in gpuexp_names:
         cell = summary["trivial_cell"].get(name, {})
-        out[name] = {"trivial_cell": None if "added_ms" not in cell else cell["added_ms"] <= TARGET_ADDED_MS, "workloads": {}}
+        trivial = None if "added_ms" not in cell else cell["added_ms"] <= TARGET_ADDED_MS
+        out[name] = {"trivial_cell": trivial, "workloads": {}}
         for w, rows in summary["workloads"].items():
             row = rows.get(name, {})
             # The same-kernel comparison when there is one: see measure_paired.
@@ -681,7 +688,8 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
             print(f"- {c.name}: `{variant}`")
     print()
 
-    print(f"## (a) Trivial cell (`pass`), client-side wall time per cell: target ≤ {TARGET_ADDED_MS} ms added by gpuexp\n")
+    print(f"## (a) Trivial cell (`pass`), client-side wall time per cell: "
+          f"target ≤ {TARGET_ADDED_MS} ms added by gpuexp\n")
     print("| configuration | median ms/cell | p25–p75 ms | added vs none (ms) | paired Δ (ms) | verdict |")
     print("|---|---:|---:|---:|---:|---|")
     for name in names:
@@ -697,14 +705,16 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
             word = "reference"
         else:
             word = "peer"
-        print(f"| {name} | {fmt(row.get('median_ms'), '.3f')} | {fmt(row.get('p25_ms'), '.3f')}–{fmt(row.get('p75_ms'), '.3f')}"
+        print(f"| {name} | {fmt(row.get('median_ms'), '.3f')} "
+              f"| {fmt(row.get('p25_ms'), '.3f')}–{fmt(row.get('p75_ms'), '.3f')}"
               f" | {'—' if name == 'none' else fmt(row.get('added_ms'), '+.3f')}"
               f" | {'—' if name == 'none' else fmt(row.get('paired_added_ms'), '+.3f')} | {word} |")
     print()
     print("added = its median − none's median (the verdict); paired Δ = the median over rounds of its cell − none's "
           "cell in the same round.\n")
 
-    print(f"## (b) Workloads inside a cell, median seconds (perf_counter in the cell): target ≤ {TARGET_SLOWDOWN:.0%} slowdown with gpuexp\n")
+    print(f"## (b) Workloads inside a cell, median seconds (perf_counter in the cell): "
+          f"target ≤ {TARGET_SLOWDOWN:.0%} slowdown with gpuexp\n")
     header, align = ["workload", "none (s)", "none spread"], ["---", "---:", "---:"]
     for name in names[1:]:
         header += [f"{name} (s)", "slowdown"]
@@ -736,7 +746,8 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
             if row.get("status", "ok") != "ok":
                 cells += ["unavailable", ""]
             else:
-                cells += [fmt(row.get("median_s"), ".4f"), fmt(row.get("slowdown_pct"), "+.2f") + ("%" if "slowdown_pct" in row else "")]
+                slowdown = fmt(row.get("slowdown_pct"), "+.2f") + ("%" if "slowdown_pct" in row else "")
+                cells += [fmt(row.get("median_s"), ".4f"), slowdown]
             if name in verdict:
                 cells.append(verdict_word(verdict[name]["workloads"].get(w)))
         print("| " + " | ".join(cells) + " |")
@@ -761,7 +772,8 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
         sampled = [s for w in summary["workloads"].values() for s in w.get(name, {}).get("sampler_running", [])]
         if sampled:
             on = sum(1 for s in sampled if s)
-            print(f"gpuexp's native sampler was running at the end of {on} of {len(sampled)} timed workload cells ({name}).")
+            print(f"gpuexp's native sampler was running at the end of {on} of {len(sampled)} "
+                  f"timed workload cells ({name}).")
             if on == 0:
                 print("(No GPU, and the host's peak RSS is exact without sampling: the sampler does not run here, "
                       "so (b) measures only gpuexp's per-cell hooks. On a GPU machine it samples NVML every 1 ms.)")
@@ -780,7 +792,8 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
         print("| step | " + " | ".join(f"{name} µs" for name in names_b) + " |")
         print("|---|" + "---:|" * len(names_b))
         for step in parts[names_b[0]]["parts_us"]:
-            print(f"| `{step}` | " + " | ".join(fmt(parts[name]["parts_us"].get(step), ".1f") for name in names_b) + " |")
+            figures = (fmt(parts[name]["parts_us"].get(step), ".1f") for name in names_b)
+            print(f"| `{step}` | " + " | ".join(figures) + " |")
         print()
         for name, part in parts.items():
             us = part["parts_us"]
@@ -844,7 +857,8 @@ def main(argv=None):
         print_report(configs, summary, verdict, meta, machine, parts, args)
         results = [v for name in verdict for v in [verdict[name]["trivial_cell"], *verdict[name]["workloads"].values()]]
         main_verdict = verdict.get("gpuexp")
-        main_results = [] if main_verdict is None else [main_verdict["trivial_cell"], *main_verdict["workloads"].values()]
+        main_results = ([] if main_verdict is None
+                        else [main_verdict["trivial_cell"], *main_verdict["workloads"].values()])
         if not main_results or None in main_results:
             status, word = 2, "gpuexp could not be measured on every target"
         elif all(main_results):

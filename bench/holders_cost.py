@@ -67,8 +67,9 @@ def main(argv=None):
         summary = found.to_dict()
         results[label] = {"seconds": seconds, "visited": summary["objects_visited"], "holders": len(summary["holders"])}
         rows.append(f"| {label} | {seconds:.3f} | {summary['objects_visited']:,} | {len(summary['holders'])} |")
-    print(f"# holders() with {live:,} live objects tracked by the collector ({platform.processor() or platform.machine()}, "
-          f"Python {platform.python_version()}, torch {torch.__version__}, {results['gpu'] or 'no GPU'})\n")
+    print(f"# holders() with {live:,} live objects tracked by the collector "
+          f"({platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+          f"torch {torch.__version__}, {results['gpu'] or 'no GPU'})\n")
     print("| memory | seconds (median) | objects visited | holders ≥ 1 MiB |")
     print("|---|---:|---:|---:|")
     print("\n".join(rows))

@@ -160,16 +160,18 @@ def preflight():
         problems.append("nvidia-smi is not on PATH (no NVIDIA driver on this machine?)")
     else:
         try:
-            result = subprocess.run([smi, "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=60)
+            query = [smi, "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"]
+            result = subprocess.run(query, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as why:
             problems.append(f"nvidia-smi does not run: {why}")
         else:
             if result.returncode != 0 or not result.stdout.strip():
-                problems.append(f"nvidia-smi --query-gpu failed (exit {result.returncode}): {tail(result.stderr or result.stdout)}")
+                problems.append(f"nvidia-smi --query-gpu failed (exit {result.returncode}): "
+                                f"{tail(result.stderr or result.stdout)}")
             else:
                 keys = ("index", "name", "driver", "memory_total")
-                context["gpus"] = [dict(zip(keys, (f.strip() for f in line.split(",")))) for line in result.stdout.strip().splitlines()]
+                lines = result.stdout.strip().splitlines()
+                context["gpus"] = [dict(zip(keys, (f.strip() for f in line.split(",")))) for line in lines]
                 context["nvidia_smi"] = smi
     try:
         import torch
@@ -184,7 +186,8 @@ def preflight():
         import gpuexp
         from gpuexp import _core
     except ImportError as why:
-        problems.append(f"gpuexp is not importable ({why}); install its wheel first (make build, or make gpu-wheel on the GPU machine)")
+        problems.append(f"gpuexp is not importable ({why}); install its wheel first "
+                        "(make build, or make gpu-wheel on the GPU machine)")
     else:
         context["gpuexp"] = gpuexp
         try:
@@ -494,7 +497,7 @@ def run_watch(argv, key, seconds, env):
                 break  # no refresh for a long time: stop it and say so below
         if ended is None:
             wall = time.monotonic() - started
-            for sig, after in ((signal.SIGINT, 0.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 6.0)):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
                 sent = time.monotonic()
                 os.kill(process.pid, sig)
                 signals.append(signal.Signals(sig).name)
@@ -568,7 +571,8 @@ def watch_part(context, seconds, env):
         ("nvidia-smi --query-gpu=... --format=csv -l 1", smi_query + ["-l", "1"], key_pattern(r"^\s*(\d+)\s*,")),
         (RERUN_SMI, ["sh", "-c", f"while :; do {shlex.join(smi_query)},noheader; sleep 1; done"],
          key_pattern(r"^\s*(\d+)\s*,")),
-        ("gpustat --interval 1", None if gpustat_cmd is None else gpustat_cmd + ["--interval", "1"], key_pattern(r"^\s*\[(\d+)\]")),
+        ("gpustat --interval 1", None if gpustat_cmd is None else gpustat_cmd + ["--interval", "1"],
+         key_pattern(r"^\s*\[(\d+)\]")),
         ("gpuexp watch -n 1 (live view)", gpuexp_cmd + ["watch", "-n", "1"], key_pattern(r"^\s*(gpuexp watch) ·")),
     ]
     rows = {}
@@ -635,7 +639,8 @@ def nvml_floor(rounds=10, pause_s=0.5):
         handles.append(handle)
     memory, rates, temperature, power = _MemoryV2(), _Utilization(), ctypes.c_uint(), ctypes.c_uint()
     memory.version = ctypes.sizeof(_MemoryV2) | (2 << 24)
-    calls = [(nvml.nvmlDeviceGetMemoryInfo_v2, ctypes.byref(memory)), (nvml.nvmlDeviceGetUtilizationRates, ctypes.byref(rates)),
+    calls = [(nvml.nvmlDeviceGetMemoryInfo_v2, ctypes.byref(memory)),
+             (nvml.nvmlDeviceGetUtilizationRates, ctypes.byref(rates)),
              (nvml.nvmlDeviceGetPowerUsage, ctypes.byref(power))]
     spent = []
     for round_ in range(rounds + 1):
@@ -666,7 +671,8 @@ def one_shot(argv, runs, env):
         spent = time.perf_counter() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if result.returncode != 0:
-            return {"argv": argv, "unavailable": f"exit {result.returncode}: {tail(result.stderr.decode('utf-8', 'replace'))}"}
+            why = tail(result.stderr.decode("utf-8", "replace"))
+            return {"argv": argv, "unavailable": f"exit {result.returncode}: {why}"}
         used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if i == 0:
             first = (spent, used)
@@ -688,7 +694,8 @@ def oneshot_part(context, runs, env):
     commands = {
         "gpuexp status --json": context["gpuexp_command"] + ["status", "--json"],
         "gpuexp status --json --torch": context["gpuexp_command"] + ["status", "--json", "--torch"],
-        "nvidia-smi --query-gpu=... --format=csv": [context["nvidia_smi"], f"--query-gpu={NVSMI_QUERY}", "--format=csv"],
+        "nvidia-smi --query-gpu=... --format=csv":
+            [context["nvidia_smi"], f"--query-gpu={NVSMI_QUERY}", "--format=csv"],
         "python -c 'import torch; torch.cuda.is_available()' (the torch line's share)":
             [sys.executable, "-c", "import torch; torch.cuda.is_available()"],
     }
@@ -702,6 +709,11 @@ def oneshot_part(context, runs, env):
 
 def ms(value, digits=2):
     return "—" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(row, base, field):
+    """row[field] / base[field], or None where either is missing (or the base is 0)."""
+    return None if base.get(field) in (None, 0) or row.get(field) is None else row[field] / base[field]
 
 
 def main(argv=None):
@@ -739,18 +751,20 @@ def main(argv=None):
           "(its min / min is the verdict statistic's noise floor; its per-pair spread that of a single pair). "
           "Monitor thread: the share of one core the monitor's native thread used while the workload ran.\n")
     print("| workload | off ms (min) | on ms (min) | **min on / min off** | A/A min / min | on/off per pair, median "
-          "| per pair min–max | A/A median | A/A min–max | monitor samples/s while on | monitor thread, % of a core | verdict |")
+          "| per pair min–max | A/A median | A/A min–max | monitor samples/s while on | monitor thread, % of a core "
+          "| verdict |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in monitor_rows:
         verdict = "PASS" if row["pass"] else "FAIL"
+        core_share = row["monitor_core_share_median"]
         print(f"| {row['workload']} | {row['off_s_min'] * 1000:.1f} | {row['on_s_min'] * 1000:.1f} "
               f"| **{row['ratio_of_minima']:.4f}** | {row['aa_ratio_of_minima']:.4f} | {row['ratio_median']:.4f} "
               f"| {min(row['ratios']):.4f}–{max(row['ratios']):.4f} "
               f"| {row['aa_ratio_median']:.4f} | {min(row['aa_ratios']):.4f}–{max(row['aa_ratios']):.4f} "
-              f"| {row['samples_per_s_median']:.0f} | {ms(None if row['monitor_core_share_median'] is None else row['monitor_core_share_median'] * 100)} "
+              f"| {row['samples_per_s_median']:.0f} | {ms(None if core_share is None else core_share * 100)} "
               f"| {verdict} |")
-        verdicts.append((f"monitor at {MONITOR_INTERVAL}, {row['workload']}: min on / min off {row['ratio_of_minima']:.4f} "
-                         f"(target < {MONITOR_TARGET})", row["pass"]))
+        verdicts.append((f"monitor at {MONITOR_INTERVAL}, {row['workload']}: "
+                         f"min on / min off {row['ratio_of_minima']:.4f} (target < {MONITOR_TARGET})", row["pass"]))
     slow = [r for r in monitor_rows if r["samples_per_s_median"] < 0.8 * MONITOR_SAMPLES_PER_S]
     for row in slow:
         print(f"\nnote: during \"{row['workload']}\" the monitor took {row['samples_per_s_median']:.0f} samples/s, "
@@ -795,7 +809,8 @@ def main(argv=None):
     if floor is not None:
         print(f"The NVML reads a refresh needs cost {floor:.3f} ms of CPU by themselves (after a pause, as a 1 s "
               f"refresh finds them); gpuexp --csv spends {ms(ours.get('cpu_per_refresh_steady_ms'), 3)} ms in all.\n")
-    print("| peer | peer / gpuexp --csv, steady | peer / gpuexp --csv, with start-up | peer / gpuexp live view, steady | verdict |")
+    print("| peer | peer / gpuexp --csv, steady | peer / gpuexp --csv, with start-up "
+          "| peer / gpuexp live view, steady | verdict |")
     print("|---|---:|---:|---:|---|")
     for peer in ("nvidia-smi --query-gpu=... --format=csv -l 1", RERUN_SMI, "gpustat --interval 1", GPUSTAT_IN_PROCESS):
         row = watch_rows[peer]
@@ -805,13 +820,9 @@ def main(argv=None):
             if not peer.startswith("gpustat"):  # gpustat is optional; nvidia-smi is the baseline that must be there
                 unmeasured.append(f"{peer}: {reason}")
             continue
-
-        def ratio(field, base):
-            return None if base.get(field) in (None, 0) or row.get(field) is None else row[field] / base[field]
-
-        steady = ratio("cpu_per_refresh_steady_ms", ours)
-        with_startup = ratio("cpu_per_refresh_with_startup_ms", ours)
-        live_steady = ratio("cpu_per_refresh_steady_ms", live)
+        steady = ratio(row, ours, "cpu_per_refresh_steady_ms")
+        with_startup = ratio(row, ours, "cpu_per_refresh_with_startup_ms")
+        live_steady = ratio(row, live, "cpu_per_refresh_steady_ms")
         passed = steady is not None and steady >= WATCH_TARGET
         needed = row["cpu_per_refresh_steady_ms"] / WATCH_TARGET
         unreachable = floor is not None and needed < floor
@@ -853,7 +864,8 @@ def main(argv=None):
             "machine": machine,
             "settings": {"seconds": args.seconds, "pairs": args.pairs, "runs": args.runs, "quick": args.quick,
                          "monitor_interval": MONITOR_INTERVAL, "monitor_lead_s": MONITOR_LEAD_S,
-                         "settle_s": SETTLE_S, "monitor_target_ratio": MONITOR_TARGET, "watch_target_ratio": WATCH_TARGET},
+                         "settle_s": SETTLE_S, "monitor_target_ratio": MONITOR_TARGET,
+                         "watch_target_ratio": WATCH_TARGET},
             "monitor": monitor_rows,
             "watch": watch_rows,
             "oneshot": oneshot_rows,

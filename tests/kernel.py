@@ -54,7 +54,7 @@ class Kernel:
 
     def value(self, expression):
         cell = self.run(f"print({VALUE_MARK!r} + __import__('json').dumps({expression}))")
-        line = next(l for l in cell.text.splitlines() if l.startswith(VALUE_MARK))
+        line = next(line for line in cell.text.splitlines() if line.startswith(VALUE_MARK))
         return json.loads(line[len(VALUE_MARK):])
 
     def shutdown(self):

@@ -11,6 +11,7 @@ from nbclient.util import run_sync
 from conftest import GPU, SAMPLER_RUNNING
 
 MiB = 1 << 20
+GPUEXP_THREADS = "[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]"
 
 SETUP = """\
 import sys, threading, time
@@ -81,7 +82,7 @@ def test_a_failing_cell_and_an_interrupted_cell_are_logged(kernel):
     assert "KeyboardInterrupt" in interrupted.error and "gpuexp · cell [" in interrupted.text
     # The sampler runs while the log is on wherever there is a GPU to sample, and only there.
     assert kernel.value(SAMPLER_RUNNING) is GPU
-    assert kernel.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]") == []
+    assert kernel.value(GPUEXP_THREADS) == []
 
 
 def test_cell_magic_runs_one_cell_as_an_experiment(kernel):
@@ -208,4 +209,4 @@ def test_a_cell_interrupted_by_the_kernel_manager_is_logged_and_the_log_goes_on(
     assert len(record) == 1 and record[0]["wall_s"] >= 1.0
     assert record[0]["host"]["consumed"] >= 15 * MiB
     assert "gpuexp · cell [" in kernel.run("after = 1").text
-    assert kernel.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() and 'gpuexp' in t.name]") == []
+    assert kernel.value(GPUEXP_THREADS) == []

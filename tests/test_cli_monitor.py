@@ -1,6 +1,7 @@
 """The `gpuexp` command and the monitor without a GPU (CI): exit codes, messages, host-only
 timelines, file formats and bad input."""
 
+import builtins
 import csv
 import json
 import shutil
@@ -61,6 +62,35 @@ def test_status_judges_whether_torch_sees_cuda_without_importing_it(monkeypatch,
 def test_bad_arguments_get_usage_errors(args, message):
     done = cli(*args)
     assert done.returncode == 2 and message in done.stderr, done
+
+
+@pytest.mark.parametrize("kind, message, code", [
+    ("NvmlUnavailable", "no NVIDIA driver (libnvidia-ml.so.1 not found)", 3),
+    ("OSError", "--log run.csv: No space left on device", 1),
+    ("BrokenPipeError", "the output closed", 1),
+    ("RuntimeError", "GPU is lost", 1),
+    ("ValueError", 'style "html": use "live", "csv" or "json"', 2),
+])
+def test_each_failure_exits_with_its_own_code(monkeypatch, capsys, kind, message, code):
+    import gpuexp
+    from gpuexp import cli as command
+
+    error = (getattr(gpuexp, kind, None) or getattr(builtins, kind))(message)
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(command, "status", fail)
+    assert command.main(["status"]) == code
+    assert capsys.readouterr().err == f"gpuexp: {message}\n"
+
+
+def test_a_bug_in_the_command_keeps_its_traceback(monkeypatch):
+    from gpuexp import cli as command
+
+    monkeypatch.setattr(command, "watch", lambda args: {}["missing"])
+    with pytest.raises(KeyError):
+        command.main(["watch"])
 
 
 def test_help_lists_the_commands():

@@ -239,7 +239,8 @@ def test_history_json_has_the_documented_schema(kernel, tmp_path):
     import json
 
     (report,) = json.loads(path.read_text())
-    for key in ("name", "started_at", "finished_at", "duration_s", "deleted", "rebound", "kept", "cleared", "host", "gpus"):
+    keys = ("name", "started_at", "finished_at", "duration_s", "deleted", "rebound", "kept", "cleared", "host", "gpus")
+    for key in keys:
         assert key in report, key
     assert set(report["host"]["rss"]) == {"start", "before_teardown", "end", "peak", "consumed", "reclaimed"}
     assert {"available", "total", "cgroup_limit"} <= set(report["host"])

@@ -53,7 +53,7 @@ def test_a_1_gib_tensor_is_consumed_and_reclaimed_exactly(gpu):
     assert row["torch_allocated"]["peak"] == row["torch_allocated"]["start"] + GiB
     assert row["process_used"]["consumed"] >= GiB
     assert row["process_used"]["reclaimed"] >= GiB
-    allocated_line = next(l for l in shown.text.splitlines() if "torch allocated" in l)
+    allocated_line = next(line for line in shown.text.splitlines() if "torch allocated" in line)
     assert allocated_line.count("+1.00 GiB") == 2, allocated_line  # consumed and reclaimed
 
 
@@ -97,7 +97,8 @@ def test_a_preexisting_name_rebound_to_a_1_gib_tensor(gpu):
 def test_a_model_adam_and_one_training_step(gpu):
     gpu.run('exp = GPUExperiment("train")')
     gpu.run(
-        "model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()\n"
+        "model = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()\n"
         "opt = torch.optim.Adam(model.parameters())\n"
         "loss = model(torch.randn(64, 4096, device='cuda')).square().mean()\n"
         "loss.backward()\n"
@@ -168,7 +169,8 @@ def test_looking_creates_no_cuda_context(make_kernel):
     assert kernel.value("torch.cuda.is_initialized()") is False
     gpus = kernel.value("snap['gpus']")
     assert gpus and all(g["process_used"] == 0 for g in gpus)
-    assert all(g["torch"] == {"allocated": 0, "reserved": 0, "peak_allocated": 0, "peak_reserved": 0, "num_ooms": 0} for g in gpus)
+    untouched = {"allocated": 0, "reserved": 0, "peak_allocated": 0, "peak_reserved": 0, "num_ooms": 0}
+    assert all(g["torch"] == untouched for g in gpus)
 
 
 def test_cuda_visible_devices_as_a_uuid_maps_by_uuid(make_kernel):

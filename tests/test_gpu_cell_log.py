@@ -34,7 +34,7 @@ def test_a_2_gib_spike_peaks_at_exactly_2_gib_and_nvml_sees_it(kernel):
     assert gpu["torch_allocated"]["peak_above_start"] == 2 * GiB
     assert gpu["torch_allocated"]["consumed"] == 0
     assert gpu["process_used"]["peak_above_start"] >= 2 * GiB  # seen by the 1 ms sampler
-    assert "+2.00 GiB" in next(l for l in shown.text.splitlines() if "torch allocated" in l)
+    assert "+2.00 GiB" in next(line for line in shown.text.splitlines() if "torch allocated" in line)
     assert kernel.value(SAMPLER_RUNNING) is True
     kernel.run("%gpuexp log off")
     kernel.run("pass")

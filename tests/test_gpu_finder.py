@@ -109,14 +109,20 @@ def test_the_answer_is_near_the_true_maximum_and_never_ooms(kernel, model, limit
 
 def test_a_step_with_a_sequence_length_varies_only_the_batch(kernel):
     setup(kernel, "transformer")
-    kernel.run("def long_step(bs):\n    x, y = make_inputs(bs, SEQ)\n    torch.nn.functional.cross_entropy(model(x), y).backward()")
+    kernel.run("def long_step(bs):\n"
+               "    x, y = make_inputs(bs, SEQ)\n"
+               "    torch.nn.functional.cross_entropy(model(x), y).backward()")
     kernel.run(f"result = gpuexp.find_batch_size(long_step, limit={LIMIT}, multiple_of=8, progress=False)")
     assert kernel.value("result.batch_size") % 8 == 0
     assert kernel.value("result.batch_size") >= 8
 
 
 def test_an_error_other_than_oom_stops_the_search(kernel):
-    kernel.run("import torch, gpuexp\ndef step(bs):\n    if bs > 8:\n        raise ValueError('shape mismatch')\n    torch.ones(bs, device='cuda')")
+    kernel.run("import torch, gpuexp\n"
+               "def step(bs):\n"
+               "    if bs > 8:\n"
+               "        raise ValueError('shape mismatch')\n"
+               "    torch.ones(bs, device='cuda')")
     failed = kernel.run("gpuexp.find_batch_size(step, progress=False)", expect_error=True)
     assert failed.error == "ValueError: shape mismatch"
 

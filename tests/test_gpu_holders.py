@@ -29,7 +29,8 @@ def test_a_tensor_appended_to_a_preexisting_list_survives_and_is_named(kernel):
 def test_optimizer_state_parameters_and_a_displayed_result(kernel):
     kernel.run(SETUP)
     kernel.run(
-        "model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()\n"
+        "model = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()\n"
         "opt = torch.optim.Adam(model.parameters())\n"
         "model(torch.randn(8, 4096, device='cuda')).sum().backward()\n"
         "opt.step()"

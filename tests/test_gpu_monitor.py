@@ -74,7 +74,8 @@ def test_status_lists_every_gpu_and_the_processes_on_them(kernel):
 
 def test_cuda_order_honours_cuda_visible_devices():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=GPU_UUIDS[-1])
-    done = subprocess.run([GPUEXP, "status", "--json", "--cuda-order"], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([GPUEXP, "status", "--json", "--cuda-order"],
+                          capture_output=True, text=True, env=env, timeout=60)
     status = json.loads(done.stdout)
     assert [(d["index"], d["uuid"]) for d in status["devices"]] == [(0, GPU_UUIDS[-1])]
 
@@ -84,7 +85,8 @@ def test_watch_logs_csv_and_stops_cleanly_on_ctrl_c(tmp_path):
     import time
 
     log = tmp_path / "watch.csv"
-    watch = subprocess.Popen([GPUEXP, "watch", "-n", "0.2", "--csv", "--log", str(log)], stdout=subprocess.PIPE, text=True)
+    watch = subprocess.Popen([GPUEXP, "watch", "-n", "0.2", "--csv", "--log", str(log)],
+                             stdout=subprocess.PIPE, text=True)
     time.sleep(1.5)
     watch.send_signal(signal.SIGINT)
     out, _ = watch.communicate(timeout=10)

@@ -1,7 +1,5 @@
 """The leak hunter on host memory (CPU tensors and numpy arrays), in real kernels."""
 
-import textwrap
-
 MiB = 1 << 20
 
 SETUP = """\
@@ -66,7 +64,9 @@ def test_each_storage_counts_once_and_small_ones_are_left_out(kernel):
 
 def test_the_hunter_keeps_nothing_alive(kernel):
     kernel.run(SETUP + "import torch")
-    kernel.run("t = torch.ones(8 << 20)\na = np.ones(32 << 20, dtype=np.uint8)\nwt, wa = weakref.ref(t), weakref.ref(a)")
+    kernel.run("t = torch.ones(8 << 20)\n"
+               "a = np.ones(32 << 20, dtype=np.uint8)\n"
+               "wt, wa = weakref.ref(t), weakref.ref(a)")
     kernel.run("found = gpuexp.holders('cpu')")
     assert "t" in kernel.value("found.paths") and "a" in kernel.value("found.paths")
     kernel.run("del t, a")

@@ -32,4 +32,5 @@ def test_batch_size_notebook_runs_whole_here_or_says_why_it_skips():
         assert "CUDA out of memory on cuda:0 · rescued" in done.stdout
         assert "gpuexp · batch size " in done.stdout and "verdict:" in done.stdout
     else:
-        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 7  # the output lines, not the sources
+        # The output lines, not the sources.
+        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 7

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def _interpreters():
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     found = {}
     for minor in range(9, 15):
-        candidates = [shutil.which(f"python3.{minor}")] + sorted(glob.glob(str(pyenv / f"3.{minor}.*" / "bin" / "python3")))
+        installed = sorted(glob.glob(str(pyenv / f"3.{minor}.*" / "bin" / "python3")))
+        candidates = [shutil.which(f"python3.{minor}"), *installed]
         for path in filter(None, candidates):
             if subprocess.run([path, "-c", "pass"], capture_output=True).returncode == 0:
                 found[minor] = pytest.param(path, id=f"3.{minor}")
@@ -109,3 +111,16 @@ def test_the_abi3_wheel_imports_without_torch_or_driver(tmp_path, python):
         python=str(venv / "bin" / "python"),
     )
     assert out.strip().splitlines()[-1].startswith("ok")
+
+
+def test_the_wheel_is_for_glibc_2_17_and_newer():
+    """pip refuses a wheel tagged for a newer glibc than the machine's (issue 15): make build
+    links with zig for manylinux2014, and auditwheel confirms the symbols allow it."""
+    wheels = glob.glob(str(ROOT / "dist" / "gpuexp-*-cp39-abi3-*.whl"))
+    if not wheels:
+        pytest.skip("no wheel in dist/: run `make build` first")
+    tag = f"manylinux_2_17_{platform.machine()}"
+    assert tag in Path(wheels[0]).name, f"{Path(wheels[0]).name}: build it with make build (maturin --zig)"
+    shown = subprocess.run([sys.executable, "-m", "auditwheel", "show", wheels[0]],
+                           capture_output=True, text=True, timeout=120)
+    assert f'is consistent with the following platform tag: "{tag}"' in " ".join(shown.stdout.split()), shown

@@ -8,9 +8,10 @@ process) and torch's allocator.
 import atexit
 import sys
 
-from . import _core, ipython
-from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
-from .experiment import CPUExperiment, GPUExperiment, _device_indices, find_batch_size
+from . import _core, extension, ipython
+from ._core import CellRecord, GpuReport, HostReport, Metric, NvmlUnavailable, Report, Snapshot
+from .devices import device_indices
+from .experiment import CPUExperiment, GPUExperiment, find_batch_size
 from .monitor import Monitor
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "HostReport",
     "Metric",
     "Monitor",
+    "NvmlUnavailable",
     "Report",
     "Snapshot",
     "cells",
@@ -81,7 +83,7 @@ def _holder_memory(device):
         return cuda.current_device() if cuda is not None and cuda.is_initialized() else None
     if isinstance(device, str) and device.strip().lower() in ("cpu", "host"):
         return None
-    indices = _device_indices(device)
+    indices = device_indices(device)
     if len(indices) != 1:
         raise ValueError(f"holders(device={device!r}): name one device, e.g. device=0, 'cuda:1' or 'cpu'")
     return indices[0]
@@ -101,17 +103,24 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None):
     oom_rescue: after a CUDA out-of-memory error, clear the failed cell's frames and free its
         memory (default True). Turn it off to inspect the frames with %debug.
     """
-    if sample_interval_ms is not None and (isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))):
-        raise TypeError(f"sample_interval_ms must be a number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {sample_interval_ms!r}")
-    return _core.config(sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue)
+    if sample_interval_ms is not None and (
+        isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))
+    ):
+        raise TypeError(
+            "sample_interval_ms must be a number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); "
+            f"got {sample_interval_ms!r}"
+        )
+    return _core.config(
+        sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue
+    )
 
 
 def load_ipython_extension(ip):
     """``%load_ext gpuexp``: the cell events (``del exp``, the cell log) and the ``%gpuexp`` magics."""
-    ipython.register(ip)
+    extension.register(ip)
 
 
 # The sampler thread is joined before the interpreter goes (a kernel shutting down or restarting).
 atexit.register(_core.shutdown)
 # In a notebook, importing gpuexp is enough for `%gpuexp` and for noticing `del exp`.
-ipython.register(ipython.shell())
+extension.register(ipython.shell())

@@ -9,9 +9,23 @@ import sys
 from pathlib import Path
 
 from . import _core
+from ._core import NvmlUnavailable
 
-NO_NVML_EXIT = 3
 MAX_INTERVAL_S = 86400
+
+# The exit code of each failure the command reports in one line; the most specific class of an
+# error decides. Anything else is a bug and ends with its traceback. argparse exits with 2 itself.
+EXIT_CODES = {
+    NvmlUnavailable: 3,  # no NVIDIA driver: NVML cannot be opened
+    ValueError: 2,  # an argument only the core can judge, a usage error like argparse's
+    OSError: 1,  # the output or the --log file could not be written
+    RuntimeError: 1,  # NVML failed on a device it had opened
+}
+
+
+def exit_code(error):
+    """The exit code for `error`, or None when it is not a failure the command reports."""
+    return next((EXIT_CODES[kind] for kind in type(error).__mro__ if kind in EXIT_CODES), None)
 
 
 def parse_args(argv):
@@ -20,19 +34,23 @@ def parse_args(argv):
     status = commands.add_parser("status", help="driver, CUDA and each GPU with its processes")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--torch", action="store_true",
-                        help="import torch to confirm that it sees CUDA (seconds); by default its build is read from its files")
+                        help="import torch to confirm that it sees CUDA (seconds); "
+                             "by default its build is read from its files")
     watch = commands.add_parser("watch", help="one line per GPU, refreshed (Ctrl-C stops)")
-    watch.add_argument("-n", "--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes (default 1)")
+    watch.add_argument("-n", "--interval", type=float, default=1.0, metavar="SECONDS",
+                       help="seconds between refreshes (default 1)")
     form = watch.add_mutually_exclusive_group()
     form.add_argument("--csv", action="store_true", help="a CSV log, like nvidia-smi --query-gpu=... --format=csv -l")
     form.add_argument("--json", action="store_true", help="a JSON line per GPU and refresh")
     watch.add_argument("--log", metavar="FILE", help="also append what is printed to FILE")
     for command in (status, watch):
         command.add_argument("--cuda-order", action="store_true",
-                             help="the GPUs CUDA_VISIBLE_DEVICES shows, in CUDA's order (default: all GPUs, NVML order)")
+                             help="the GPUs CUDA_VISIBLE_DEVICES shows, in CUDA's order "
+                                  "(default: all GPUs, NVML order)")
     args = parser.parse_args(argv)
     if args.command == "watch" and not 0 < args.interval <= MAX_INTERVAL_S:
-        parser.error(f"-n {args.interval}: the interval must be more than 0 and at most {MAX_INTERVAL_S} seconds, e.g. -n 1")
+        parser.error(f"-n {args.interval}: the interval must be more than 0 and at most {MAX_INTERVAL_S} seconds, "
+                     "e.g. -n 1")
     if args.command == "watch" and args.log and not writable(args.log):
         parser.error(f"--log {args.log}: cannot write there; name a file in a directory you can write to")
     return args
@@ -78,8 +96,10 @@ def torch_status(driver_cuda, import_it):
     if cuda is None:
         return {**found, "sees": 0, "line": f"torch {version}: a CPU-only build, so it sees no CUDA device"}
     if int(cuda.split(".")[0]) > int(driver_cuda.split(".")[0]):
+        driver_major = driver_cuda.split(".")[0]
         return {**found, "sees": 0, "line": f"torch {version} is built for CUDA {cuda}, newer than the driver's CUDA "
-                f"{driver_cuda}: it sees no CUDA device. Update the driver, or install a torch built for CUDA {driver_cuda.split('.')[0]}"}
+                f"{driver_cuda}: it sees no CUDA device. Update the driver, or install a torch built for CUDA "
+                f"{driver_major}"}
     sees = len(_core.GpuStatus(cuda_order=True, processes=False))
     if sees == 0:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -113,9 +133,12 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return status(args) if args.command == "status" else watch(args)
-    except RuntimeError as error:
+    except Exception as error:
+        code = exit_code(error)
+        if code is None:
+            raise
         print(f"gpuexp: {error}", file=sys.stderr)
-        return NO_NVML_EXIT
+        return code
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """The public experiment scopes. State and teardown live in ``gpuexp._core``."""
 
 import sys
+import weakref
 
 from . import _core, ipython
+from .devices import device_indices
 from .monitor import seconds
+from .torch_peaks import watch_torch_peak_resets
+
+_open = {}  # scope id -> weak reference to its experiment, for the cell events that notice `del exp`
 
 
 class GPUExperiment:
@@ -22,7 +27,7 @@ class GPUExperiment:
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
-        devices = _device_indices(devices) if self._gpu else None
+        devices = device_indices(devices) if self._gpu else None
         self._handles = ipython.assignment_targets()
         creator = _creator_frame()
         # The core finishes the experiments this one replaces (same name, or bound to a name
@@ -42,7 +47,9 @@ class GPUExperiment:
         )
         for report in replaced:
             ipython.show(report)
-        ipython.track(self)
+        _open[self._id] = weakref.ref(self)
+        # From now on the scope's torch peaks must survive a user's reset.
+        watch_torch_peak_resets()
         ipython.show(start)
         if interrupted:  # held while the scope opened; the experiment is open and tracked now
             raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had opened")
@@ -128,9 +135,9 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     which stops within 1% of the edge and holds ``margin`` of that size back. Each trial runs
     the step ``steps`` times in a row, from an emptied cache at each new size: the second step
     shows the steady state (optimizer state, and the blocks the first step left cached), which
-    is where a size that fits once can still run out. Every out-of-memory error is cleaned up as the OOM rescue does, and torch's cache
-    is emptied at the end, so the next run starts as the trials did. A step that raises
-    anything else stops the search with that error.
+    is where a size that fits once can still run out. Every out-of-memory error is cleaned up
+    as the OOM rescue does, and torch's cache is emptied at the end, so the next run starts as
+    the trials did. A step that raises anything else stops the search with that error.
 
     The memory a step may use is what torch holds plus what is free on the device, less what
     torch keeps cached at a small size and ``margin`` (default 5%) of the part that grows with
@@ -143,7 +150,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
     return _core.find_batch_size(
-        step, start, max, device=None if device is None else _device_indices(device)[0], limit=_size(limit, "limit"),
+        step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
         progress=progress, adapter=ipython.DetachedNamespace(),
     )
@@ -172,33 +179,13 @@ def _creator_frame():
     return frame
 
 
-def _device_indices(devices):
-    """Torch indices from ints, 'cuda:N' strings or torch.device objects."""
-    if devices is None:
-        return None
-    if isinstance(devices, (int, str)) or hasattr(devices, "type"):
-        devices = [devices]
-    indices = []
-    for device in devices:
-        index = _device_index(device)
-        if index is None:
-            raise ValueError(
-                f"devices={devices!r}: use GPU indices as torch numbers them, "
-                "e.g. devices=[0, 1], devices='cuda:1' or devices=torch.device('cuda', 1)"
-            )
-        indices.append(index)
-    return indices
-
-
-def _device_index(device):
-    if isinstance(device, bool):
-        return None
-    if isinstance(device, int):
-        return device if device >= 0 else None
-    if isinstance(device, str):
-        text = device.strip().lower()
-        text = text[len("cuda:"):] if text.startswith("cuda:") else text
-        return int(text) if text.isdigit() else None
-    if getattr(device, "type", None) == "cuda":
-        return device.index or 0
-    return None
+def tracked():
+    """The open experiments, by scope id."""
+    live = {}
+    for scope_id, ref in list(_open.items()):
+        experiment = ref()
+        if experiment is None or not _core.is_open(scope_id):
+            _open.pop(scope_id, None)
+        else:
+            live[scope_id] = experiment
+    return live

@@ -1,8 +1,10 @@
-"""IPython glue: the namespace a scope works on, the references IPython keeps behind the
-user's back, and the cell events that notice ``del exp``.
+"""Namespace glue: the namespace a scope works on, the references IPython keeps behind the
+user's back, what the running cell binds, and where reports are shown.
 
 The core (``gpuexp._core``) decides what to delete and in which order; the adapters here
-only read and remove entries where IPython (or a plain module) keeps them.
+only read and remove entries where IPython (or a plain module) keeps them. They are the
+namespace adapter protocol of ``gpuexp/_core.pyi``. The cell events and magics are in
+``extension.py``.
 """
 
 import _thread
@@ -10,9 +12,6 @@ import ast
 import sys
 import threading
 import traceback
-import weakref
-
-from . import _core
 
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
 
@@ -245,47 +244,6 @@ def _builds_experiment(value):
     return name in _EXPERIMENT_CLASSES
 
 
-# ---- cell events ---------------------------------------------------------------------------
-
-_tracked = {}  # scope id -> weak reference to its experiment
-_registered = set()  # ids of shells whose events we listen to
-
-
-def track(experiment):
-    """Watches an experiment so that ``del exp`` finishes it even while ``Out`` holds it."""
-    _tracked[experiment._id] = weakref.ref(experiment)
-    register(shell())
-    watch_torch_peak_resets()
-
-
-def tracked():
-    """The open experiments, by scope id."""
-    live = {}
-    for scope_id, ref in list(_tracked.items()):
-        experiment = ref()
-        if experiment is None or not _core.is_open(scope_id):
-            _tracked.pop(scope_id, None)
-        else:
-            live[scope_id] = experiment
-    return live
-
-
-def register(ip):
-    """Listens to the shell's cell events and adds the ``%gpuexp`` magics (once per shell)."""
-    if ip is None or id(ip) in _registered:
-        return
-    ip.events.register("pre_run_cell", _before_cell)
-    ip.events.register("post_run_cell", _after_cell)
-    ip.register_magics(_magics())
-    _registered.add(id(ip))
-
-
-def _before_cell(info=None):
-    if _core.cell_log_active():
-        watch_torch_peak_resets()
-        _core.begin_cell()
-
-
 _held_interrupt = None
 
 
@@ -300,102 +258,11 @@ def hold_interrupt(error):
         threading.Timer(0.001, _thread.interrupt_main).start()
 
 
-def _raise_held_interrupt(ip, result):
+def raise_held_interrupt(ip, result):
+    """Makes an interrupt held during the cell its error (the cell-end event calls this)."""
     global _held_interrupt
     error, _held_interrupt = _held_interrupt, None
     if error is None or result is None or not result.success:
         return
     result.error_in_exec = error
     ip.showtraceback((type(error), error, error.__traceback__))
-
-
-def _after_cell(result=None):
-    ip = shell()
-    if ip is None:
-        return
-    namespace = ShellNamespace(ip)
-    error = getattr(result, "error_in_exec", None)
-    # Rescue first: the cell's memory block then shows what the failed cell really kept.
-    diagnosis = _core.rescue_oom(error, namespace) if error is not None else None
-    if diagnosis is not None:
-        show(diagnosis)
-    record = _core.end_cell(getattr(result, "execution_count", None) or 0)
-    # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
-    if record is not None and _core.cell_log_active():
-        show(record)
-    for experiment in tracked().values():
-        bound = set(_core.bound_names(namespace, experiment))
-        if experiment._handles and not bound:
-            # The user deleted or rebound every name of it; hidden references (Out, _) don't count.
-            try:
-                experiment.finish()
-            except KeyboardInterrupt as error:
-                hold_interrupt(error)
-        elif bound:
-            experiment._handles = bound
-    _raise_held_interrupt(ip, result)
-
-
-def watch_torch_peak_resets():
-    """Wraps ``torch.cuda.reset_peak_memory_stats`` once torch is imported, so that a user's
-    reset first hands the peaks seen so far to gpuexp: torch has one peak counter per device,
-    and the cell log and every open experiment share it."""
-    torch = sys.modules.get("torch")
-    memory = getattr(getattr(torch, "cuda", None), "memory", None)
-    original = getattr(memory, "reset_peak_memory_stats", None)
-    if original is None or hasattr(original, "__gpuexp_wrapped__"):
-        return
-
-    def reset_peak_memory_stats(device=None):
-        _core.before_user_peak_reset()
-        return original(device)
-
-    reset_peak_memory_stats.__doc__ = original.__doc__
-    reset_peak_memory_stats.__gpuexp_wrapped__ = original
-    # torch.cuda re-exports the function, and reset_max_memory_allocated calls it through the module.
-    memory.reset_peak_memory_stats = reset_peak_memory_stats
-    torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
-
-
-# ---- magics --------------------------------------------------------------------------------
-
-USAGE = """\
-%gpuexp status           the current state (gpuexp.snapshot())
-%gpuexp log on [all]     a memory block after every cell (all: every GPU, not only those the cell touched)
-%gpuexp log off          stop the cell log
-%%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report"""
-
-
-def _magics():
-    """The ``%gpuexp`` magics; IPython is imported only once a shell exists."""
-    from IPython.core.error import UsageError
-    from IPython.core.magic import Magics, line_cell_magic, magics_class
-
-    @magics_class
-    class GpuexpMagics(Magics):
-        @line_cell_magic
-        def gpuexp(self, line, cell=None):
-            if cell is not None:
-                return _run_as_experiment(self.shell, line.strip() or None, cell)
-            words = line.split()
-            if words == ["status"]:
-                show(_core.snapshot(True))
-            elif words[:1] == ["log"] and words[1:] in (["on"], ["on", "all"]):
-                _core.config(cell_log_all_gpus=words[2:] == ["all"])
-                _core.set_standalone_log(True)
-            elif words == ["log", "off"]:
-                _core.set_standalone_log(False)
-            else:
-                raise UsageError(f"%gpuexp {line}: unknown command. Use one of:\n{USAGE}")
-
-    return GpuexpMagics
-
-
-def _run_as_experiment(ip, name, cell):
-    from .experiment import GPUExperiment
-
-    experiment = GPUExperiment(name)
-    try:
-        ip.ex(ip.transform_cell(cell))
-    finally:
-        experiment.finish()

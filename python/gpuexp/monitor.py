@@ -105,7 +105,8 @@ def plot_samples(samples, path=None, title="gpuexp monitor"):
         memory_axis.plot(t, [(s["gpus"][i]["process_used"] or 0) / gib for s in samples], label="this process")
         memory_axis.set_ylabel(f"GPU {i} GiB")
         utilization_axis = memory_axis.twinx()
-        utilization_axis.plot(t, [s["gpus"][i]["utilization"] or 0 for s in samples], color="tab:green", alpha=0.5, label="utilisation")
+        utilization = [s["gpus"][i]["utilization"] or 0 for s in samples]
+        utilization_axis.plot(t, utilization, color="tab:green", alpha=0.5, label="utilisation")
         utilization_axis.set_ylim(0, 105)  # a busy GPU's 100% stays visible, not on the frame
         utilization_axis.set_ylabel("utilisation %")
         lines = memory_axis.get_lines() + utilization_axis.get_lines()

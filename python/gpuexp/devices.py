@@ -1,0 +1,33 @@
+"""GPUs as the user names them (``0``, ``'cuda:1'``, ``torch.device('cuda', 1)``), as torch indices."""
+
+
+def device_indices(devices):
+    """Torch indices from an int, a 'cuda:N' string, a torch.device, or a list of them; None stays None."""
+    if devices is None:
+        return None
+    if isinstance(devices, (int, str)) or hasattr(devices, "type"):
+        devices = [devices]
+    indices = []
+    for device in devices:
+        index = _device_index(device)
+        if index is None:
+            raise ValueError(
+                f"devices={devices!r}: use GPU indices as torch numbers them, "
+                "e.g. devices=[0, 1], devices='cuda:1' or devices=torch.device('cuda', 1)"
+            )
+        indices.append(index)
+    return indices
+
+
+def _device_index(device):
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return device if device >= 0 else None
+    if isinstance(device, str):
+        text = device.strip().lower()
+        text = text[len("cuda:"):] if text.startswith("cuda:") else text
+        return int(text) if text.isdigit() else None
+    if getattr(device, "type", None) == "cuda":
+        return device.index or 0
+    return None

@@ -1,0 +1,98 @@
+"""The IPython extension (``%load_ext gpuexp``; importing gpuexp in a notebook loads it): the
+cell events that notice ``del exp``, run the cell log and rescue a CUDA out-of-memory error,
+and the ``%gpuexp`` magics."""
+
+from . import _core
+from .experiment import GPUExperiment, tracked
+from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
+from .torch_peaks import watch_torch_peak_resets
+
+_registered = set()  # ids of shells whose events we listen to
+
+
+def register(ip):
+    """Listens to the shell's cell events and adds the ``%gpuexp`` magics (once per shell)."""
+    if ip is None or id(ip) in _registered:
+        return
+    ip.events.register("pre_run_cell", _before_cell)
+    ip.events.register("post_run_cell", _after_cell)
+    ip.register_magics(_magics())
+    _registered.add(id(ip))
+
+
+# ---- cell events ---------------------------------------------------------------------------
+
+
+def _before_cell(info=None):
+    if _core.cell_log_active():
+        watch_torch_peak_resets()
+        _core.begin_cell()
+
+
+def _after_cell(result=None):
+    ip = shell()
+    if ip is None:
+        return
+    namespace = ShellNamespace(ip)
+    error = getattr(result, "error_in_exec", None)
+    # Rescue first: the cell's memory block then shows what the failed cell really kept.
+    diagnosis = _core.rescue_oom(error, namespace) if error is not None else None
+    if diagnosis is not None:
+        show(diagnosis)
+    record = _core.end_cell(getattr(result, "execution_count", None) or 0)
+    # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
+    if record is not None and _core.cell_log_active():
+        show(record)
+    for experiment in tracked().values():
+        bound = set(_core.bound_names(namespace, experiment))
+        if experiment._handles and not bound:
+            # The user deleted or rebound every name of it; hidden references (Out, _) don't count.
+            try:
+                experiment.finish()
+            except KeyboardInterrupt as error:
+                hold_interrupt(error)
+        elif bound:
+            experiment._handles = bound
+    raise_held_interrupt(ip, result)
+
+
+# ---- magics --------------------------------------------------------------------------------
+
+USAGE = """\
+%gpuexp status           the current state (gpuexp.snapshot())
+%gpuexp log on [all]     a memory block after every cell (all: every GPU, not only those the cell touched)
+%gpuexp log off          stop the cell log
+%%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report"""
+
+
+def _magics():
+    """The ``%gpuexp`` magics; IPython is imported only once a shell exists."""
+    from IPython.core.error import UsageError
+    from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+    @magics_class
+    class GpuexpMagics(Magics):
+        @line_cell_magic
+        def gpuexp(self, line, cell=None):
+            if cell is not None:
+                return _run_as_experiment(self.shell, line.strip() or None, cell)
+            words = line.split()
+            if words == ["status"]:
+                show(_core.snapshot(True))
+            elif words[:1] == ["log"] and words[1:] in (["on"], ["on", "all"]):
+                _core.config(cell_log_all_gpus=words[2:] == ["all"])
+                _core.set_standalone_log(True)
+            elif words == ["log", "off"]:
+                _core.set_standalone_log(False)
+            else:
+                raise UsageError(f"%gpuexp {line}: unknown command. Use one of:\n{USAGE}")
+
+    return GpuexpMagics
+
+
+def _run_as_experiment(ip, name, cell):
+    experiment = GPUExperiment(name)
+    try:
+        ip.ex(ip.transform_cell(cell))
+    finally:
+        experiment.finish()
