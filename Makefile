@@ -9,14 +9,15 @@ DEPS   := $(VENV)/.deps-installed
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: all venv build demo test test-rust test-python gpu-wheel bench clean
+.PHONY: all venv build demo test test-rust test-python browser screenshots gpu-wheel bench clean
 
 all: test
 
 $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.5,<2" pytest nbclient nbformat ipykernel numpy torch pandas matplotlib
+	$(PY) -m pip install -q "maturin>=1.5,<2" pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
+		jupyterlab selenium
 	touch $@
 
 venv: $(DEPS)
@@ -33,8 +34,23 @@ demo: build
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build
+test-python: build browser
 	$(PY) -m pytest -q tests
+
+# The browser tests (tests/test_browser.py) drive JupyterLab in Debian's Chromium through its
+# chromedriver. As root with apt (CI), this installs both when chromedriver is missing; elsewhere
+# it says how, and those tests skip.
+browser:
+	@command -v chromedriver >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else \
+		echo "no chromedriver: the browser tests will skip (sudo apt-get install chromium chromium-driver)"; \
+	fi
+
+# Retakes the README's JupyterLab screenshots (docs/jupyterlab-*.png).
+screenshots: build browser
+	GPUEXP_SCREENSHOTS=docs $(PY) -m pytest -q -m browser tests
 
 test: test-rust test-python
 
