@@ -113,14 +113,17 @@ class JupyterLab:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with {self.process.returncode}:\n{self.log()}")
+                log = self.log()
+                self.stop()
+                raise RuntimeError(f"JupyterLab exited with {self.process.returncode}:\n{log}")
             try:
                 self.api("GET", "/api/status")
                 return
             except OSError:
                 time.sleep(0.2)
+        log = self.log()
         self.stop()
-        raise TimeoutError(f"JupyterLab did not answer in {timeout} s:\n{self.log()}")
+        raise TimeoutError(f"JupyterLab did not answer in {timeout} s:\n{log}")
 
     def log(self):
         self._log.flush()
