@@ -13,7 +13,7 @@ WHEEL  := --release --zig --compatibility manylinux2014
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: all venv build demo lint rust-linters test test-rust test-python wheel-check gpu-wheel bench clean
+.PHONY: all venv build demo lint rust-linters test test-rust test-python browser screenshots wheel-check gpu-wheel bench clean
 
 all: test
 
@@ -21,7 +21,7 @@ $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.5,<2" ziglang pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
-		ruff mypy auditwheel
+		ruff mypy auditwheel jupyterlab selenium
 	touch $@
 
 venv: $(DEPS)
@@ -54,8 +54,23 @@ lint: $(DEPS) rust-linters
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build
+test-python: build browser
 	$(PY) -m pytest -q tests
+
+# The browser tests (tests/test_browser.py) drive JupyterLab in Debian's Chromium through its
+# chromedriver. As root with apt (CI), this installs both when chromedriver is missing; elsewhere
+# it says how, and those tests skip.
+browser:
+	@command -v chromedriver >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else \
+		echo "no chromedriver: the browser tests will skip (sudo apt-get install chromium chromium-driver)"; \
+	fi
+
+# Retakes the README's JupyterLab screenshots (docs/jupyterlab-*.png).
+screenshots: build browser
+	GPUEXP_SCREENSHOTS=docs $(PY) -m pytest -q -m browser tests
 
 test: lint test-rust test-python
 

@@ -2,6 +2,7 @@ import ctypes
 
 import pytest
 
+from browser import chrome, jupyter_lab, lab, screenshots  # noqa: F401 (fixtures of the browser tests)
 from kernel import Kernel
 
 
