@@ -331,7 +331,7 @@ class Page:
 
         self.wait_for(lambda: shown("lm-MenuBar", labels[0]), what=f"menu {labels[0]}")[0].click()
         for label in labels[1:]:
-            item = self.wait_for(lambda: shown("lm-Menu", label), what=f"menu item {label}")[0]
+            item = self.wait_for(lambda label=label: shown("lm-Menu", label), what=f"menu item {label}")[0]
             if "lm-mod-disabled" in item.get_attribute("class"):
                 raise AssertionError(f"menu item {' → '.join(labels)} is disabled")
             item.click()
@@ -351,8 +351,8 @@ class Page:
 
     def run_cell(self, index, wait=True, timeout=None):
         """Selects code cell `index` and presses Shift+Enter, as a person would."""
-        from selenium.webdriver.common.keys import Keys
         from selenium.webdriver.common.action_chains import ActionChains
+        from selenium.webdriver.common.keys import Keys
 
         cell = self.cells()[index]
         before = cell.execution_count()

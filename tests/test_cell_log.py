@@ -117,7 +117,7 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
         import gpuexp
         from gpuexp import _core
         def sampler_running():
-            return eval(%r)
+            return eval(SAMPLER_RUNNING_EXPR)
         stop = time.monotonic() + 3
         def scopes():
             while time.monotonic() < stop:
@@ -146,7 +146,7 @@ def test_sampler_thread_starts_stops_and_never_deadlocks_with_the_gil(tmp_path):
                 pass
         assert "gpuexp-sampler" not in names, names
         print("ok")
-    """ % SAMPLER_RUNNING))
+    """).replace("SAMPLER_RUNNING_EXPR", repr(SAMPLER_RUNNING)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -158,7 +158,7 @@ def test_the_sampler_is_joined_at_exit_and_after_fork(tmp_path):
         os.environ["GPUEXP_HOST_PEAK"] = "sampled"
         import gpuexp
         def sampler_running():
-            return eval(%r)
+            return eval(SAMPLER_RUNNING_EXPR)
         exp = gpuexp.CPUExperiment("left open", cell_log=False)
         assert sampler_running()
         pid = os.fork()
@@ -172,7 +172,7 @@ def test_the_sampler_is_joined_at_exit_and_after_fork(tmp_path):
         assert os.WEXITSTATUS(status) == 0, status
         assert sampler_running()
         print("exiting with the sampler running")
-    """ % SAMPLER_RUNNING))
+    """).replace("SAMPLER_RUNNING_EXPR", repr(SAMPLER_RUNNING)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "exiting with the sampler running" in done.stdout

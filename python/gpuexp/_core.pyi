@@ -40,6 +40,7 @@ class _Settings(TypedDict):
     sample_interval_ms: float
     cell_log_all_gpus: bool
     oom_rescue: bool
+    host_peak: Literal["exact", "sampled"]
 
 class NvmlUnavailable(RuntimeError):
     """The NVIDIA driver's NVML library cannot be opened (no driver, or no GPU machine)."""
@@ -47,7 +48,7 @@ class NvmlUnavailable(RuntimeError):
 # ---- what gpuexp shows: each is a text table (str), an HTML one (_repr_html_) and JSON --------
 
 class _Table:
-    """Not a class at runtime: the methods rust/src/bindings/types.rs's `shown_as_table!` adds
+    """Not a class at runtime: the methods rust/src/bindings/report.rs's `shown_as_table!` adds
     (with ``__str__`` and ``__repr__``, the text table)."""
 
     def to_json(self) -> str: ...
@@ -132,7 +133,7 @@ class Report(_Table):
     @property
     def gpus(self) -> list[GpuReport]: ...
     def plot(self, path: _Path | None = None) -> Any:
-        """The timeline of ``timeline=True`` as a matplotlib figure."""
+        """The timeline of ``monitor=True`` as a matplotlib figure."""
 
 @final
 class CellRecord(_Table):
@@ -167,21 +168,8 @@ class Snapshot(_Table):
 
 @final
 class BatchSizeResult(_Table):
-    def __new__(
-        cls,
-        start: int,
-        max: int,
-        usable: int,
-        margin: float = 0.05,
-        power_of_two: bool = False,
-        multiple_of: int = 1,
-        verifications: int = 2,
-        steps_per_trial: int = 2,
-    ) -> BatchSizeResult: ...
-    def next_trial(self) -> tuple[int, str] | None:
-        """(batch size, role) of the next trial, or None when the search is done."""
-    def record(self, batch: int, role: str, peaks: tuple[int, int] | None, seconds: float) -> None:
-        """``peaks``: torch's peak allocated and reserved during the trial; None after an out-of-memory error."""
+    """The search ``find_batch_size`` ran: every trial, the fit, the answer."""
+
     @property
     def batch_size(self) -> int | None: ...
     @property
@@ -189,11 +177,13 @@ class BatchSizeResult(_Table):
     @property
     def verdict(self) -> str: ...
 
-# ---- the timeline and the gpuexp command -------------------------------------------------------
+# ---- the monitor and the gpuexp command -------------------------------------------------------
 
 @final
-class Timeline:
-    def __new__(cls, interval_s: float, path: _Path | None = None, gpus: bool = True) -> Timeline: ...
+class Monitor:
+    """The native recorder behind ``gpuexp.Monitor``: it starts at construction."""
+
+    def __new__(cls, interval_s: float, path: _Path | None = None, gpus: bool = True) -> Monitor: ...
     def samples_json(self) -> str: ...
     @property
     def running(self) -> bool: ...
@@ -229,21 +219,24 @@ def open_scope(
     owner: object | None = None,
     cell_log: bool = True,
     limit: int | None = None,
-    timeline_s: float | None = None,
-) -> tuple[_ScopeId, Snapshot]: ...
+    monitor_s: float | None = None,
+    handles: Iterable[str] = ...,
+    in_use: Iterable[str] = ...,
+) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
+    """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
 def scope_name(id: _ScopeId) -> str: ...
 def bound_names(adapter: _NamespaceAdapter, object: object) -> list[str]: ...
-def open_scope_named(name: str) -> _ScopeId | None: ...
 def is_open(id: _ScopeId) -> bool: ...
 def keep(id: _ScopeId, names: Sequence[str]) -> None: ...
-def finish(id: _ScopeId, keep: Sequence[str] = ...) -> list[Report]: ...
+def finish(id: _ScopeId, keep: Sequence[str] = ...) -> tuple[list[Report], bool]:
+    """(the reports of the scopes finished, innermost first; whether an interrupt was held)."""
 def scope_report(id: _ScopeId) -> Report: ...
 def scope_cells(id: _ScopeId) -> list[CellRecord]: ...
 def history() -> list[Report]: ...
 def history_json() -> str: ...
 def snapshot(gpu: bool = True) -> Snapshot: ...
-def rescue_oom(error: BaseException, adapter: _NamespaceAdapter | None = None) -> OomDiagnosis: ...
-def oom_rescue_enabled() -> bool: ...
+def rescue_oom(error: BaseException, adapter: _NamespaceAdapter | None = None) -> OomDiagnosis | None:
+    """The rescue after a CUDA out-of-memory error; None for any other error, or with the rescue off."""
 def holders(memory: int | None, min_bytes: int, adapter: _NamespaceAdapter | None = None) -> Holders: ...
 
 # ---- the cell log and settings -----------------------------------------------------------------
@@ -260,15 +253,22 @@ def config(
     oom_rescue: bool | None = None,
 ) -> _Settings: ...
 def shutdown() -> None: ...
-def host_peak_exact() -> bool: ...
-def sampler_running() -> bool: ...
 
 # ---- the batch-size finder ---------------------------------------------------------------------
 
-def measure_begin() -> int: ...
-def measure_end(window: int, device: int) -> tuple[int, int] | None: ...
-def usable_memory(device: int, limit: int | None = None) -> int: ...
-def limit_memory(devices: Sequence[int], limit: int) -> list[tuple[int, float]]: ...
-def restore_memory_limit(limited: Sequence[tuple[int, float]]) -> None: ...
+def find_batch_size(
+    step: Any,
+    start: int,
+    max: int,
+    *,
+    device: int | None = None,
+    limit: int | None = None,
+    margin: float | None = None,
+    power_of_two: bool = False,
+    multiple_of: int = 1,
+    verifications: int = 2,
+    steps: int = 2,
+    progress: bool = True,
+    adapter: _NamespaceAdapter,
+) -> BatchSizeResult: ...
 def parse_size(text: str) -> int: ...
-def release_between_trials() -> None: ...
