@@ -296,7 +296,7 @@ def timed_run(gpuexp, workload, monitor_on):
         return elapsed, None, None
     thread_after = monitor_thread_cpu_ns()
     samples = monitor.stop().samples()
-    during = sum(1 for s in samples if wall_start <= s["time"] <= wall_end)
+    during = sum(1 for s in samples if wall_start <= datetime.datetime.fromisoformat(s["time"]).timestamp() <= wall_end)
     core_share = None if None in (thread_before, thread_after) else (thread_after - thread_before) / 1e9 / elapsed
     return elapsed, during / elapsed, core_share
 

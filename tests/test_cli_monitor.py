@@ -27,7 +27,13 @@ def test_without_a_driver_the_cli_says_so_and_fails(args):
     done = cli(*args)
     assert done.returncode == 3, done
     assert done.stderr.strip() == "gpuexp: no NVIDIA driver (libnvidia-ml.so.1 not found)"
-    assert done.stdout == ""
+    if "--json" in args:
+        # A script reading --json still gets JSON: the error and no devices.
+        assert json.loads(done.stdout) == {
+            "error": "no NVIDIA driver (libnvidia-ml.so.1 not found)", "exit_code": 3, "devices": [],
+        }
+    else:
+        assert done.stdout == ""
 
 
 def test_torch_build_is_read_from_its_files_without_importing_it():
@@ -53,8 +59,9 @@ def test_status_judges_whether_torch_sees_cuda_without_importing_it(monkeypatch,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["watch", "-n", "0"], "more than 0 and at most"),
-    (["watch", "-n", "inf"], "more than 0 and at most"),
+    (["watch", "-n", "0"], "between 0.01 and 86400 seconds"),
+    (["watch", "-n", "inf"], "between 0.01 and 86400 seconds"),
+    (["watch", "-n", "1e-9"], "between 0.01 and 86400 seconds"),
     (["watch", "--csv", "--json"], "not allowed with"),
     (["frobnicate"], "invalid choice"),
     (["watch", "--log", "/nonexistent/dir/watch.csv"], "cannot write there"),
@@ -62,6 +69,16 @@ def test_status_judges_whether_torch_sees_cuda_without_importing_it(monkeypatch,
 def test_bad_arguments_get_usage_errors(args, message):
     done = cli(*args)
     assert done.returncode == 2 and message in done.stderr, done
+    # A subcommand's bad value shows that subcommand's usage.
+    if args[0] == "watch":
+        assert done.stderr.startswith("usage: gpuexp watch"), done.stderr
+
+
+def test_the_command_says_its_version():
+    import gpuexp
+
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"gpuexp {gpuexp.__version__}", done
 
 
 @pytest.mark.parametrize("kind, message, code", [

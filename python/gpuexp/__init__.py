@@ -83,7 +83,7 @@ def _holder_memory(device):
         return cuda.current_device() if cuda is not None and cuda.is_initialized() else None
     if isinstance(device, str) and device.strip().lower() in ("cpu", "host"):
         return None
-    indices = device_indices(device)
+    indices = device_indices(device, argument="device")
     if len(indices) != 1:
         raise ValueError(f"holders(device={device!r}): name one device, e.g. device=0, 'cuda:1' or 'cpu'")
     return indices[0]

@@ -11,6 +11,8 @@ from pathlib import Path
 from . import _core
 from ._core import NvmlUnavailable
 
+# A refresh is an NVML read, a format and a write: below 10 ms a watch only burns a core.
+MIN_INTERVAL_S = 0.01
 MAX_INTERVAL_S = 86400
 
 # The exit code of each failure the command reports in one line; the most specific class of an
@@ -30,6 +32,7 @@ def exit_code(error):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gpuexp", description="GPU memory status and a live view, from NVML.")
+    parser.add_argument("--version", action="version", version=f"gpuexp {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="driver, CUDA and each GPU with its processes")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -48,12 +51,19 @@ def parse_args(argv):
                              help="the GPUs CUDA_VISIBLE_DEVICES shows, in CUDA's order "
                                   "(default: all GPUs, NVML order)")
     args = parser.parse_args(argv)
-    if args.command == "watch" and not 0 < args.interval <= MAX_INTERVAL_S:
-        parser.error(f"-n {args.interval}: the interval must be more than 0 and at most {MAX_INTERVAL_S} seconds, "
-                     "e.g. -n 1")
+    # A bad value of a subcommand gets that subcommand's usage, not the top level's.
+    if args.command == "watch" and not MIN_INTERVAL_S <= args.interval <= MAX_INTERVAL_S:
+        watch.error(f"-n {args.interval}: the interval must be between {MIN_INTERVAL_S} and {MAX_INTERVAL_S} seconds, "
+                    "e.g. -n 1")
     if args.command == "watch" and args.log and not writable(args.log):
-        parser.error(f"--log {args.log}: cannot write there; name a file in a directory you can write to")
+        watch.error(f"--log {args.log}: cannot write there; name a file in a directory you can write to")
     return args
+
+
+def _version():
+    from . import __version__
+
+    return __version__
 
 
 def writable(path):
@@ -137,6 +147,9 @@ def main(argv=None):
         code = exit_code(error)
         if code is None:
             raise
+        if args.command == "status" and args.json:
+            # A script reading --json gets JSON whatever happened: the error and no GPUs.
+            print(json.dumps({"error": str(error), "exit_code": code, "devices": []}, indent=2))
         print(f"gpuexp: {error}", file=sys.stderr)
         return code
 

@@ -1,19 +1,22 @@
 """GPUs as the user names them (``0``, ``'cuda:1'``, ``torch.device('cuda', 1)``), as torch indices."""
 
 
-def device_indices(devices):
-    """Torch indices from an int, a 'cuda:N' string, a torch.device, or a list of them; None stays None."""
+def device_indices(devices, argument="devices"):
+    """Torch indices from an int, a 'cuda:N' string, a torch.device, or a list of them; None stays None.
+    ``argument`` is the keyword the caller took them as, for the error."""
     if devices is None:
         return None
+    given = devices
     if isinstance(devices, (int, str)) or hasattr(devices, "type"):
         devices = [devices]
     indices = []
     for device in devices:
         index = _device_index(device)
         if index is None:
+            example = "[0, 1]" if argument == "devices" else "0"
             raise ValueError(
-                f"devices={devices!r}: use GPU indices as torch numbers them, "
-                "e.g. devices=[0, 1], devices='cuda:1' or devices=torch.device('cuda', 1)"
+                f"{argument}={given!r}: use GPU indices as torch numbers them, "
+                f"e.g. {argument}={example}, {argument}='cuda:1' or {argument}=torch.device('cuda', 1)"
             )
         indices.append(index)
     return indices

@@ -33,7 +33,8 @@ pub struct GpuSample {
 pub struct Sample {
     /// Seconds since the monitor started.
     pub t: f64,
-    /// Seconds since the Unix epoch.
+    /// Seconds since the Unix epoch (RFC 3339 in JSON).
+    #[serde(serialize_with = "crate::units::serialize_rfc3339")]
     pub time: f64,
     pub cpu_percent: f32,
     pub rss: u64,

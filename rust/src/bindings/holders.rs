@@ -7,13 +7,16 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PyModule, PySet, PyString, PyTuple, PyType};
 
 use super::namespace::{hidden_refs, user_names};
 use super::report::HoldersPy;
+use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
 use crate::report::{self, render_path, Holder, Holders, PathEdge, Report};
+use crate::snapshot::GpuSelection;
 
 /// Enough for a kernel with a few million objects; a walk that hits it says so.
 const VISIT_LIMIT: usize = 5_000_000;
@@ -520,6 +523,19 @@ pub(super) fn holders(
         Some(index) => Memory::Cuda(index),
         None => Memory::Host,
     };
+    if let Memory::Cuda(index) = memory {
+        // An empty table for a GPU that isn't there would read as "nothing holds memory".
+        let visible: Vec<u32> =
+            take_snapshot(py, &GpuSelection::AllVisible).0.gpus.iter().map(|g| g.torch_index).collect();
+        if !visible.contains(&index) {
+            let fix = if visible.is_empty() {
+                "This machine has no GPU that NVML can see: use device='cpu' for host memory.".to_string()
+            } else {
+                format!("Visible GPUs (torch indices): {visible:?}; name one of them, or device='cpu'.")
+            };
+            return Err(PyValueError::new_err(format!("holders(device='cuda:{index}'): no such GPU. {fix}")));
+        }
+    }
     let roots = match &adapter {
         Some(a) => hunt_roots(a)?,
         None => Vec::new(),

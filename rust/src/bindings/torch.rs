@@ -116,6 +116,13 @@ pub(super) fn apply_limit(py: Python, selection: &GpuSelection, limit: u64) -> P
         return Err(PyValueError::new_err("limit= caps torch's allocations: import torch first"));
     };
     let cuda = torch_module.getattr("cuda")?;
+    // `is_available` asks the driver for a device count: it creates no CUDA context.
+    if !cuda.call_method0("is_available")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(
+            "limit= caps torch's CUDA allocations, but torch sees no CUDA GPU here: drop limit=, \
+             or run on a machine where torch.cuda.is_available() is True",
+        ));
+    }
     let count: u32 = cuda.call_method0("device_count")?.extract()?;
     let devices: Vec<u32> = match selection {
         GpuSelection::Only(devices) => devices.clone(),

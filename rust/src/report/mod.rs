@@ -280,6 +280,19 @@ fn device_line(torch_index: u32, nvml_index: u32, name: &str, uuid: &str, total:
     format!("cuda:{torch_index} = NVML {nvml_index} · {name} · {uuid} · {} total", bytes(total))
 }
 
+/// Below this a change is noise (allocator pages, the interpreter's own growth): tables show it as
+/// about zero and give no share, so an experiment that did nothing doesn't read as a loss. The JSON
+/// keeps the exact bytes.
+const NOISE_FLOOR: i64 = 1 << 20;
+
+fn change(bytes: i64) -> String {
+    if bytes != 0 && bytes.abs() < NOISE_FLOOR {
+        "≈ 0".into()
+    } else {
+        signed_bytes(bytes)
+    }
+}
+
 fn metric_row(label: String, m: &Metric, finished: bool) -> Vec<String> {
     let dash = || "—".to_string();
     let last = match m.end {
@@ -291,9 +304,12 @@ fn metric_row(label: String, m: &Metric, finished: bool) -> Vec<String> {
         label,
         bytes(m.start),
         bytes(m.peak),
-        signed_bytes(m.consumed),
-        m.reclaimed.map(signed_bytes).unwrap_or_else(dash),
-        m.reclaimed_share().map(|s| format!("{:.1}%", s * 100.0)).unwrap_or_else(dash),
+        change(m.consumed),
+        m.reclaimed.map(change).unwrap_or_else(dash),
+        m.reclaimed_share()
+            .filter(|_| m.consumed >= NOISE_FLOOR)
+            .map(|s| format!("{:.1}%", s * 100.0))
+            .unwrap_or_else(dash),
         last,
     ]
 }

@@ -500,3 +500,24 @@ fn the_snapshot_grid_shows_used_free_and_total() {
     assert_eq!(text_cells(&grid.to_text()), expected_cells(&grid));
     assert_eq!(html_cells(&grid.to_html()), expected_cells(&grid));
 }
+
+#[test]
+fn changes_below_the_noise_floor_read_as_about_zero_in_tables_and_stay_exact_in_json() {
+    // An experiment that did nothing: the host grew 8 KiB and gave back 8 KiB less than that.
+    let (start, before, end) = (
+        host(0.0, 100 * MIB, 100 * MIB),
+        host(1.0, 100 * MIB + 8192, 100 * MIB + 8192),
+        host(2.0, 100 * MIB + 16384, 100 * MIB + 16384),
+    );
+    let report = Report::build(
+        "idle",
+        false,
+        Span { start: &start, before_teardown: &before, end: Some(&end) },
+        |_| None,
+        Details::default(),
+    );
+    let grid = report.grid();
+    let rss = grid.rows.iter().find(|r| r[0] == "host RSS").expect("host row");
+    assert_eq!(rss[3..6], ["≈ 0", "≈ 0", "—"], "{rss:?}");
+    assert_eq!((report.host.rss.consumed, report.host.rss.reclaimed), (8192, Some(-8192)));
+}

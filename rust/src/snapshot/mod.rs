@@ -40,6 +40,7 @@ pub struct GpuReading {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Snapshot {
     /// Seconds since the Unix epoch.
+    #[serde(serialize_with = "crate::units::serialize_rfc3339")]
     pub taken_at: f64,
     pub host: HostReading,
     pub gpus: Vec<GpuReading>,
