@@ -60,13 +60,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     }
 }
 
-/// UTC time as RFC 3339, without pulling in a date crate for one format.
 /// Serialises a Unix time as RFC 3339 (`#[serde(serialize_with = ...)]`): every time in gpuexp's
 /// JSON is written the same way, whatever struct carries it.
 pub fn serialize_rfc3339<S: serde::Serializer>(unix_seconds: &f64, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&rfc3339(*unix_seconds))
 }
 
+/// UTC time as RFC 3339, without pulling in a date crate for one format.
 pub fn rfc3339(unix_seconds: f64) -> String {
     let secs = unix_seconds.floor() as i64;
     let millis = ((unix_seconds - secs as f64) * 1000.0).round().min(999.0) as i64;
