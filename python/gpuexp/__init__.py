@@ -12,6 +12,7 @@ from . import _core, ipython
 from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
 from .experiment import CPUExperiment, GPUExperiment, _device_indices, find_batch_size
 from .monitor import Monitor
+from .ranks import host_ranks_store, ranks
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ __all__ = [
     "find_batch_size",
     "holders",
     "history",
+    "host_ranks_store",
+    "ranks",
     "save_history",
     "snapshot",
 ]

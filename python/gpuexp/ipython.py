@@ -13,12 +13,14 @@ import weakref
 from . import _core
 
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
+# In a process forked from a kernel (a rank): it runs no cells, and the shell is the parent's.
+_forked_from_shell = False
 
 
 def shell():
     """The running IPython shell, or None in plain Python. Never imports IPython."""
     module = sys.modules.get("IPython")
-    if module is None:
+    if module is None or _forked_from_shell:
         return None
     try:
         return module.get_ipython()
@@ -254,6 +256,14 @@ def track(experiment):
     _tracked[experiment._id] = weakref.ref(experiment)
     register(shell())
     watch_torch_peak_resets()
+
+
+def forget_shell_after_fork():
+    """In a child forked from a kernel: no shell, no cell events, no experiment of the parent."""
+    global _forked_from_shell
+    _forked_from_shell = True
+    _tracked.clear()
+    _registered.clear()
 
 
 def tracked():

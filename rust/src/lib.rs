@@ -3,7 +3,9 @@
 
 pub mod cli;
 pub mod finder;
+pub mod fork;
 pub mod monitor;
+pub mod ranks;
 pub mod report;
 pub mod sampler;
 pub mod scope;

@@ -29,6 +29,7 @@ struct GpuPeak {
     uuid: String,
     device: AtomicU64,
     process: AtomicU64,
+    children: AtomicU64,
     /// The latest sample, and when it was taken.
     latest: Mutex<Option<(Instant, NvmlReading)>>,
 }
@@ -112,6 +113,7 @@ pub fn ensure(sources: Sources) -> bool {
                 uuid: uuid.clone(),
                 device: AtomicU64::new(0),
                 process: AtomicU64::new(0),
+                children: AtomicU64::new(0),
                 latest: Mutex::new(None),
             })
             .collect(),
@@ -136,6 +138,7 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
     let pids = own_pids();
     let mut ready = Some(ready);
     while !stop.load(Ordering::Relaxed) {
+        let fork_waits = crate::fork::reading();
         if sources.host {
             peaks.host.fetch_max(host::read_rss(), Ordering::Relaxed);
         }
@@ -146,9 +149,11 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
                 if let ProcessUse::Listed(bytes) = reading.process {
                     slot.process.fetch_max(bytes, Ordering::Relaxed);
                 }
+                slot.children.fetch_max(reading.children, Ordering::Relaxed);
                 *slot.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), reading));
             }
         }
+        drop(fork_waits);
         if let Some(ready) = ready.take() {
             let _ = ready.send(());
         }
@@ -170,6 +175,14 @@ fn stop_locked(running: &mut Option<Running>) {
     run.stop.store(true, Ordering::Relaxed);
     run.handle.thread().unpark();
     let _ = run.handle.join();
+}
+
+/// In a forked child: the parent's thread does not exist here, so its handle is never joined
+/// (a join would wait forever) nor detached; the next scope starts a thread of its own.
+pub fn forget_after_fork() {
+    if let Some(run) = running().take() {
+        std::mem::forget(run);
+    }
 }
 
 /// UUIDs of the GPUs being sampled.
@@ -205,6 +218,7 @@ pub fn apply(snapshot: &mut Snapshot) {
         if let Some(peak) = gpu.process_used_peak.as_mut() {
             *peak = (*peak).max(slot.process.load(Ordering::Relaxed));
         }
+        gpu.children_used_peak = gpu.children_used_peak.max(slot.children.load(Ordering::Relaxed));
     }
 }
 
@@ -219,6 +233,7 @@ pub fn reset(snapshot: &Snapshot) {
         if let Some(slot) = run.peaks.gpus.iter().find(|s| s.uuid == gpu.uuid) {
             slot.device.store(gpu.device_used, Ordering::Relaxed);
             slot.process.store(gpu.process_used.unwrap_or(0), Ordering::Relaxed);
+            slot.children.store(gpu.children_used, Ordering::Relaxed);
         }
     }
 }

@@ -14,10 +14,12 @@ mod hunter;
 mod types;
 mod batch_size;
 mod cell_log;
+mod ranks;
 mod timeline;
 
 use batch_size::*;
 use cell_log::*;
+use ranks::*;
 use timeline::*;
 use types::*;
 
@@ -640,6 +642,7 @@ fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>>
         Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
     }
     drop(scope_pins);
+    complete_report(py, id, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
     update_sampler(py, None);
     Ok(finished)
@@ -826,6 +829,16 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(restore_memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(release_between_trials, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(note_scope_error, m)?)?;
+    m.add_function(wrap_pyfunction!(last_publish_s, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_ranks_store, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_kernel_ranks_store, m)?)?;
+    m.add_function(wrap_pyfunction!(host_ranks_store, m)?)?;
+    m.add_function(wrap_pyfunction!(before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(after_fork_in_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(after_fork_in_child, m)?)?;
+    m.add_class::<RanksPy>()?;
     m.add_class::<BatchSearchPy>()?;
     m.add_class::<TimelinePy>()?;
     m.add_class::<GpuStatusPy>()?;
