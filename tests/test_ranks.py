@@ -274,3 +274,30 @@ def test_a_report_outside_a_run_carries_no_rank(kernel):
     report = kernel.value("gpuexp.history()[-1].to_dict()")
     assert (report["rank"], report["world_size"], report["local_rank"]) == (1, 4, 1) and report["hostname"]
     assert "rank 1 of 4 (local rank 1) on " in with_env.text
+
+
+def test_a_store_that_is_gone_costs_a_note_once_never_the_report(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import json, time
+        import torch, gpuexp
+        seconds, notes = [], []
+        for name in ("first", "second"):
+            started = time.perf_counter()
+            with gpuexp.CPUExperiment(name):
+                x = 1
+            seconds.append(time.perf_counter() - started)
+            notes.append(gpuexp.history()[-1].notes)
+        print(json.dumps({"seconds": seconds, "notes": notes, "rank": gpuexp.history()[-1].rank}))
+    """))
+    with __import__("socket").socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GPUEXP_RANKS_STORE=f"tcp://127.0.0.1:{port}", RANK="0", WORLD_SIZE="1")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rank"] == 0
+    assert all(any("publishing for gpuexp.ranks() failed" in n for n in notes) for notes in result["notes"]), result
+    assert "not tried again" in " ".join(result["notes"][1])
+    assert result["seconds"][1] < 0.5, result["seconds"]

@@ -17,11 +17,10 @@ STORE_ENV = "GPUEXP_RANKS_STORE"
 def ranks(name=None, timeout=10.0):
     """The latest experiment called ``name`` (by default the latest of any name) from every rank.
 
-    Works in any rank of an initialised process group (from the group's store), and in the
-    notebook that launched the ranks (from its store, which ranks find through
-    ``GPUEXP_RANKS_STORE``). No collective is used: the store is polled, so a rank that died
-    or hangs can't block anyone; one that has not reported after ``timeout`` seconds is named
-    missing.
+    Works in the notebook that launched the ranks (from its store, which ranks find through
+    ``GPUEXP_RANKS_STORE``) and in any rank (from that store, or without one, from the process
+    group's). No collective is used: the store is polled, so a rank that died or hangs can't
+    block anyone; one that has not reported after ``timeout`` seconds is named missing.
 
     Returns a ``Ranks``: a table with one row per rank (host, GPU, torch allocated and reserved
     peaks, NVML process peak, host RSS peak, OOMs, duration), then min, median and max, and flags

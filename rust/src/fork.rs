@@ -5,23 +5,24 @@
 //! before the fork ([`hold`]) and lets go after it, in the parent and in the child ([`release`]).
 
 use std::cell::RefCell;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-static GATE: Mutex<()> = Mutex::new(());
+/// Readers share it (the sampler and a timeline never wait for each other); a fork excludes them.
+static GATE: RwLock<()> = RwLock::new(());
 
 thread_local! {
     /// The forking thread's hold, from just before the fork until just after it.
-    static HELD: RefCell<Option<MutexGuard<'static, ()>>> = const { RefCell::new(None) };
+    static HELD: RefCell<Option<RwLockWriteGuard<'static, ()>>> = const { RefCell::new(None) };
 }
 
 /// Held by a background thread while it is inside NVML: a fork waits until it is out.
-pub fn reading() -> MutexGuard<'static, ()> {
-    GATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+pub fn reading() -> RwLockReadGuard<'static, ()> {
+    GATE.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Just before a fork: waits for the background readers to be out of NVML and keeps them out.
 pub fn hold() {
-    let guard = reading();
+    let guard = GATE.write().unwrap_or_else(|poisoned| poisoned.into_inner());
     HELD.with(|held| *held.borrow_mut() = Some(guard));
 }
 

@@ -17,19 +17,20 @@
 //! | `latest` | the same for the latest publish of any name |
 //! | `run` | the run token of a process group (set once, by whichever rank comes first) |
 //! | `agree/<run>/<call>/<rank>` | a rank's answer of `find_batch_size` across ranks |
+//! | `agree/<run>/<call>/read/<rank>` | that the rank has read every answer |
 
 mod agree;
+mod store;
 mod table;
 
 use std::fs;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 pub use agree::{agree, Agreement};
+pub use store::{kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 
 use crate::report::Report;
@@ -97,130 +98,6 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-/// Where ranks publish, as `GPUEXP_RANKS_STORE` names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StoreAddress {
-    /// A directory every rank can write (the kernel's own, or a shared one): a FileStore in it.
-    Directory(PathBuf),
-    /// A TCPStore: the kernel's (`gpuexp.host_ranks_store()`) or any other.
-    Tcp { host: String, port: u16 },
-}
-
-impl StoreAddress {
-    pub fn parse(value: &str) -> Result<StoreAddress, String> {
-        let value = value.trim();
-        let bad = || {
-            format!(
-                "{STORE_ENV}={value:?}: name a directory every rank can write (file:///shared/gpuexp) \
-                 or a store address (tcp://host:port)"
-            )
-        };
-        if let Some(path) = value.strip_prefix("file://") {
-            return if path.starts_with('/') { Ok(StoreAddress::Directory(path.into())) } else { Err(bad()) };
-        }
-        if let Some(address) = value.strip_prefix("tcp://") {
-            let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            let port = port.trim_end_matches('/').parse().map_err(|_| bad())?;
-            return if host.is_empty() { Err(bad()) } else { Ok(StoreAddress::Tcp { host: host.into(), port }) };
-        }
-        if value.starts_with('/') {
-            return Ok(StoreAddress::Directory(value.into()));
-        }
-        Err(bad())
-    }
-
-    /// The FileStore's file, for a directory.
-    pub fn file(&self) -> Option<PathBuf> {
-        match self {
-            StoreAddress::Directory(dir) => Some(dir.join(STORE_FILE)),
-            StoreAddress::Tcp { .. } => None,
-        }
-    }
-}
-
-impl std::fmt::Display for StoreAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            StoreAddress::Directory(dir) => write!(f, "file://{}", dir.display()),
-            StoreAddress::Tcp { host, port } if host.contains(':') => write!(f, "tcp://[{host}]:{port}"),
-            StoreAddress::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
-        }
-    }
-}
-
-// ---- the kernel's own store directory ----------------------------------------------------
-
-/// The directory this kernel made for its ranks, removed at exit by the process that made it.
-static KERNEL_DIR: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
-
-/// A directory only this user can enter (mode 0700, owned by them, not a link): created, or
-/// checked where it exists, since a shared /tmp lets anyone create a name first.
-fn private_dir(path: &Path) -> Result<(), String> {
-    match fs::DirBuilder::new().mode(0o700).create(path) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("could not create {}: {e}", path.display())),
-    }
-    let meta = fs::symlink_metadata(path).map_err(|e| format!("could not read {}: {e}", path.display()))?;
-    let uid = fs::metadata("/proc/self").map(|m| m.uid()).map_err(|e| format!("could not read /proc/self: {e}"))?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "{} is not a private directory of this user (mode 0700, owned by uid {uid}): remove it, or set {STORE_ENV}",
-            path.display()
-        ));
-    }
-    Ok(())
-}
-
-fn private_base() -> Result<PathBuf, String> {
-    let runtime = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_dir());
-    let base = match runtime {
-        Some(dir) => dir.join("gpuexp"),
-        None => {
-            let uid = fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
-            std::env::temp_dir().join(format!("gpuexp-{uid}"))
-        }
-    };
-    private_dir(&base)?;
-    Ok(base)
-}
-
-/// This kernel's store directory for its ranks (mode 0700), made on first call; the
-/// directories of kernels that are gone are removed on the way.
-pub fn kernel_store_dir() -> Result<PathBuf, String> {
-    let pid = std::process::id();
-    let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some((owner, dir)) = made.as_ref() {
-        if *owner == pid {
-            return Ok(dir.clone());
-        }
-    }
-    let base = private_base()?;
-    for entry in fs::read_dir(&base).into_iter().flatten().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let owner = name.strip_prefix("kernel-").and_then(|rest| rest.split('-').next()?.parse::<u32>().ok());
-        if owner.is_some_and(|owner| !Path::new(&format!("/proc/{owner}")).exists()) {
-            let _ = fs::remove_dir_all(entry.path());
-        }
-    }
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    let dir = base.join(format!("kernel-{pid}-{nanos:x}"));
-    private_dir(&dir)?;
-    *made = Some((pid, dir.clone()));
-    Ok(dir)
-}
-
-/// Removes the kernel's store directory, in the process that made it (not in a forked child).
-pub fn remove_kernel_store_dir() {
-    let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some((owner, dir)) = made.take() {
-        if owner == std::process::id() {
-            let _ = fs::remove_dir_all(dir);
-        }
-    }
-}
-
 // ---- what ended an experiment -------------------------------------------------------------
 
 /// Exceptions that ended experiments' `with` blocks, by scope, until their reports are published.
@@ -261,8 +138,9 @@ pub mod keys {
         format!("gpuexp/v1/report/{name}/{rank}")
     }
 
-    pub fn agree(run: &str, call: u64, rank: u32) -> String {
-        format!("gpuexp/v1/agree/{run}/{call}/{rank}")
+    /// A rank's answer of a search (`step` is the search's number), or that it read them all (`<number>/read`).
+    pub fn agree(run: &str, step: &str, rank: u32) -> String {
+        format!("gpuexp/v1/agree/{run}/{step}/{rank}")
     }
 }
 
@@ -308,8 +186,12 @@ pub trait RankStore {
     type Error;
     fn set_many(&mut self, entries: &[(String, String)]) -> Result<(), Self::Error>;
     fn present(&mut self, key: &str) -> Result<bool, Self::Error>;
+    /// Whether every one of the keys is present, in one round trip.
+    fn present_all(&mut self, keys: &[String]) -> Result<bool, Self::Error>;
     /// The value of a key known to be present.
     fn get(&mut self, key: &str) -> Result<String, Self::Error>;
+    /// The values of keys known to be present, in one round trip.
+    fn get_many(&mut self, keys: &[String]) -> Result<Vec<String>, Self::Error>;
     /// Sets `key` to `value` unless it has a value, and returns the value it has then.
     fn claim(&mut self, key: &str, value: &str) -> Result<String, Self::Error>;
     /// The experiment names published so far, where the store can list its keys.
@@ -396,20 +278,30 @@ pub fn gather<S: RankStore>(
     let mut records: Vec<Option<Record>> = vec![None; header.world_size as usize];
     let mut earlier_run = vec![false; records.len()];
     loop {
-        for rank in 0..header.world_size {
-            let slot = rank as usize;
-            if records[slot].is_some() {
-                continue;
+        let pending: Vec<u32> = (0..header.world_size).filter(|r| records[*r as usize].is_none()).collect();
+        if pending.is_empty() {
+            break;
+        }
+        let mut keys: Vec<String> = pending.iter().map(|r| keys::report(&header.name, *r)).collect();
+        let mut ranks = pending;
+        // Once every rank is done, two round trips gather them all, however many there are.
+        if !store.present_all(&keys)? {
+            let mut present = Vec::with_capacity(keys.len());
+            for (rank, key) in ranks.into_iter().zip(keys) {
+                if store.present(&key)? {
+                    present.push((rank, key));
+                }
             }
-            let key = keys::report(&header.name, rank);
-            if !store.present(&key)? {
-                continue;
-            }
-            let Ok(record) = serde_json::from_str::<Record>(&store.get(&key)?) else { continue };
-            if header.run.is_none() || record.run == header.run {
-                records[slot] = Some(record);
-            } else {
-                earlier_run[slot] = true;
+            (ranks, keys) = present.into_iter().unzip();
+        }
+        if !keys.is_empty() {
+            for (rank, value) in ranks.into_iter().zip(store.get_many(&keys)?) {
+                let Ok(record) = serde_json::from_str::<Record>(&value) else { continue };
+                if header.run.is_none() || record.run == header.run {
+                    records[rank as usize] = Some(record);
+                } else {
+                    earlier_run[rank as usize] = true;
+                }
             }
         }
         if records.iter().all(Option::is_some) {
@@ -468,11 +360,12 @@ pub(crate) mod testing {
 
     use super::RankStore;
 
-    /// A store in memory; `pauses` counts the waits of a gather.
+    /// A store in memory; `pauses` counts the waits of a gather, `reads` its round trips.
     #[derive(Default)]
     pub(crate) struct MemoryStore {
         pub(crate) values: HashMap<String, String>,
         pub(crate) pauses: u32,
+        pub(crate) reads: u32,
     }
 
     impl RankStore for MemoryStore {
@@ -482,10 +375,20 @@ pub(crate) mod testing {
             Ok(())
         }
         fn present(&mut self, key: &str) -> Result<bool, String> {
+            self.reads += 1;
             Ok(self.values.contains_key(key))
         }
+        fn present_all(&mut self, keys: &[String]) -> Result<bool, String> {
+            self.reads += 1;
+            Ok(keys.iter().all(|k| self.values.contains_key(k)))
+        }
         fn get(&mut self, key: &str) -> Result<String, String> {
+            self.reads += 1;
             self.values.get(key).cloned().ok_or_else(|| format!("no key {key}"))
+        }
+        fn get_many(&mut self, keys: &[String]) -> Result<Vec<String>, String> {
+            self.reads += 1;
+            keys.iter().map(|k| self.values.get(k).cloned().ok_or_else(|| format!("no key {k}"))).collect()
         }
         fn claim(&mut self, key: &str, value: &str) -> Result<String, String> {
             Ok(self.values.entry(key.to_string()).or_insert_with(|| value.to_string()).clone())
@@ -554,39 +457,6 @@ mod tests {
     }
 
     #[test]
-    fn store_addresses_name_a_directory_or_a_tcp_store() {
-        assert_eq!(StoreAddress::parse("file:///tmp/x").unwrap(), StoreAddress::Directory("/tmp/x".into()));
-        assert_eq!(StoreAddress::parse("/shared/g").unwrap().file().unwrap(), PathBuf::from("/shared/g/ranks.store"));
-        let tcp = StoreAddress::parse("tcp://10.0.0.5:29600").unwrap();
-        assert_eq!(tcp, StoreAddress::Tcp { host: "10.0.0.5".into(), port: 29600 });
-        assert_eq!(tcp.to_string(), "tcp://10.0.0.5:29600");
-        assert_eq!(StoreAddress::parse("tcp://[::1]:7").unwrap().to_string(), "tcp://[::1]:7");
-        for bad in ["tcp://host", "file://relative", "redis://x:1", "tcp://:5"] {
-            assert!(StoreAddress::parse(bad).unwrap_err().contains("file:///shared/gpuexp"), "{bad}");
-        }
-    }
-
-    #[test]
-    fn the_kernel_directory_is_private_and_removed_by_its_maker() {
-        let dir = kernel_store_dir().unwrap();
-        let mode = fs::metadata(&dir).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
-        assert_eq!(fs::metadata(dir.parent().unwrap()).unwrap().permissions().mode() & 0o077, 0);
-        assert_eq!(kernel_store_dir().unwrap(), dir, "one directory per kernel");
-        remove_kernel_store_dir();
-        assert!(!dir.exists());
-    }
-
-    #[test]
-    fn a_directory_others_can_enter_is_refused() {
-        let open = std::env::temp_dir().join(format!("gpuexp-open-{}", std::process::id()));
-        fs::create_dir_all(&open).unwrap();
-        fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
-        assert!(private_dir(&open).unwrap_err().contains("not a private directory"));
-        fs::remove_dir_all(open).unwrap();
-    }
-
-    #[test]
     fn published_records_are_small_and_read_back_as_reports() {
         let mut store = MemoryStore::default();
         let mut report = rank_report("train", 0, 2, 1 << 30);
@@ -649,14 +519,14 @@ mod tests {
     }
 
     #[test]
-    fn a_gather_of_complete_ranks_does_not_wait() {
+    fn a_gather_of_complete_ranks_does_not_wait_and_takes_four_round_trips_however_many_ranks() {
         let mut store = MemoryStore::default();
-        for rank in 0..3 {
-            publish(&mut store, &rank_report("eval", rank, 3, 1 << 30), None, None).unwrap();
+        for rank in 0..1000 {
+            publish(&mut store, &rank_report("eval", rank, 1000, 1 << 30), None, None).unwrap();
         }
         let gathered = gather(&mut store, Some("eval"), Duration::from_secs(5), "memory").ok().unwrap();
         assert!(gathered.missing().is_empty());
-        assert_eq!(store.pauses, 0);
+        assert_eq!((store.pauses, store.reads), (0, 4), "the header, then every record at once");
     }
 
     #[test]

@@ -479,6 +479,7 @@ fn open_scope(
             None => None,
         },
     };
+    prepare_publishing(py);
     let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
     let (id, title) = {
         let mut registry = registry();

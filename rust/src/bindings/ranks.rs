@@ -13,6 +13,9 @@ use crate::snapshot::children;
 
 /// How long a store operation may wait for the store's lock or connection.
 const STORE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a rank tries to reach a TCPStore: one that is gone (a kernel restarted) must not
+/// hold up its finishes, and it is not tried again in that process.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// torch.distributed where torch is imported and built with it.
 fn distributed(py: Python) -> Option<Bound<PyAny>> {
@@ -56,9 +59,16 @@ impl RankStore for PyStore<'_> {
     fn present(&mut self, key: &str) -> PyResult<bool> {
         self.0.call_method1("check", (vec![key],))?.extract()
     }
+    fn present_all(&mut self, keys: &[String]) -> PyResult<bool> {
+        self.0.call_method1("check", (keys.to_vec(),))?.extract()
+    }
     fn get(&mut self, key: &str) -> PyResult<String> {
         let raw: Vec<u8> = self.0.call_method1("get", (key,))?.extract()?;
         Ok(String::from_utf8_lossy(&raw).into_owned())
+    }
+    fn get_many(&mut self, keys: &[String]) -> PyResult<Vec<String>> {
+        let raw: Vec<Vec<u8>> = self.0.call_method1("multi_get", (keys.to_vec(),))?.extract()?;
+        Ok(raw.into_iter().map(|v| String::from_utf8_lossy(&v).into_owned()).collect())
     }
     fn claim(&mut self, key: &str, value: &str) -> PyResult<String> {
         let raw: Vec<u8> = self.0.call_method1("compare_set", (key, "", value))?.extract()?;
@@ -92,6 +102,8 @@ struct Opened {
 
 /// The store `GPUEXP_RANKS_STORE` names, once opened.
 static NAMED: Mutex<Option<Opened>> = Mutex::new(None);
+/// The store that could not be opened, by process and address, and why.
+static UNREACHABLE: Mutex<Option<(u32, String, String)>> = Mutex::new(None);
 /// The TCPStore this kernel hosts (`gpuexp.host_ranks_store()`).
 static HOSTED: Mutex<Option<Opened>> = Mutex::new(None);
 /// The run token of the process group, with the group's store it was claimed in.
@@ -132,30 +144,43 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
             "{STORE_ENV} names {label}: gathering across ranks needs torch.distributed (import torch first)"
         )));
     };
-    let store = match &address {
+    let pid = std::process::id();
+    if let Some((_, _, why)) = lock(&UNREACHABLE).as_ref().filter(|(p, a, _)| *p == pid && *a == label) {
+        return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
+    }
+    let opened = open_named(&dist, &address);
+    if let Err(e) = &opened {
+        *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string()));
+    }
+    let store = opened?;
+    // Not locked while opening: torch may release the GIL to connect, and another thread could
+    // then wait for the lock with the GIL held. Two threads opening at once keep the first.
+    let mut named = lock(&NAMED);
+    match named.as_ref().filter(|o| o.pid == pid && o.address == label) {
+        Some(first) => Ok(Some((first.store.bind(py).clone(), label))),
+        None => {
+            *named = Some(Opened { pid, address: label.clone(), store: store.clone().unbind() });
+            Ok(Some((store, label)))
+        }
+    }
+}
+
+fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult<Bound<'py, PyAny>> {
+    let py = dist.py();
+    let store = match address {
         StoreAddress::Directory(_) => {
             let file = address.file().expect("a directory has a file");
-            let store = dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?;
-            store.call_method1("set_timeout", (timedelta(py, STORE_TIMEOUT)?,))?;
-            store
+            dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?
         }
         StoreAddress::Tcp { host, port } => {
             let kwargs = PyDict::new(py);
             kwargs.set_item("wait_for_workers", false)?;
-            kwargs.set_item("timeout", timedelta(py, STORE_TIMEOUT)?)?;
+            kwargs.set_item("timeout", timedelta(py, CONNECT_TIMEOUT)?)?;
             dist.getattr("TCPStore")?.call((host.as_str(), *port, py.None(), false), Some(&kwargs))?
         }
     };
-    // Not locked while opening: torch may release the GIL to connect, and another thread could
-    // then wait for the lock with the GIL held. Two threads opening at once keep the first.
-    let mut named = lock(&NAMED);
-    match named.as_ref().filter(|o| o.pid == std::process::id() && o.address == label) {
-        Some(first) => Ok(Some((first.store.bind(py).clone(), label))),
-        None => {
-            *named = Some(Opened { pid: std::process::id(), address: label.clone(), store: store.clone().unbind() });
-            Ok(Some((store, label)))
-        }
-    }
+    store.call_method1("set_timeout", (timedelta(py, STORE_TIMEOUT)?,))?;
+    Ok(store)
 }
 
 /// Tells the runs of a process group apart: one token per group, claimed in its store by
@@ -181,15 +206,47 @@ fn run_token(py: Python, group: Option<&(Bound<PyAny>, u32, u32)>) -> PyResult<O
     Ok(Some(token))
 }
 
+/// Where this process publishes and gathers: the store `GPUEXP_RANKS_STORE` names (the
+/// kernel's, which every rank it launched reaches), or else the process group's. One store,
+/// not both: a group's store lives in rank 0, which may have exited by the time a slower rank
+/// finishes, and torch prints a stack trace for every call that then fails.
+fn rank_store<'py>(
+    py: Python<'py>,
+    group: Option<&(Bound<'py, PyAny>, u32, u32)>,
+) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
+    match named_store(py)? {
+        Some(named) => Ok(Some(named)),
+        None => group_target(group),
+    }
+}
+
+fn group_target<'py>(group: Option<&(Bound<'py, PyAny>, u32, u32)>) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
+    group.map(|(dist, _, _)| Ok((group_store(dist)?, "the process group's store".to_string()))).transpose()
+}
+
+fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity {
+    RankIdentity::detect(group.map(|(_, r, w)| (*r, *w)), |name| std::env::var(name).ok())
+}
+
+/// When a rank opens a scope: the run token is claimed and the store opened now, while every
+/// rank is up, so that finishing costs one write.
+pub(super) fn prepare_publishing(py: Python) {
+    let group = process_group(py);
+    if identity(group.as_ref()).position().is_some() {
+        let _ = run_token(py, group.as_ref());
+        let _ = named_store(py);
+    }
+}
+
 /// At finish: names the descendants still holding GPU memory, and in a rank, stamps the
-/// report with the rank's identity and publishes it to the group's store and the named one.
-/// A store that fails costs a note, never the report.
+/// report with the rank's identity and publishes it. A store that fails costs a note, never
+/// the report; where the named store can't be reached, the group's takes the report.
 pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
     report.child_processes = children::still_holding(report.gpus.iter().map(|g| (g.torch_index, g.uuid.as_str())));
     let error = ranks::take_error(scope);
     let (started, cpu_started) = (Instant::now(), thread_cpu_s());
     let group = process_group(py);
-    report.rank = RankIdentity::detect(group.as_ref().map(|(_, r, w)| (*r, *w)), |name| std::env::var(name).ok());
+    report.rank = identity(group.as_ref());
     if report.rank.position().is_none() {
         return;
     }
@@ -200,24 +257,18 @@ pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
             None
         }
     };
-    let mut failures = Vec::new();
-    if let Some((dist, _, _)) = &group {
-        let published =
-            group_store(dist).and_then(|s| ranks::publish(&mut PyStore(s), report, run.clone(), error.clone()));
-        if let Err(e) = published {
-            failures.push(format!("the process group's store: {e}"));
-        }
-    }
-    match named_store(py) {
+    let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
+        report.notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
+        group_target(group.as_ref())
+    });
+    let published = match store {
         Ok(Some((store, label))) => {
-            if let Err(e) = ranks::publish(&mut PyStore(store), report, run, error) {
-                failures.push(format!("{label}: {e}"));
-            }
+            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {e}"))
         }
-        Ok(None) => {}
-        Err(e) => failures.push(e.to_string()),
-    }
-    for failure in failures {
+        Ok(None) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(failure) = published {
         report.notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
     }
     *lock(&LAST_PUBLISH) = Some((started.elapsed().as_secs_f64(), thread_cpu_s() - cpu_started));
@@ -240,23 +291,20 @@ pub(super) fn last_publish_s() -> Option<(f64, f64)> {
     *lock(&LAST_PUBLISH)
 }
 
-/// `gpuexp.ranks()`: every rank's latest report of an experiment, from the process group's
-/// store in a rank, or from the store `GPUEXP_RANKS_STORE` names (the kernel's own).
+/// `gpuexp.ranks()`: every rank's latest report of an experiment, from the store
+/// `GPUEXP_RANKS_STORE` names (the kernel's own), or in a rank without one, its group's.
 #[pyfunction]
 #[pyo3(name = "ranks", signature = (name=None, timeout=10.0))]
 pub(super) fn gather_ranks(py: Python, name: Option<String>, timeout: f64) -> PyResult<RanksPy> {
     let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
         PyValueError::new_err(format!("timeout must be a number of seconds, e.g. timeout=10; got {timeout}"))
     })?;
-    let (store, label) = match process_group(py) {
-        Some((dist, _, _)) => (group_store(&dist)?, "the process group's store".to_string()),
-        None => named_store(py)?.ok_or_else(|| {
-            PyRuntimeError::new_err(format!(
-                "no store to gather from: call gpuexp.ranks() in a rank of an initialised process group, or in the \
-                 notebook that launched the ranks, or set {STORE_ENV} to the store the ranks publish to"
-            ))
-        })?,
-    };
+    let (store, label) = rank_store(py, process_group(py).as_ref())?.ok_or_else(|| {
+        PyRuntimeError::new_err(format!(
+            "no store to gather from: call gpuexp.ranks() in a rank of an initialised process group, or in the \
+             notebook that launched the ranks, or set {STORE_ENV} to the store the ranks publish to"
+        ))
+    })?;
     match ranks::gather(&mut PyStore(store), name.as_deref(), timeout, &label) {
         Ok(gathered) => Ok(RanksPy(gathered)),
         Err(GatherError::Store(e)) => Err(e),
@@ -311,9 +359,10 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
 // ---- fork ------------------------------------------------------------------------------------
 
 /// `os.register_at_fork(before=...)`: background threads are kept out of NVML across the fork.
+/// The GIL stays held: they never take it, and no other Python thread should run now.
 #[pyfunction]
-pub(super) fn before_fork(py: Python) {
-    py.detach(fork::hold);
+pub(super) fn before_fork() {
+    fork::hold();
 }
 
 #[pyfunction]
@@ -335,6 +384,7 @@ pub(super) fn after_fork_in_child() {
             std::mem::forget(timeline);
         }
     }
+    lock(&UNREACHABLE).take();
     for opened in [lock(&NAMED).take(), lock(&HOSTED).take()].into_iter().flatten() {
         std::mem::forget(opened.store);
     }

@@ -43,8 +43,15 @@ impl Agreement {
     }
 }
 
+/// How long a rank that has every answer waits for the others to have read them too.
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Publishes this rank's answer of the `call`-th search of the run and waits for every other
 /// rank's, up to `timeout`. Err(names the ranks that never answered) after that.
+///
+/// Then it waits (up to 30 s) until every rank has read every answer: the group's store lives
+/// in rank 0, and a rank 0 that left at once would take the answers with it before a slower
+/// rank read them.
 pub fn agree<S: RankStore>(
     store: &mut S,
     run: &str,
@@ -54,13 +61,13 @@ pub fn agree<S: RankStore>(
     timeout: Duration,
 ) -> Result<Result<Agreement, String>, S::Error> {
     let encode = |answer: Option<u64>| answer.map(|a| a.to_string()).unwrap_or_else(|| "none".into());
-    store.set_many(&[(keys::agree(run, call, rank), encode(answer))])?;
+    store.set_many(&[(keys::agree(run, &call.to_string(), rank), encode(answer))])?;
     let mut answers: Vec<Option<Option<u64>>> = vec![None; world_size as usize];
     let mut backoff = Backoff::new(Instant::now() + timeout);
     loop {
         for other in 0..world_size {
             let slot = &mut answers[other as usize];
-            let key = keys::agree(run, call, other);
+            let key = keys::agree(run, &call.to_string(), other);
             if slot.is_none() && store.present(&key)? {
                 let value = store.get(&key)?;
                 *slot = Some(value.trim().parse().ok());
@@ -82,6 +89,17 @@ pub fn agree<S: RankStore>(
             }
         }
     }
+    let read = format!("{call}/read");
+    store.set_many(&[(keys::agree(run, &read, rank), String::new())])?;
+    let everyone: Vec<String> = (0..world_size).map(|other| keys::agree(run, &read, other)).collect();
+    let mut backoff = Backoff::new(Instant::now() + READ_TIMEOUT.min(timeout));
+    // A rank that died since it answered only shortens nobody's wait past the limit.
+    while !store.present_all(&everyone)? {
+        match backoff.next() {
+            Some(wait) => store.pause(wait)?,
+            None => break,
+        }
+    }
     let answers: Vec<Option<u64>> = answers.into_iter().flatten().collect();
     let agreed = answers.iter().copied().collect::<Option<Vec<u64>>>().and_then(|all| all.into_iter().min());
     Ok(Ok(Agreement { answers, agreed }))
@@ -95,8 +113,15 @@ mod tests {
     #[test]
     fn every_rank_gets_the_smallest_answer() {
         let mut store = MemoryStore::default();
-        store.set_many(&[(keys::agree("r", 0, 1), "384".into()), (keys::agree("r", 0, 2), "512".into())]).unwrap();
+        let others = [(keys::agree("r", "0", 1), "384".into()), (keys::agree("r", "0", 2), "512".into())];
+        store.set_many(&others).unwrap();
+        // The other ranks have read the answers already.
+        store
+            .set_many(&[(keys::agree("r", "0/read", 1), String::new()), (keys::agree("r", "0/read", 2), String::new())])
+            .unwrap();
         let agreement = agree(&mut store, "r", 0, (0, 3), Some(512), Duration::from_secs(1)).unwrap().unwrap();
+        assert_eq!(store.pauses, 0, "nobody to wait for");
+        assert!(store.values.contains_key(&keys::agree("r", "0/read", 0)));
         assert_eq!(agreement, Agreement { answers: vec![Some(512), Some(384), Some(512)], agreed: Some(384) });
         assert_eq!(
             agreement.lines(),
@@ -110,8 +135,11 @@ mod tests {
     #[test]
     fn a_rank_where_nothing_fits_means_nothing_fits_everywhere() {
         let mut store = MemoryStore::default();
-        store.set_many(&[(keys::agree("r", 4, 1), "none".into())]).unwrap();
-        let agreement = agree(&mut store, "r", 4, (0, 2), Some(64), Duration::from_secs(1)).unwrap().unwrap();
+        store.set_many(&[(keys::agree("r", "4", 1), "none".into())]).unwrap();
+        // Rank 1 died after it answered: the wait for it to read ends at the timeout.
+        let started = Instant::now();
+        let agreement = agree(&mut store, "r", 4, (0, 2), Some(64), Duration::from_millis(100)).unwrap().unwrap();
+        assert!(started.elapsed() < Duration::from_millis(400));
         assert_eq!(agreement.agreed, None);
         assert!(agreement.lines()[1].ends_with("none on rank 1"), "{:?}", agreement.lines());
     }
