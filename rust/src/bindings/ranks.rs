@@ -13,9 +13,12 @@ use crate::snapshot::children;
 
 /// How long a store operation may wait for the store's lock or connection.
 const STORE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a rank tries to reach a TCPStore: one that is gone (a kernel restarted) must not
-/// hold up its finishes, and it is not tried again in that process.
+/// How long a rank tries to reach a TCPStore's port: one that is gone (a kernel restarted)
+/// refuses at once, and is not tried again in that process.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long torch's client then has to connect and be validated: 64 ranks opening at once on
+/// a loaded 2-core box took more than 3 s.
+const VALIDATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// torch.distributed where torch is imported and built with it.
 fn distributed(py: Python) -> Option<Bound<PyAny>> {
@@ -173,14 +176,30 @@ fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult
             dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?
         }
         StoreAddress::Tcp { host, port } => {
+            // torch's client retries a refused connection until its timeout: a plain connect
+            // first tells a store that is gone from one that is busy.
+            py.detach(|| reachable(host, *port)).map_err(PyRuntimeError::new_err)?;
             let kwargs = PyDict::new(py);
             kwargs.set_item("wait_for_workers", false)?;
-            kwargs.set_item("timeout", timedelta(py, CONNECT_TIMEOUT)?)?;
+            kwargs.set_item("timeout", timedelta(py, VALIDATE_TIMEOUT)?)?;
             dist.getattr("TCPStore")?.call((host.as_str(), *port, py.None(), false), Some(&kwargs))?
         }
     };
     store.call_method1("set_timeout", (timedelta(py, STORE_TIMEOUT)?,))?;
     Ok(store)
+}
+
+fn reachable(host: &str, port: u16) -> Result<(), String> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let addresses = (host, port).to_socket_addrs().map_err(|e| format!("tcp://{host}:{port}: {e}"))?;
+    let mut last = format!("tcp://{host}:{port}: no address");
+    for address in addresses {
+        match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
+            Ok(_) => return Ok(()),
+            Err(e) => last = format!("nothing answers at tcp://{host}:{port} ({e})"),
+        }
+    }
+    Err(last)
 }
 
 /// Tells the runs of a process group apart: one token per group, claimed in its store by
