@@ -177,11 +177,28 @@ fn stop_locked(running: &mut Option<Running>) {
     let _ = run.handle.join();
 }
 
-/// In a forked child: the parent's thread does not exist here, so its handle is never joined
-/// (a join would wait forever) nor detached; the next scope starts a thread of its own.
-pub fn forget_after_fork() {
-    if let Some(run) = running().take() {
-        std::mem::forget(run);
+thread_local! {
+    /// The forking thread's hold on the sampler's state, from just before a fork to just after.
+    static HELD_FOR_FORK: std::cell::RefCell<Option<MutexGuard<'static, Option<Running>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Just before a fork: no other thread is then starting or stopping the sampler, so the
+/// child never inherits its state locked. Taken before [`crate::fork::hold`], since starting
+/// a sampler waits for its first sample, which waits for that gate.
+pub fn hold_for_fork() {
+    let guard = running();
+    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
+}
+
+/// Just after a fork. In the child, the parent's thread does not exist, so its handle is
+/// never joined (a join would wait forever) nor detached; the next scope starts its own.
+pub fn release_after_fork(in_child: bool) {
+    let Some(mut guard) = HELD_FOR_FORK.with(|held| held.borrow_mut().take()) else { return };
+    if in_child {
+        if let Some(run) = guard.take() {
+            std::mem::forget(run);
+        }
     }
 }
 

@@ -381,12 +381,14 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
 /// The GIL stays held: they never take it, and no other Python thread should run now.
 #[pyfunction]
 pub(super) fn before_fork() {
+    sampler::hold_for_fork();
     fork::hold();
 }
 
 #[pyfunction]
 pub(super) fn after_fork_in_parent() {
     fork::release();
+    sampler::release_after_fork(false);
 }
 
 /// In a forked child: it starts clean. No open scope, no cell log, no history, no reference
@@ -396,7 +398,7 @@ pub(super) fn after_fork_in_parent() {
 #[pyfunction]
 pub(super) fn after_fork_in_child() {
     fork::release();
-    sampler::forget_after_fork();
+    sampler::release_after_fork(true);
     *registry() = Registry::default();
     for (_, mut scope_pins) in std::mem::take(&mut *pins()) {
         if let Some(timeline) = scope_pins.timeline.take() {
