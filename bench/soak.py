@@ -57,7 +57,7 @@ class Driver:
         self.run(f"print({mark!r} + json.dumps({expression}))")
         cell = self.nb.cells[-1]
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
-        return json.loads(next(line for line in text.splitlines() if line.startswith(mark))[len(mark):])
+        return json.loads(next(line for line in text.splitlines() if line.startswith(mark))[len(mark) :])
 
     def interrupt_during(self, source, after_s):
         """Runs `source`, interrupts the kernel `after_s` in; returns the reply's error name or None."""
@@ -89,7 +89,9 @@ def soak(cycles, gpu, interrupt_every):
             work += "\nt = torch.randn(1024, 1024, device='cuda') @ torch.randn(1024, 1024, device='cuda')"
         driver.run(work)
         if interrupt_every and cycle % interrupt_every == interrupt_every - 1:
-            driver.run("class Slow:\n    def __del__(self): __import__('time').sleep(0.02)\nslow = [Slow() for _ in range(20)]")
+            driver.run(
+                "class Slow:\n    def __del__(self): __import__('time').sleep(0.02)\nslow = [Slow() for _ in range(20)]"
+            )
             driver.interrupt_during("del exp", after_s=0.1)
             interrupts += 1
             time.sleep(0.1)
@@ -101,9 +103,11 @@ def soak(cycles, gpu, interrupt_every):
                 not_back.append((cycle, back))
     rss_end, reports_end, count = driver.value("[rss(), history_bytes(), len(gpuexp.history())]")
     driver.run("mon.stop()\ngpuexp._core.shutdown()")
-    threads = driver.value("[t.name for t in threading.enumerate() if t is not threading.main_thread() "
-                           "and 'gpuexp' in t.name] + [open(f'/proc/self/task/{t}/comm').read().strip() "
-                           "for t in os.listdir('/proc/self/task') if 'gpuexp' in open(f'/proc/self/task/{t}/comm').read()]")
+    threads = driver.value(
+        "[t.name for t in threading.enumerate() if t is not threading.main_thread() "
+        "and 'gpuexp' in t.name] + [open(f'/proc/self/task/{t}/comm').read().strip() "
+        "for t in os.listdir('/proc/self/task') if 'gpuexp' in open(f'/proc/self/task/{t}/comm').read()]"
+    )
     elapsed = time.perf_counter() - started
     driver.close()
     growth = (rss_end - rss_start) - (reports_end - reports_start)
@@ -134,8 +138,11 @@ def main():
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
-    ok = (result["reports_stored"] == args.cycles + 1 and not result["gpuexp_threads_left"]
-          and not result["torch_allocated_not_back"])
+    ok = (
+        result["reports_stored"] == args.cycles + 1
+        and not result["gpuexp_threads_left"]
+        and not result["torch_allocated_not_back"]
+    )
     print("soak:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -13,6 +13,7 @@ from ._core import CellRecord, GpuReport, HostReport, Metric, NvmlUnavailable, R
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
 from .monitor import Monitor
+from .ranks import host_ranks_store, ranks
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "find_batch_size",
     "holders",
     "history",
+    "host_ranks_store",
+    "ranks",
     "save_history",
     "snapshot",
 ]

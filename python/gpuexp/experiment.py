@@ -91,6 +91,9 @@ class GPUExperiment:
         return self
 
     def __exit__(self, *exc_info):
+        if exc_info[1] is not None and _core.is_open(self._id):
+            # A rank's published record says what ended its experiment (an OOM, with what it asked for).
+            _core.note_scope_error(self._id, exc_info[1])
         self.finish()
         return False
 
@@ -123,7 +126,7 @@ class CPUExperiment(GPUExperiment):
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
-                    multiple_of=1, device=None, verifications=2, steps=2, progress=True):
+                    multiple_of=1, device=None, verifications=2, steps=2, progress=True, ranks_timeout=600):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
 
@@ -147,12 +150,17 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     fragmentation at the cap). A verification that fails steps down 3% once before the search
     bisects. ``power_of_two`` and
     ``multiple_of`` round the answer down.
+
+    Called on every rank of an initialised process group, each rank searches its own GPU and
+    then all agree, through the group's store, on the largest size that fits on every rank:
+    every rank gets that one answer, and the table shows each rank's. A rank whose answer has
+    not come after ``ranks_timeout`` seconds is named in a RuntimeError.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
     return _core.find_batch_size(
         step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
-        progress=progress, adapter=ipython.DetachedNamespace(),
+        progress=progress, ranks_timeout=ranks_timeout, adapter=ipython.DetachedNamespace(),
     )
 
 

@@ -14,12 +14,14 @@ import threading
 import traceback
 
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
+# In a process forked from a kernel (a rank): it runs no cells, and the shell is the parent's.
+_forked_from_shell = False
 
 
 def shell():
     """The running IPython shell, or None in plain Python. Never imports IPython."""
     module = sys.modules.get("IPython")
-    if module is None:
+    if module is None or _forked_from_shell:
         return None
     try:
         return module.get_ipython()
@@ -266,3 +268,10 @@ def raise_held_interrupt(ip, result):
         return
     result.error_in_exec = error
     ip.showtraceback((type(error), error, error.__traceback__))
+
+
+def forget_shell_after_fork():
+    """In a child forked from a kernel: no shell, so no cell events and no display into the
+    parent's notebook. The parent's experiments are gone from the core's registry already."""
+    global _forked_from_shell
+    _forked_from_shell = True

@@ -3,12 +3,16 @@
 
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
+/// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.
+pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
 /// The thread that raises peaks between snapshots where no peak counter exists.
 pub mod peak_sampler;
+/// Experiments across processes: each rank's report published to torch.distributed's store, gathered.
+pub mod ranks;
 /// What a scope, a cell, an OOM or a leak hunt found, as JSON and tables.
 pub mod report;
 /// The registry of scopes: nesting, start snapshots, peak windows, history.

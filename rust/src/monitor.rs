@@ -205,7 +205,8 @@ fn record(
     let mut next = started;
     while !stop.load(Ordering::Relaxed) {
         let reading = host::read();
-        let gpus = uuids
+        let fork_waits = crate::fork::reading();
+        let gpus: Vec<GpuSample> = uuids
             .iter()
             .zip(&devices)
             .map(|(uuid, device)| {
@@ -223,6 +224,7 @@ fn record(
                 }
             })
             .collect();
+        drop(fork_waits);
         let sample = Sample {
             t: started.elapsed().as_secs_f64(),
             time: now(),

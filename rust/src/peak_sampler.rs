@@ -30,6 +30,7 @@ struct GpuPeak {
     uuid: String,
     device: AtomicU64,
     process: AtomicU64,
+    children: AtomicU64,
     /// The latest sample, and when it was taken.
     latest: Mutex<Option<(Instant, NvmlReading)>>,
 }
@@ -113,6 +114,7 @@ pub fn ensure(sources: Sources) -> bool {
                 uuid: uuid.clone(),
                 device: AtomicU64::new(0),
                 process: AtomicU64::new(0),
+                children: AtomicU64::new(0),
                 latest: Mutex::new(None),
             })
             .collect(),
@@ -137,6 +139,7 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
     let pids = own_pids();
     let mut ready = Some(ready);
     while !stop.load(Ordering::Relaxed) {
+        let fork_waits = crate::fork::reading();
         if sources.host {
             peaks.host.fetch_max(host::read_rss(), Ordering::Relaxed);
         }
@@ -147,9 +150,11 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
                 if let ProcessUse::Listed(bytes) = reading.process {
                     slot.process.fetch_max(bytes, Ordering::Relaxed);
                 }
+                slot.children.fetch_max(reading.children, Ordering::Relaxed);
                 *slot.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), reading));
             }
         }
+        drop(fork_waits);
         if let Some(ready) = ready.take() {
             let _ = ready.send(());
         }
@@ -171,6 +176,31 @@ fn stop_locked(running: &mut Option<Running>) {
     run.stop.store(true, Ordering::Relaxed);
     run.handle.thread().unpark();
     let _ = run.handle.join();
+}
+
+thread_local! {
+    /// The forking thread's hold on the sampler's state, from just before a fork to just after.
+    static HELD_FOR_FORK: std::cell::RefCell<Option<MutexGuard<'static, Option<Running>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Just before a fork: no other thread is then starting or stopping the sampler, so the
+/// child never inherits its state locked. Taken before [`crate::fork::hold`], since starting
+/// a sampler waits for its first sample, which waits for that gate.
+pub fn hold_for_fork() {
+    let guard = running();
+    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
+}
+
+/// Just after a fork. In the child, the parent's thread does not exist, so its handle is
+/// never joined (a join would wait forever) nor detached; the next scope starts its own.
+pub fn release_after_fork(in_child: bool) {
+    let Some(mut guard) = HELD_FOR_FORK.with(|held| held.borrow_mut().take()) else { return };
+    if in_child {
+        if let Some(run) = guard.take() {
+            std::mem::forget(run);
+        }
+    }
 }
 
 /// UUIDs of the GPUs being sampled.
@@ -206,6 +236,7 @@ pub fn apply(snapshot: &mut Snapshot) {
         if let Some(peak) = gpu.process_used_peak.as_mut() {
             *peak = (*peak).max(slot.process.load(Ordering::Relaxed));
         }
+        gpu.children_used_peak = gpu.children_used_peak.max(slot.children.load(Ordering::Relaxed));
     }
 }
 
@@ -220,6 +251,7 @@ pub fn reset(snapshot: &Snapshot) {
         if let Some(slot) = run.peaks.gpus.iter().find(|s| s.uuid == gpu.uuid) {
             slot.device.store(gpu.device_used, Ordering::Relaxed);
             slot.process.store(gpu.process_used.unwrap_or(0), Ordering::Relaxed);
+            slot.children.store(gpu.children_used, Ordering::Relaxed);
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::snapshot::Snapshot;
 
@@ -65,7 +65,7 @@ pub struct Plan {
 }
 
 /// What teardown did to names and hidden references.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Names {
     /// Names the scope created, deleted.
     pub deleted: Vec<String>,

@@ -8,6 +8,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::interrupts;
+use super::ranks;
 use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
@@ -43,7 +44,7 @@ shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
 /// clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
 #[pyfunction]
 #[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
-                    verifications=2, steps=2, progress=true, adapter))]
+                    verifications=2, steps=2, progress=true, ranks_timeout=600.0, adapter))]
 #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
 pub(super) fn find_batch_size(
     py: Python,
@@ -58,6 +59,7 @@ pub(super) fn find_batch_size(
     verifications: u32,
     steps: u32,
     progress: bool,
+    ranks_timeout: f64,
     adapter: Bound<PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
     if !step.is_callable() {
@@ -105,6 +107,11 @@ pub(super) fn find_batch_size(
     searched.and(restored).and(released)?;
     if interrupted {
         return Err(interrupts::interrupted());
+    }
+    // In a rank of a process group every rank must run one size: the largest that fits on all.
+    if ranks::agree_across_ranks(py, &mut search, ranks_timeout)? && progress {
+        let line = format!("gpuexp: every rank agreed on batch size {:?}", search.batch_size);
+        py.import("builtins")?.call_method1("print", (line,))?;
     }
     Ok(BatchSizeResultPy(search))
 }

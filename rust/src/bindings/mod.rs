@@ -13,6 +13,7 @@ mod kernel;
 mod monitor;
 mod namespace;
 mod oom;
+mod ranks;
 mod registry;
 mod scope;
 mod snapshot;
@@ -38,6 +39,11 @@ mod core_module {
     use super::namespace::bound_names;
     #[pymodule_export]
     use super::oom::rescue_oom;
+    #[pymodule_export]
+    use super::ranks::{
+        after_fork_in_child, after_fork_in_parent, before_fork, gather_ranks, host_ranks_store, kernel_ranks_store,
+        last_publish_s, note_scope_error, remove_kernel_ranks_store, RanksPy,
+    };
     #[pymodule_export]
     use super::report::{CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy};
     #[pymodule_export]

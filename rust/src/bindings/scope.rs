@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::interrupts;
 use super::namespace::{user_names, Baseline, Judged};
+use super::ranks;
 use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
 use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
@@ -38,6 +39,18 @@ static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::n
 
 fn held() -> MutexGuard<'static, HashMap<ScopeId, Held>> {
     HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// In a forked child: the parent's open scopes are not the child's. Their monitors' threads
+/// don't exist here, so they are forgotten, never joined.
+pub(super) fn forget_in_child() {
+    for (_, mut scope_held) in std::mem::take(&mut *held()) {
+        if let Some(monitor) = scope_held.monitor.take() {
+            std::mem::forget(monitor);
+        }
+        // The pins refer into the parent's namespace: they go without running Python code.
+        std::mem::forget(scope_held.baseline.take());
+    }
 }
 
 /// Torch's release steps and snapshots of the scope's devices, for the core's teardown.
@@ -130,6 +143,7 @@ fn open(
             None => None,
         },
     };
+    ranks::prepare_publishing(py);
     let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
     let (id, title) = {
         let mut registry = registry();
@@ -241,6 +255,7 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
         Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
     }
     drop(scope_held);
+    ranks::complete_report(py, id, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
     update_sampler(py, None);
     Ok(finished)

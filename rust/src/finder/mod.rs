@@ -96,6 +96,8 @@ pub struct Search {
     pub batch_size: Option<u64>,
     /// Why the search ended where it did, in words.
     pub verdict: String,
+    /// Every rank's answer, where the search ran on each rank of a process group.
+    pub ranks: Option<crate::ranks::Agreement>,
 }
 
 /// A check passes when the line predicts the further probe within this share.
@@ -127,6 +129,7 @@ impl Search {
             stepped_down: false,
             batch_size: None,
             verdict: String::new(),
+            ranks: None,
         })
     }
 
@@ -396,6 +399,7 @@ impl Search {
         if let Some(predicted) = self.predicted {
             lines.push(format!("predicted: {predicted}"));
         }
+        lines.extend(self.ranks.iter().flat_map(crate::ranks::Agreement::lines));
         let title = match self.batch_size {
             Some(batch) => format!("gpuexp · batch size {batch} · {} trials", self.trials.len()),
             None if self.verdict.is_empty() => format!("gpuexp · searching · {} trials", self.trials.len()),

@@ -1,13 +1,13 @@
 //! What still holds memory: the objects that keep it alive, each with the path to it from
 //! something a person recognises.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::grid::Grid;
 use crate::units::bytes;
 
 /// One object that keeps memory alive, and the way to it from something a person recognises.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holder {
     /// How to reach it: `cache[0]`, `model.encoder.layers.3.weight`, `Out[12]`, …
     pub path: String,
@@ -20,7 +20,7 @@ pub struct Holder {
 }
 
 /// What holds memory on a device (or on the host), largest first.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Holders {
     pub device: String,
     pub holders: Vec<Holder>,

@@ -9,7 +9,7 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
@@ -23,7 +23,7 @@ use crate::teardown::Names;
 use crate::units::{bytes, rfc3339, signed_bytes};
 
 /// One gauge over a scope. consumed = before_teardown − start; reclaimed = before_teardown − end.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Metric {
     pub start: u64,
     pub before_teardown: u64,
@@ -56,7 +56,7 @@ impl Metric {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HostReport {
     pub rss: Metric,
     pub available: u64,
@@ -64,7 +64,7 @@ pub struct HostReport {
     pub cgroup_limit: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GpuReport {
     pub torch_index: u32,
     pub nvml_index: u32,
@@ -77,12 +77,16 @@ pub struct GpuReport {
     /// None when NVML could not read the device during the scope.
     pub device_used: Option<Metric>,
     pub num_ooms: Option<u64>,
+    /// What this process's descendants (ranks, DataLoader workers) held on the GPU, as NVML lists them.
+    #[serde(default)]
+    pub children_used: Option<Metric>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub name: String,
-    pub kind: &'static str,
+    /// "gpu" or "cpu" (a Cow so that reports published by other ranks read back).
+    pub kind: std::borrow::Cow<'static, str>,
     pub finished: bool,
     pub started_at: String,
     pub finished_at: Option<String>,
@@ -92,14 +96,22 @@ pub struct Report {
     pub host: HostReport,
     pub gpus: Vec<GpuReport>,
     pub notes: Vec<String>,
-    /// The cell log of the cells that ran while the scope was open.
+    /// The cell log of the cells that ran while the scope was open (not published to other ranks).
+    #[serde(skip_deserializing)]
     pub cells: Vec<CellRecord>,
     /// Where memory the scope created did not come back: what still holds it.
     pub holders: Vec<Holders>,
     /// Bytes torch could allocate on each GPU while the scope was open (`limit=`).
     pub limit: Option<u64>,
-    /// The timeline its monitor recorded (`monitor=True`).
+    /// The timeline its monitor recorded (`monitor=True`; not published to other ranks).
+    #[serde(skip_deserializing)]
     pub monitor: Vec<Sample>,
+    /// rank, local_rank, world_size and hostname, as top-level keys, in a rank of a distributed run.
+    #[serde(flatten)]
+    pub rank: crate::ranks::RankIdentity,
+    /// Descendant processes still holding GPU memory when the scope finished: never ended by gpuexp.
+    #[serde(default)]
+    pub child_processes: Vec<crate::snapshot::children::ChildProcess>,
 }
 
 /// What a report holds beside its figures: what teardown did and what the scope recorded.
@@ -165,6 +177,7 @@ impl Report {
                 let process_used =
                     process_known.then(|| gpu_metric(Gauge::ProcessUsed(uuid.clone()), |g| g.process_used)).flatten();
                 let device_used = gpu_metric(Gauge::DeviceUsed(uuid.clone()), |g| Some(g.device_used));
+                let children_used = gpu_metric(Gauge::ChildrenUsed(uuid.clone()), |g| Some(g.children_used));
                 GpuReport {
                     torch_index: first.torch_index,
                     nvml_index: first.nvml_index,
@@ -176,6 +189,7 @@ impl Report {
                     process_used,
                     device_used,
                     num_ooms: end.unwrap_or(before).gpu(&uuid).and_then(|g| g.torch).map(|t| t.num_ooms),
+                    children_used,
                 }
             })
             .collect();
@@ -189,7 +203,7 @@ impl Report {
         let finished_at = end.map(|e| e.taken_at);
         Report {
             name: name.to_string(),
-            kind: if gpu { "gpu" } else { "cpu" },
+            kind: if gpu { "gpu" } else { "cpu" }.into(),
             finished: end.is_some(),
             started_at: rfc3339(start.taken_at),
             finished_at: finished_at.map(rfc3339),
@@ -202,6 +216,8 @@ impl Report {
             holders: Vec::new(),
             limit: details.limit,
             monitor: details.monitor,
+            rank: Default::default(),
+            child_processes: Vec::new(),
         }
     }
 
@@ -235,6 +251,8 @@ impl Report {
             }
             lines.push(line);
         }
+        lines.extend(self.rank.line());
+        lines.extend(crate::snapshot::children::still_holding_lines(&self.child_processes));
         let finished = self.finished;
         let mut rows = vec![metric_row("host RSS".into(), &self.host.rss, finished)];
         for gpu in &self.gpus {
@@ -252,6 +270,10 @@ impl Report {
                     None if what.starts_with("NVML") => rows.push(unavailable_row(label(what))),
                     None => {}
                 }
+            }
+            // Shown once a descendant held memory there: a notebook that launches no ranks keeps its table.
+            if let Some(children) = gpu.children_used.as_ref().filter(|m| m.peak > 0) {
+                rows.push(metric_row(label("child processes"), children, finished));
             }
         }
         Grid {

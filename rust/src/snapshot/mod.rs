@@ -1,6 +1,7 @@
 //! One reading of everything gpuexp measures: host memory, NVML's view of each visible GPU,
 //! and torch's allocator on each of them.
 
+pub mod children;
 pub mod host;
 pub mod nvml;
 pub mod torch;
@@ -33,6 +34,10 @@ pub struct GpuReading {
     pub process_used: Option<u64>,
     /// Highest `process_used` since the last reset, as the sampler saw it.
     pub process_used_peak: Option<u64>,
+    /// What this process's descendants hold on the device (see [`children`]).
+    pub children_used: u64,
+    /// Highest `children_used` since the last reset, as the sampler saw it.
+    pub children_used_peak: u64,
     /// None when torch is not imported.
     pub torch: Option<TorchStats>,
 }
@@ -141,6 +146,8 @@ fn gpu_reading(
         device_used_peak: nvml.used,
         process_used,
         process_used_peak: process_used,
+        children_used: nvml.children,
+        children_used_peak: nvml.children,
         torch,
     }
 }
@@ -181,6 +188,7 @@ pub enum Gauge {
     TorchReserved(String),
     ProcessUsed(String),
     DeviceUsed(String),
+    ChildrenUsed(String),
 }
 
 impl Snapshot {
@@ -198,6 +206,8 @@ impl Snapshot {
                 out.push((Gauge::ProcessUsed(gpu.uuid.clone()), used, peak));
             }
             out.push((Gauge::DeviceUsed(gpu.uuid.clone()), gpu.device_used, gpu.device_used_peak.max(gpu.device_used)));
+            let children_peak = gpu.children_used_peak.max(gpu.children_used);
+            out.push((Gauge::ChildrenUsed(gpu.uuid.clone()), gpu.children_used, children_peak));
         }
         out
     }
@@ -239,6 +249,8 @@ pub(crate) mod testing {
             device_used_peak: 0,
             process_used: Some(0),
             process_used_peak: None,
+            children_used: 0,
+            children_used_peak: 0,
             torch: None,
         }
     }
@@ -273,7 +285,7 @@ mod tests {
     }
 
     fn nvml_reading(process: ProcessUse) -> NvmlReading {
-        NvmlReading { total: 140 * GIB, used: 10 * GIB, free: 130 * GIB, reserved: GIB / 2, process }
+        NvmlReading { total: 140 * GIB, used: 10 * GIB, free: 130 * GIB, reserved: GIB / 2, process, children: 0 }
     }
 
     fn torch_holding(reserved: u64) -> Option<TorchStats> {
@@ -323,7 +335,8 @@ mod tests {
                 Gauge::TorchAllocated(uuid()),
                 Gauge::TorchReserved(uuid()),
                 Gauge::ProcessUsed(uuid()),
-                Gauge::DeviceUsed(uuid())
+                Gauge::DeviceUsed(uuid()),
+                Gauge::ChildrenUsed(uuid())
             ]
         );
     }

@@ -38,6 +38,8 @@ pub struct NvmlReading {
     pub free: u64,
     pub reserved: u64,
     pub process: ProcessUse,
+    /// What this process's descendants hold on the device.
+    pub children: u64,
 }
 
 fn library() -> Result<&'static Nvml, String> {
@@ -308,7 +310,7 @@ impl Listed {
 }
 
 /// The command line of a process, as far as this namespace can see it ("?" otherwise).
-fn process_command(pid: u32) -> String {
+pub(crate) fn process_command(pid: u32) -> String {
     match std::fs::read(format!("/proc/{pid}/cmdline")) {
         Ok(raw) if !raw.is_empty() => {
             String::from_utf8_lossy(&raw).split('\0').filter(|a| !a.is_empty()).collect::<Vec<_>>().join(" ")
@@ -339,7 +341,9 @@ pub fn open(uuid: &str) -> Result<Device<'static>, String> {
 /// every PID namespace it belongs to: drivers report host PIDs in some containers.
 pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading, String> {
     let memory = device.memory_info().map_err(|e| e.to_string())?;
-    let process = match device.running_compute_processes() {
+    let listed = device.running_compute_processes();
+    let children = listed.as_ref().map(|processes| super::children::held_by_descendants(processes)).unwrap_or(0);
+    let process = match listed {
         Ok(processes) => match processes.iter().find(|p| pids.contains(&p.pid)) {
             Some(p) => match p.used_gpu_memory {
                 UsedGpuMemory::Used(bytes) => ProcessUse::Listed(bytes),
@@ -349,5 +353,12 @@ pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading, String> {
         },
         Err(_) => ProcessUse::Unreported,
     };
-    Ok(NvmlReading { total: memory.total, used: memory.used, free: memory.free, reserved: memory.reserved, process })
+    Ok(NvmlReading {
+        total: memory.total,
+        used: memory.used,
+        free: memory.free,
+        reserved: memory.reserved,
+        process,
+        children,
+    })
 }

@@ -1,0 +1,523 @@
+//! Across ranks, through torch.distributed's Python API: the only code that calls it. Torch is
+//! looked up in `sys.modules`, never imported; its stores are reached only through calls that
+//! return at once (`check`, `get` of a present key, `multi_set`, `compare_set`).
+
+use std::time::{Duration, Instant};
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::registry::registry;
+use super::report::{json_to_python, ReportPy};
+use super::scope;
+use crate::finder::Search;
+use crate::fork;
+use crate::peak_sampler;
+use crate::ranks::{self, GatherError, Gathered, RankIdentity, RankStore, StoreAddress, STORE_ENV};
+use crate::report::Report;
+use crate::scope::{Registry, ScopeId};
+use crate::snapshot::children;
+
+/// How long a store operation may wait for the store's lock or connection.
+const STORE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a rank tries to reach a TCPStore's port: one that is gone (a kernel restarted)
+/// refuses at once, and is not tried again in that process.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long torch's client then has to connect and be validated: 64 ranks opening at once on
+/// a loaded 2-core box took more than 3 s.
+const VALIDATE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// torch.distributed where torch is imported and built with it.
+fn distributed(py: Python) -> Option<Bound<PyAny>> {
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    let dist = modules.get_item("torch.distributed").ok()?;
+    dist.call_method0("is_available").ok()?.extract::<bool>().ok()?.then_some(dist)
+}
+
+/// The initialised default process group: torch.distributed, rank and world size.
+fn process_group(py: Python) -> Option<(Bound<PyAny>, u32, u32)> {
+    let dist = distributed(py)?;
+    if !dist.call_method0("is_initialized").ok()?.extract::<bool>().ok()? {
+        return None;
+    }
+    let rank = dist.call_method0("get_rank").ok()?.extract().ok()?;
+    let world_size = dist.call_method0("get_world_size").ok()?.extract().ok()?;
+    Some((dist, rank, world_size))
+}
+
+/// The default process group's store, which every rank of the group reaches.
+fn group_store<'py>(dist: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    dist.getattr("distributed_c10d")?.call_method0("_get_default_store")
+}
+
+fn timedelta(py: Python, duration: Duration) -> PyResult<Bound<PyAny>> {
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("seconds", duration.as_secs_f64())?;
+    py.import("datetime")?.getattr("timedelta")?.call((), Some(&kwargs))
+}
+
+/// A torch.distributed store as [`RankStore`].
+struct PyStore<'py>(Bound<'py, PyAny>);
+
+impl RankStore for PyStore<'_> {
+    type Error = PyErr;
+
+    fn set_many(&mut self, entries: &[(String, String)]) -> PyResult<()> {
+        let (keys, values): (Vec<&str>, Vec<&str>) = entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).unzip();
+        self.0.call_method1("multi_set", (keys, values)).map(drop)
+    }
+    fn present(&mut self, key: &str) -> PyResult<bool> {
+        self.0.call_method1("check", (vec![key],))?.extract()
+    }
+    fn present_all(&mut self, keys: &[String]) -> PyResult<bool> {
+        self.0.call_method1("check", (keys.to_vec(),))?.extract()
+    }
+    fn get(&mut self, key: &str) -> PyResult<String> {
+        let raw: Vec<u8> = self.0.call_method1("get", (key,))?.extract()?;
+        Ok(String::from_utf8_lossy(&raw).into_owned())
+    }
+    fn get_many(&mut self, keys: &[String]) -> PyResult<Vec<String>> {
+        let raw: Vec<Vec<u8>> = self.0.call_method1("multi_get", (keys.to_vec(),))?.extract()?;
+        Ok(raw.into_iter().map(|v| String::from_utf8_lossy(&v).into_owned()).collect())
+    }
+    fn claim(&mut self, key: &str, value: &str) -> PyResult<String> {
+        let raw: Vec<u8> = self.0.call_method1("compare_set", (key, "", value))?.extract()?;
+        Ok(String::from_utf8_lossy(&raw).into_owned())
+    }
+    fn names(&mut self) -> Vec<String> {
+        let listed = self.0.call_method0("list_keys").and_then(|k| k.extract::<Vec<String>>());
+        listed
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|k| k.strip_prefix(ranks::keys::NAMES).map(String::from))
+            .collect()
+    }
+    fn pause(&mut self, wait: Duration) -> PyResult<()> {
+        let py = self.0.py();
+        py.detach(|| std::thread::sleep(wait));
+        // Ctrl-C ends a long wait.
+        py.check_signals()
+    }
+}
+
+// ---- stores this process opened ----------------------------------------------------------
+
+/// A store this process opened or hosts, by the address it was opened for. A forked child
+/// inherits the handle but not the connection or the server thread: it forgets it.
+struct Opened {
+    pid: u32,
+    address: String,
+    store: Py<PyAny>,
+}
+
+/// The store `GPUEXP_RANKS_STORE` names, once opened.
+static NAMED: Mutex<Option<Opened>> = Mutex::new(None);
+/// The store that could not be opened, by process and address, and why.
+static UNREACHABLE: Mutex<Option<(u32, String, String)>> = Mutex::new(None);
+/// The TCPStore this kernel hosts (`gpuexp.host_ranks_store()`).
+static HOSTED: Mutex<Option<Opened>> = Mutex::new(None);
+/// The run token of the process group, with the group's store it was claimed in.
+static RUN: Mutex<Option<(u32, Py<PyAny>, String)>> = Mutex::new(None);
+/// The searches of `find_batch_size` agreed so far in this run (each call has its keys).
+static AGREEMENTS: Mutex<u64> = Mutex::new(0);
+/// What the last publish cost, for the bench: wall seconds and this thread's CPU seconds.
+static LAST_PUBLISH: Mutex<Option<(f64, f64)>> = Mutex::new(None);
+
+/// This thread's CPU time: with many ranks on few cores, wall time is mostly waiting for a core.
+fn thread_cpu_s() -> f64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
+}
+
+fn lock<T>(mutex: &'static Mutex<T>) -> MutexGuard<'static, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn current<'py>(py: Python<'py>, opened: &'static Mutex<Option<Opened>>, address: &str) -> Option<Bound<'py, PyAny>> {
+    let pid = std::process::id();
+    let opened = lock(opened);
+    opened.as_ref().filter(|o| o.pid == pid && o.address == address).map(|o| o.store.bind(py).clone())
+}
+
+/// The store `GPUEXP_RANKS_STORE` names, opened once per process; None where it is not set.
+fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
+    let Ok(value) = std::env::var(STORE_ENV) else { return Ok(None) };
+    let address = StoreAddress::parse(&value).map_err(PyValueError::new_err)?;
+    let label = address.to_string();
+    if let Some(store) = current(py, &HOSTED, &label).or_else(|| current(py, &NAMED, &label)) {
+        return Ok(Some((store, label)));
+    }
+    let Some(dist) = distributed(py) else {
+        return Err(PyRuntimeError::new_err(format!(
+            "{STORE_ENV} names {label}: gathering across ranks needs torch.distributed (import torch first)"
+        )));
+    };
+    let pid = std::process::id();
+    if let Some((_, _, why)) = lock(&UNREACHABLE).as_ref().filter(|(p, a, _)| *p == pid && *a == label) {
+        return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
+    }
+    let opened = open_named(&dist, &address);
+    if let Err(e) = &opened {
+        *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string()));
+    }
+    let store = opened?;
+    // Not locked while opening: torch may release the GIL to connect, and another thread could
+    // then wait for the lock with the GIL held. Two threads opening at once keep the first.
+    let mut named = lock(&NAMED);
+    match named.as_ref().filter(|o| o.pid == pid && o.address == label) {
+        Some(first) => Ok(Some((first.store.bind(py).clone(), label))),
+        None => {
+            *named = Some(Opened { pid, address: label.clone(), store: store.clone().unbind() });
+            Ok(Some((store, label)))
+        }
+    }
+}
+
+fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult<Bound<'py, PyAny>> {
+    let py = dist.py();
+    let store = match address {
+        StoreAddress::Directory(_) => {
+            let file = address.file().expect("a directory has a file");
+            dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?
+        }
+        StoreAddress::Tcp { host, port } => {
+            // torch's client retries a refused connection until its timeout: a plain connect
+            // first tells a store that is gone from one that is busy.
+            py.detach(|| reachable(host, *port)).map_err(PyRuntimeError::new_err)?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("wait_for_workers", false)?;
+            kwargs.set_item("timeout", timedelta(py, VALIDATE_TIMEOUT)?)?;
+            dist.getattr("TCPStore")?.call((host.as_str(), *port, py.None(), false), Some(&kwargs))?
+        }
+    };
+    store.call_method1("set_timeout", (timedelta(py, STORE_TIMEOUT)?,))?;
+    Ok(store)
+}
+
+fn reachable(host: &str, port: u16) -> Result<(), String> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let addresses = (host, port).to_socket_addrs().map_err(|e| format!("tcp://{host}:{port}: {e}"))?;
+    let mut last = format!("tcp://{host}:{port}: no address");
+    for address in addresses {
+        match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
+            Ok(_) => return Ok(()),
+            Err(e) => last = format!("nothing answers at tcp://{host}:{port} ({e})"),
+        }
+    }
+    Err(last)
+}
+
+/// Tells the runs of a process group apart: one token per group, claimed in its store by
+/// whichever rank comes first. Without a group, torchrun's run id where it names one.
+fn run_token(py: Python, group: Option<&(Bound<PyAny>, u32, u32)>) -> PyResult<Option<String>> {
+    let Some((dist, _, _)) = group else {
+        let run = std::env::var("TORCHELASTIC_RUN_ID").ok().filter(|r| !r.is_empty() && r != "none");
+        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
+        return Ok(run.map(|r| format!("{r}.{restart}")));
+    };
+    let store = group_store(dist)?;
+    let pid = std::process::id();
+    let mut cached = lock(&RUN);
+    if let Some((owner, claimed_in, token)) = cached.as_ref() {
+        if *owner == pid && claimed_in.bind(py).is(&store) {
+            return Ok(Some(token.clone()));
+        }
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let mine = format!("{nanos:x}-{pid:x}-{}", ranks::hostname());
+    let token = PyStore(store.clone()).claim(ranks::keys::RUN, &mine)?;
+    *cached = Some((pid, store.unbind(), token.clone()));
+    Ok(Some(token))
+}
+
+/// Where this process publishes and gathers: the store `GPUEXP_RANKS_STORE` names (the
+/// kernel's, which every rank it launched reaches), or else the process group's. One store,
+/// not both: a group's store lives in rank 0, which may have exited by the time a slower rank
+/// finishes, and torch prints a stack trace for every call that then fails.
+fn rank_store<'py>(
+    py: Python<'py>,
+    group: Option<&(Bound<'py, PyAny>, u32, u32)>,
+) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
+    match named_store(py)? {
+        Some(named) => Ok(Some(named)),
+        None => group_target(group),
+    }
+}
+
+fn group_target<'py>(group: Option<&(Bound<'py, PyAny>, u32, u32)>) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
+    group.map(|(dist, _, _)| Ok((group_store(dist)?, "the process group's store".to_string()))).transpose()
+}
+
+fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity {
+    RankIdentity::detect(group.map(|(_, r, w)| (*r, *w)), |name| std::env::var(name).ok())
+}
+
+/// When a rank opens a scope: the run token is claimed and the store opened now, while every
+/// rank is up, so that finishing costs one write.
+pub(super) fn prepare_publishing(py: Python) {
+    let group = process_group(py);
+    if identity(group.as_ref()).position().is_some() {
+        let _ = run_token(py, group.as_ref());
+        let _ = named_store(py);
+    }
+}
+
+/// At finish: names the descendants still holding GPU memory, and in a rank, stamps the
+/// report with the rank's identity and publishes it. A store that fails costs a note, never
+/// the report; where the named store can't be reached, the group's takes the report.
+pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
+    report.child_processes = children::still_holding(report.gpus.iter().map(|g| (g.torch_index, g.uuid.as_str())));
+    let error = ranks::take_error(scope);
+    let (started, cpu_started) = (Instant::now(), thread_cpu_s());
+    let group = process_group(py);
+    report.rank = identity(group.as_ref());
+    if report.rank.position().is_none() {
+        return;
+    }
+    let run = match run_token(py, group.as_ref()) {
+        Ok(run) => run,
+        Err(e) => {
+            report.notes.push(format!("the process group's store did not answer ({e}): runs are not told apart"));
+            None
+        }
+    };
+    let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
+        report.notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
+        group_target(group.as_ref())
+    });
+    let published = match store {
+        Ok(Some((store, label))) => {
+            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {e}"))
+        }
+        Ok(None) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(failure) = published {
+        report.notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
+    }
+    *lock(&LAST_PUBLISH) = Some((started.elapsed().as_secs_f64(), thread_cpu_s() - cpu_started));
+}
+
+/// The exception that ended an experiment's `with` block: it goes into the published record.
+#[pyfunction]
+pub(super) fn note_scope_error(id: ScopeId, error: &Bound<PyAny>) -> PyResult<()> {
+    let kind = error.get_type().name()?.to_string();
+    let message = error.str()?.to_string();
+    let first_line = message.lines().next().unwrap_or("").chars().take(500).collect::<String>();
+    ranks::note_error(id, format!("{kind}: {first_line}"));
+    Ok(())
+}
+
+/// What the last publish took (identity, run token, both stores), for the bench: wall and
+/// CPU seconds.
+#[pyfunction]
+pub(super) fn last_publish_s() -> Option<(f64, f64)> {
+    *lock(&LAST_PUBLISH)
+}
+
+/// `gpuexp.ranks()`: every rank's latest report of an experiment, from the store
+/// `GPUEXP_RANKS_STORE` names (the kernel's own), or in a rank without one, its group's.
+#[pyfunction]
+#[pyo3(name = "ranks", signature = (name=None, timeout=10.0))]
+pub(super) fn gather_ranks(py: Python, name: Option<String>, timeout: f64) -> PyResult<RanksPy> {
+    let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
+        PyValueError::new_err(format!("timeout must be a number of seconds, e.g. timeout=10; got {timeout}"))
+    })?;
+    let (store, label) = rank_store(py, process_group(py).as_ref())?.ok_or_else(|| {
+        PyRuntimeError::new_err(format!(
+            "no store to gather from: call gpuexp.ranks() in a rank of an initialised process group, or in the \
+             notebook that launched the ranks, or set {STORE_ENV} to the store the ranks publish to"
+        ))
+    })?;
+    match ranks::gather(&mut PyStore(store), name.as_deref(), timeout, &label) {
+        Ok(gathered) => Ok(RanksPy(gathered)),
+        Err(GatherError::Store(e)) => Err(e),
+        Err(GatherError::NothingPublished(why)) => Err(PyTimeoutError::new_err(why)),
+    }
+}
+
+/// This kernel's private store directory for the ranks it launches, as `file://…`.
+#[pyfunction]
+pub(super) fn kernel_ranks_store() -> PyResult<String> {
+    let dir = ranks::kernel_store_dir().map_err(PyRuntimeError::new_err)?;
+    Ok(StoreAddress::Directory(dir).to_string())
+}
+
+#[pyfunction]
+pub(super) fn remove_kernel_ranks_store() {
+    ranks::remove_kernel_store_dir();
+}
+
+/// Hosts a TCPStore in this process, listening on `address` only (loopback by default);
+/// returns its address as `tcp://host:port`.
+#[pyfunction]
+#[pyo3(signature = (address="127.0.0.1", port=0))]
+pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult<String> {
+    let mut hosted = lock(&HOSTED);
+    if let Some(opened) = hosted.as_ref().filter(|o| o.pid == std::process::id()) {
+        return Ok(opened.address.clone());
+    }
+    let dist = distributed(py).ok_or_else(|| {
+        PyRuntimeError::new_err("hosting a store for ranks needs torch.distributed: import torch first")
+    })?;
+    let listener = std::net::TcpListener::bind((address, port))
+        .map_err(|e| PyValueError::new_err(format!("could not listen on {address}:{port}: {e}")))?;
+    let local = listener.local_addr().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    // Ranks on this host reach an unspecified address through loopback; others by this host's name.
+    let (connect, advertised) = if local.ip().is_unspecified() {
+        ("127.0.0.1".to_string(), ranks::hostname())
+    } else {
+        (local.ip().to_string(), local.ip().to_string())
+    };
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("wait_for_workers", false)?;
+    kwargs.set_item("timeout", timedelta(py, STORE_TIMEOUT)?)?;
+    // torch's server would listen on every interface; given a socket, it listens where that one does.
+    kwargs.set_item("master_listen_fd", std::os::fd::IntoRawFd::into_raw_fd(listener))?;
+    let store = dist.getattr("TCPStore")?.call((connect.as_str(), local.port(), py.None(), true), Some(&kwargs))?;
+    let url = StoreAddress::Tcp { host: advertised, port: local.port() }.to_string();
+    *hosted = Some(Opened { pid: std::process::id(), address: url.clone(), store: store.unbind() });
+    Ok(url)
+}
+
+// ---- fork ------------------------------------------------------------------------------------
+
+/// `os.register_at_fork(before=...)`: background threads are kept out of NVML across the fork.
+/// The GIL stays held: they never take it, and no other Python thread should run now.
+#[pyfunction]
+pub(super) fn before_fork() {
+    peak_sampler::hold_for_fork();
+    fork::hold();
+}
+
+#[pyfunction]
+pub(super) fn after_fork_in_parent() {
+    fork::release();
+    peak_sampler::release_after_fork(false);
+}
+
+/// In a forked child: it starts clean. No open scope, no cell log, no history, no reference
+/// into the parent's namespace, no sampler thread it would wait for, no store connection or
+/// server that belongs to the parent. Threads and sockets of the parent are forgotten, never
+/// joined or closed, since they don't exist here or aren't ours.
+#[pyfunction]
+pub(super) fn after_fork_in_child() {
+    fork::release();
+    peak_sampler::release_after_fork(true);
+    *registry() = Registry::default();
+    scope::forget_in_child();
+    lock(&UNREACHABLE).take();
+    for opened in [lock(&NAMED).take(), lock(&HOSTED).take()].into_iter().flatten() {
+        std::mem::forget(opened.store);
+    }
+    if let Some((_, store, _)) = lock(&RUN).take() {
+        std::mem::forget(store);
+    }
+    *lock(&AGREEMENTS) = 0;
+    ranks::forget_errors();
+}
+
+// ---- the finder across ranks -----------------------------------------------------------------
+
+/// In a rank of an initialised process group: waits for every rank's answer and takes the
+/// largest size that fits on every rank. Returns whether there was a group to agree with.
+pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) -> PyResult<bool> {
+    let Some(group) = process_group(py) else { return Ok(false) };
+    let timeout = Duration::try_from_secs_f64(timeout)
+        .map_err(|_| PyValueError::new_err(format!("ranks_timeout must be a number of seconds; got {timeout}")))?;
+    let run = run_token(py, Some(&group))?.expect("a group has a run");
+    let call = {
+        let mut calls = lock(&AGREEMENTS);
+        *calls += 1;
+        *calls
+    };
+    let (dist, rank, world_size) = group;
+    let answer = search.batch_size;
+    let agreed = ranks::agree(&mut PyStore(group_store(&dist)?), &run, call, (rank, world_size), answer, timeout)?;
+    let agreement = agreed.map_err(PyRuntimeError::new_err)?;
+    if agreement.agreed != answer {
+        search.verdict.push_str(&format!(
+            "; this rank alone would run {}, but every rank must run one size",
+            answer.map(|a| a.to_string()).unwrap_or_else(|| "none".into())
+        ));
+    }
+    search.batch_size = agreement.agreed;
+    search.ranks = Some(agreement);
+    Ok(true)
+}
+
+// ---- the gathered table ----------------------------------------------------------------------
+
+/// Every rank's latest report of one experiment: `str()` and `_repr_html_` show the table.
+#[pyclass(name = "Ranks", module = "gpuexp", frozen)]
+pub(super) struct RanksPy(Gathered);
+
+#[pymethods]
+impl RanksPy {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.0.world_size
+    }
+    /// One report per rank, in rank order; None for a rank that never reported.
+    #[getter]
+    fn reports(&self) -> Vec<Option<ReportPy>> {
+        self.0.reports.iter().map(|r| r.as_ref().map(|r| ReportPy(Arc::new(r.clone())))).collect()
+    }
+    #[getter]
+    fn missing(&self) -> Vec<u32> {
+        self.0.missing()
+    }
+    #[getter]
+    fn flags(&self) -> Vec<String> {
+        self.0.flags().to_vec()
+    }
+    /// The exception that ended each rank's experiment (None where none did), in rank order.
+    #[getter]
+    fn errors(&self) -> Vec<Option<String>> {
+        self.0.errors.clone()
+    }
+    /// One row per rank (needs pandas), indexed by rank; sizes in bytes.
+    fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let pandas =
+            py.import("pandas").map_err(|_| PyRuntimeError::new_err("to_pandas() needs pandas: pip install pandas"))?;
+        let rows = json_to_python(py, &serde_json::to_string(&self.0.rows).expect("rows serialise"))?;
+        pandas.call_method1("DataFrame", (rows,))?.call_method1("set_index", ("rank",))
+    }
+}
+
+shown_as_table!(RanksPy, |this| &this.0, this.0.grid());
+
+/// What a report says about its rank and its children.
+#[pymethods]
+impl ReportPy {
+    #[getter]
+    fn rank(&self) -> Option<u32> {
+        self.0.rank.rank
+    }
+    #[getter]
+    fn local_rank(&self) -> Option<u32> {
+        self.0.rank.local_rank
+    }
+    #[getter]
+    fn world_size(&self) -> Option<u32> {
+        self.0.rank.world_size
+    }
+    #[getter]
+    fn hostname(&self) -> Option<&str> {
+        self.0.rank.hostname.as_deref()
+    }
+    /// Descendants still holding GPU memory at finish, as dicts: pid, command, torch_index, used.
+    #[getter]
+    fn child_processes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &serde_json::to_string(&self.0.child_processes).expect("processes serialise"))
+    }
+}
