@@ -9,7 +9,7 @@ import atexit
 import sys
 
 from . import _core, ipython
-from ._core import CellRecord, GpuReport, HostReport, Metric, Report, Snapshot
+from ._core import CellRecord, GpuReport, HostReport, Metric, NvmlUnavailable, Report, Snapshot
 from .experiment import CPUExperiment, GPUExperiment, _device_indices, find_batch_size
 from .monitor import Monitor
 
@@ -23,6 +23,7 @@ __all__ = [
     "HostReport",
     "Metric",
     "Monitor",
+    "NvmlUnavailable",
     "Report",
     "Snapshot",
     "cells",

@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+use crate::error::{Error, Result};
 use crate::grid::Grid;
 use crate::units::bytes;
 
@@ -105,18 +106,18 @@ const LINEAR_TOLERANCE: f64 = 0.03;
 const BISECT_TOLERANCE: f64 = 0.01;
 
 impl Search {
-    pub fn new(settings: Settings) -> Result<Search, String> {
+    pub fn new(settings: Settings) -> Result<Search> {
         if settings.start == 0 || settings.max < settings.start {
-            return Err(format!(
+            return Err(Error::InvalidArgument(format!(
                 "start={} and max={}: start must be at least 1 and max at least start, e.g. find_batch_size(step, start=8, max=4096)",
                 settings.start, settings.max
-            ));
+            )));
         }
         if settings.multiple_of == 0 {
-            return Err("multiple_of must be at least 1, e.g. multiple_of=8".into());
+            return Err(Error::InvalidArgument("multiple_of must be at least 1, e.g. multiple_of=8".into()));
         }
         if settings.steps_per_trial == 0 {
-            return Err("steps must be at least 1, e.g. steps=2".into());
+            return Err(Error::InvalidArgument("steps must be at least 1, e.g. steps=2".into()));
         }
         Ok(Search {
             settings,
@@ -622,14 +623,18 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
+        let refused = |s: &Settings, fix: &str| {
+            let error = Search::new(s.clone()).unwrap_err();
+            assert!(matches!(&error, Error::InvalidArgument(m) if m.contains(fix)), "{error:?}");
+        };
         let mut s = settings(1);
         s.start = 0;
-        assert!(Search::new(s.clone()).unwrap_err().contains("start must be at least 1"));
+        refused(&s, "start must be at least 1");
         s.start = 8;
         s.multiple_of = 0;
-        assert!(Search::new(s.clone()).unwrap_err().contains("multiple_of"));
+        refused(&s, "multiple_of");
         s.multiple_of = 1;
         s.steps_per_trial = 0;
-        assert!(Search::new(s).unwrap_err().contains("steps=2"));
+        refused(&s, "steps=2");
     }
 }

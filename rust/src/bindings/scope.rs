@@ -95,7 +95,7 @@ pub(super) fn open_scope(
             Some(seconds) => {
                 let interval = std::time::Duration::try_from_secs_f64(seconds)
                     .map_err(|_| PyValueError::new_err("monitor= takes an interval such as \"100ms\""))?;
-                Some(monitor::Monitor::start(interval, None, gpu).map_err(PyValueError::new_err)?)
+                Some(monitor::Monitor::start(interval, None, gpu)?)
             }
             None => None,
         },
@@ -148,7 +148,7 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
         created = current.iter().filter(|(n, _)| !scope_pins.names.contains_key(n)).map(|(n, _)| n.clone()).collect();
         existing = current.into_iter().map(|(n, _)| n).collect();
     }
-    teardown::check_keep(&names, |n| existing.contains(n), &created).map_err(PyValueError::new_err)?;
+    teardown::check_keep(&names, |n| existing.contains(n), &created)?;
     let mut registry = registry();
     let scope = registry.scope_mut(id).ok_or_else(|| unknown(id))?;
     scope.keep.extend(names);
