@@ -59,3 +59,15 @@ def test_keep_of_a_missing_name_does_not_list_the_experiment_itself(kernel):
     missing = kernel.run("exp.keep('modle')", expect_error=True)
     created = missing.error.split("created so far:")[1]
     assert "model" in created and "exp" not in created.split(".")[0], missing.error
+
+
+def test_a_monitor_path_that_cannot_be_written_is_refused_when_the_monitor_is_made(tmp_path):
+    import gpuexp
+
+    with pytest.raises(OSError, match="cannot write there"):
+        gpuexp.Monitor("10ms", "/nonexistent/dir/samples.csv")
+    with pytest.raises(ValueError, match=".jsonl"):
+        gpuexp.Monitor("10ms", tmp_path / "samples.txt")
+    assert not (tmp_path / "samples.txt").exists()
+    gpuexp.Monitor("10ms", tmp_path / "samples.csv")  # fine, and nothing is written before start()
+    assert not (tmp_path / "samples.csv").exists()

@@ -36,6 +36,26 @@ def test_without_a_driver_the_cli_says_so_and_fails(args):
         assert done.stdout == ""
 
 
+@pytest.mark.skipif(GPU, reason="checks the machine without an NVIDIA driver")
+def test_without_a_driver_the_core_raises_nvml_unavailable():
+    from gpuexp import _core
+
+    assert issubclass(_core.NvmlUnavailable, RuntimeError)
+    for open_it in (lambda: _core.GpuStatus(), lambda: _core.Watch(False, "csv", 1.0)):
+        with pytest.raises(_core.NvmlUnavailable, match="no NVIDIA driver"):
+            open_it()
+
+
+@pytest.mark.gpu
+def test_an_unwritable_log_is_an_os_error_not_a_missing_driver():
+    from gpuexp import _core
+
+    view = _core.Watch(False, "csv", 1.0)
+    with pytest.raises(OSError, match="--log /nonexistent/dir/w.csv: cannot write there") as raised:
+        view.run("/nonexistent/dir/w.csv")
+    assert not isinstance(raised.value, RuntimeError)
+
+
 def test_torch_build_is_read_from_its_files_without_importing_it():
     read = "import sys; from gpuexp import cli; print(*cli.torch_build() or ['none']); print('torch' in sys.modules)"
     found = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=60)
@@ -155,13 +175,22 @@ def test_the_plot_is_a_figure_and_a_png(tmp_path):
     assert figure.axes and (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_intervals_are_read_as_people_write_them():
+    import gpuexp
+
+    for written, seconds in ((0.25, 0.25), (2, 2.0), ("100ms", 0.1), (" 1.5 s ", 1.5), ("1sec", 1.0), ("2min", 120.0)):
+        assert gpuexp.Monitor(written).interval == pytest.approx(seconds), written
+    with pytest.raises(ValueError, match=r"""interval="fast": write a time such as "100ms", "1s" or a number"""):
+        gpuexp.Monitor("fast")
+
+
 def test_bad_monitor_input_is_refused_before_any_thread(tmp_path):
     import gpuexp
 
-    for interval in (0, -1, "fast", "0ms"):
+    for interval in (0, -1, "fast", "0ms", float("nan"), float("inf"), True, None):
         with pytest.raises(ValueError, match="interval"):
             gpuexp.Monitor(interval)
-    with pytest.raises(ValueError, match="cannot write"):
+    with pytest.raises(OSError, match="cannot write"):
         gpuexp.Monitor("10ms", tmp_path / "missing" / "t.jsonl").start()
     with pytest.raises(ValueError, match=".jsonl"):
         gpuexp.Monitor("10ms", tmp_path / "t.txt").start()

@@ -1,25 +1,13 @@
 """A timeline of the host and every visible GPU, recorded by a native thread (``gpuexp._core``)."""
 
 import json
-import re
 
 from . import _core
 
-_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0}
-
 
 def seconds(interval):
-    """Seconds from 0.1, "100ms", "1s" or "2min"."""
-    if isinstance(interval, (int, float)) and not isinstance(interval, bool):
-        value = float(interval)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|m|min)?\s*", str(interval))
-        if match is None:
-            raise ValueError(f"interval={interval!r}: write a time such as \"100ms\", \"1s\" or a number of seconds")
-        value = float(match.group(1)) * _UNITS[match.group(2) or "s"]
-    if not value > 0:
-        raise ValueError(f"interval={interval!r}: it must be more than 0, e.g. interval=\"100ms\"")
-    return value
+    """Seconds from 0.1, "100ms", "1s" or "2min" (a number is seconds); ValueError naming the fix otherwise."""
+    return _core.parse_interval(interval)
 
 
 class Monitor:
@@ -34,6 +22,7 @@ class Monitor:
     def __init__(self, interval="100ms", path=None, *, gpus=True):
         self.interval = seconds(interval)
         self.path = None if path is None else str(path)
+        _core.Monitor.check(self.interval, self.path)  # a bad path fails here, not at start()
         self.gpus = gpus
         self._native = None
         self._samples = None

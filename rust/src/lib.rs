@@ -1,6 +1,8 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+/// What can go wrong, by kind: no driver, a failed NVML call, bad input, a file.
+pub mod error;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
 /// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.

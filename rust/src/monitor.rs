@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::error::{Error, Result};
 use crate::snapshot::nvml::{self, Activity, ProcessUse};
 use crate::snapshot::{host, now, own_pids};
 
@@ -50,11 +51,11 @@ pub enum Format {
 
 impl Format {
     /// From the file's extension: `.jsonl` (or `.json`) and `.csv`.
-    pub fn of(path: &Path) -> Result<Format, String> {
+    pub fn of(path: &Path) -> Result<Format> {
         match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("jsonl") | Some("json") => Ok(Format::JsonLines),
             Some("csv") => Ok(Format::Csv),
-            _ => Err(format!("{}: name the file .jsonl (JSON Lines) or .csv", path.display())),
+            _ => Err(Error::InvalidArgument(format!("{}: name the file .jsonl (JSON Lines) or .csv", path.display()))),
         }
     }
 }
@@ -134,18 +135,44 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Monitor {
-    /// Checks everything before the thread starts: the interval, and that `path` can be written.
-    pub fn start(interval: Duration, path: Option<PathBuf>, gpus: bool) -> Result<Monitor, String> {
+    /// What `start` refuses, judged without writing anything: a bad interval, a file of unknown
+    /// kind, or one that can't be written. `gpuexp.Monitor(...)` calls it when it is made, so a
+    /// mistake shows there rather than at `start()`.
+    pub fn check(interval: Duration, path: Option<&Path>) -> Result<()> {
         if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
-            return Err(format!(
+            return Err(Error::InvalidArgument(format!(
                 "interval must be between 1 ms and 1 hour, e.g. Monitor(interval=\"100ms\"); got {:.3} s",
                 interval.as_secs_f64()
-            ));
+            )));
         }
+        let Some(path) = path else { return Ok(()) };
+        Format::of(path)?;
+        let exists = path.exists();
+        let target = if exists {
+            path.to_path_buf()
+        } else {
+            path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
+        };
+        let writable = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+            // SAFETY: a valid NUL-terminated path; access() only reads it.
+            .is_ok_and(|c| unsafe { libc::access(c.as_ptr(), libc::W_OK) } == 0);
+        if !writable || (exists && path.is_dir()) {
+            return Err(Error::Io(format!(
+                "{}: cannot write there; name a file in a directory you can write to",
+                path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks everything before the thread starts: the interval, and that `path` can be written.
+    pub fn start(interval: Duration, path: Option<PathBuf>, gpus: bool) -> Result<Monitor> {
+        Self::check(interval, path.as_deref())?;
         let sink = match path {
             Some(path) => {
                 let format = Format::of(&path)?;
-                let file = File::create(&path).map_err(|e| format!("{}: cannot write there ({e})", path.display()))?;
+                let file = File::create(&path)
+                    .map_err(|e| Error::Io(format!("{}: cannot write there ({e})", path.display())))?;
                 Some(Sink { writer: BufWriter::new(file), format, wrote_header: false })
             }
             None => None,
@@ -158,7 +185,7 @@ impl Monitor {
         let handle = thread::Builder::new()
             .name("gpuexp-monitor".into())
             .spawn(move || record(interval, sink, uuids, &thread_stop, &thread_samples, &thread_failure))
-            .map_err(|e| format!("the monitor thread could not start: {e}"))?;
+            .map_err(|e| Error::Io(format!("the monitor thread could not start: {e}")))?;
         Ok(Monitor { stop, handle: Some(handle), samples, failure })
     }
 
@@ -289,15 +316,15 @@ mod tests {
 
     #[test]
     fn bad_input_is_refused_before_any_thread_starts() {
-        assert!(Monitor::start(Duration::ZERO, None, false).err().unwrap().contains("interval"));
-        assert!(Monitor::start(Duration::from_millis(10), Some("/nonexistent/dir/t.jsonl".into()), false)
-            .err()
-            .unwrap()
-            .contains("cannot write"));
-        assert!(Monitor::start(Duration::from_millis(10), Some(scratch("t.txt")), false)
-            .err()
-            .unwrap()
-            .contains(".jsonl"));
+        let refused = |interval, path: Option<PathBuf>| Monitor::start(interval, path, false).err().unwrap();
+        assert!(matches!(refused(Duration::ZERO, None), Error::InvalidArgument(m) if m.contains("interval")));
+        let unwritable = refused(Duration::from_millis(10), Some("/nonexistent/dir/t.jsonl".into()));
+        assert!(
+            matches!(&unwritable, Error::Io(m) if m.contains("/nonexistent/dir/t.jsonl: cannot write")),
+            "{unwritable:?}"
+        );
+        let unknown = refused(Duration::from_millis(10), Some(scratch("t.txt")));
+        assert!(matches!(&unknown, Error::InvalidArgument(m) if m.contains(".jsonl")), "{unknown:?}");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use crate::snapshot::nvml::{self, NvmlReading, ProcessUse};
 use crate::snapshot::{host, own_pids, Snapshot};
 
@@ -71,14 +72,14 @@ pub fn interval() -> Duration {
 }
 
 /// Sets the interval; a running sampler restarts with it.
-pub fn set_interval(interval: Duration) -> Result<(), String> {
+pub fn set_interval(interval: Duration) -> Result<()> {
     if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
-        return Err(format!(
+        return Err(Error::InvalidArgument(format!(
             "sample_interval_ms must be between {} and {} milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {}",
             MIN_INTERVAL.as_secs_f64() * 1e3,
             MAX_INTERVAL.as_secs_f64() * 1e3,
             interval.as_secs_f64() * 1e3
-        ));
+        )));
     }
     INTERVAL_US.store(interval.as_micros() as u64, Ordering::Relaxed);
     let sources = current(&running()).map(|r| r.sources.clone());
@@ -299,7 +300,8 @@ mod tests {
 
     #[test]
     fn the_interval_is_checked() {
-        assert!(set_interval(Duration::from_micros(10)).unwrap_err().contains("sample_interval_ms"));
+        let refused = set_interval(Duration::from_micros(10)).unwrap_err();
+        assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("sample_interval_ms")), "{refused:?}");
         assert!(set_interval(Duration::from_secs(61)).is_err());
     }
 }

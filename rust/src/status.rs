@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use crate::error::Result;
 use crate::snapshot::nvml::{self, DeviceStatus};
 use crate::units::bytes;
 
@@ -18,12 +19,13 @@ pub struct Status {
 }
 
 impl Status {
-    pub fn read(cuda_order: bool, with_processes: bool) -> Result<Status, String> {
+    /// Fails with [`crate::error::Error::NoDriver`] where there is no driver to ask.
+    pub fn read(cuda_order: bool, with_processes: bool) -> Result<Status> {
         let (driver, cuda) = nvml::driver_versions()?;
         let devices = nvml::list_devices(cuda_order)?
             .iter()
             .map(|device| device.status(with_processes))
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<_>>()?;
         Ok(Status { driver, cuda, order: if cuda_order { "cuda" } else { "nvml" }, devices })
     }
 
@@ -100,6 +102,7 @@ pub(crate) mod testing {
 mod tests {
     use super::testing::device;
     use super::*;
+    use crate::error::Error;
     use crate::snapshot::nvml::Activity;
 
     #[test]
@@ -118,5 +121,18 @@ mod tests {
         assert!(text.contains("[0] NVIDIA H200 · 3.00 GiB / 140.00 GiB · util n/a · GPU-0\n    pid 42 (ann) python train.py · 1.00 GiB"), "{text}");
         let empty = Status { devices: vec![], ..status };
         assert!(empty.to_text().ends_with("no GPU listed"));
+    }
+
+    #[test]
+    fn a_machine_without_a_driver_is_told_apart_from_a_failed_read() {
+        match nvml::available() {
+            // The `gpuexp` command exits 3 for this kind only.
+            Err(_) => {
+                assert!(matches!(nvml::available(), Err(Error::NoDriver(_))));
+                assert!(matches!(Status::read(false, false), Err(Error::NoDriver(_))));
+                assert!(matches!(Status::read(true, false), Err(Error::NoDriver(_))));
+            }
+            Ok(()) => assert!(Status::read(false, false).is_ok()),
+        }
     }
 }

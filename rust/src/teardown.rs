@@ -188,17 +188,17 @@ pub fn plan(names: impl IntoIterator<Item = NameState>, keep: &BTreeSet<String>)
 
 /// Checks names passed to `keep()`: each must exist now. The error lists what the scope
 /// created, since a misspelt name is the usual cause.
-pub fn check_keep(requested: &[String], exists: impl Fn(&str) -> bool, created: &[String]) -> Result<(), String> {
+pub fn check_keep(requested: &[String], exists: impl Fn(&str) -> bool, created: &[String]) -> crate::error::Result<()> {
     let missing: Vec<&str> = requested.iter().map(String::as_str).filter(|n| !exists(n)).collect();
     if missing.is_empty() {
         return Ok(());
     }
     let created = if created.is_empty() { "none yet".to_string() } else { created.join(", ") };
-    Err(format!(
+    Err(crate::error::Error::InvalidArgument(format!(
         "keep(): no variable named {} exists. Names this experiment created so far: {created}. \
          Check the spelling, or call keep() after the cell that defines the name.",
         missing.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
-    ))
+    )))
 }
 
 #[cfg(test)]
@@ -348,6 +348,8 @@ mod tests {
     #[test]
     fn keep_of_a_missing_name_lists_what_the_scope_created() {
         let err = check_keep(&["modle".into()], |n| n == "model", &["model".into(), "opt".into()]).unwrap_err();
+        assert!(matches!(err, crate::error::Error::InvalidArgument(_)), "{err:?}");
+        let err = err.to_string();
         assert!(err.contains("\"modle\"") && err.contains("model, opt"), "{err}");
         assert!(check_keep(&["model".into()], |n| n == "model", &[]).is_ok());
     }

@@ -1,5 +1,9 @@
-//! Sizes and times as people read and write them: binary units both ways, from one table, and
-//! UTC timestamps.
+//! Sizes and times as people read and write them: binary units both ways, from one table,
+//! intervals ("100ms", "2min") and UTC timestamps.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
 
 /// Units of 1024ⁿ bytes, n being the position: how [`bytes`] writes each, and the spellings a
 /// size is read with, in any case. GB and MB mean GiB and MiB, as nvidia-smi and torch mean them.
@@ -46,7 +50,7 @@ pub fn size_in_bytes(number: &str, unit: &str) -> Option<f64> {
 
 /// Bytes from "24GiB", "512 MiB", "1.5GB" or a plain number: how people write memory sizes.
 /// GB and MB are read as GiB and MiB, as nvidia-smi and torch's messages mean them.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64> {
     let text = text.trim();
     let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
@@ -56,13 +60,58 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     };
     match size_in_bytes(number, unit) {
         Some(value) if value.is_finite() && value >= 1.0 => Ok(value as u64),
-        _ => Err(format!("{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes")),
+        _ => Err(Error::InvalidArgument(format!(
+            "{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes"
+        ))),
+    }
+}
+
+/// A time from "100ms", "1s", "1sec", "2m", "2min" or a plain number of seconds ("0.5").
+pub fn parse_interval(text: &str) -> Result<Duration> {
+    let not_a_time = || {
+        Error::InvalidArgument(format!(
+            "interval={text:?}: write a time such as \"100ms\", \"1s\" or a number of seconds"
+        ))
+    };
+    let trimmed = text.trim();
+    let split = trimmed.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let unit_seconds = match unit.trim_start() {
+        "ms" => 1e-3,
+        "" | "s" | "sec" => 1.0,
+        "m" | "min" => 60.0,
+        _ => return Err(not_a_time()),
+    };
+    // Digits with at most one point, and a digit after it: "1.5" and ".5", never "1." or "1.2.3".
+    let decimal = number.matches('.').count() <= 1 && number.ends_with(|c: char| c.is_ascii_digit());
+    let value: f64 = number.parse().ok().filter(|_| decimal).ok_or_else(not_a_time)?;
+    positive_interval(value * unit_seconds, &format!("{text:?}"))
+}
+
+/// An interval given as a number of seconds, refused unless it is more than 0 and finite.
+pub fn interval_of_seconds(seconds: f64) -> Result<Duration> {
+    positive_interval(seconds, &seconds.to_string())
+}
+
+/// `seconds` as a Duration; `shown` is how the user wrote it, for the message.
+fn positive_interval(seconds: f64, shown: &str) -> Result<Duration> {
+    match Duration::try_from_secs_f64(seconds) {
+        Ok(interval) if !interval.is_zero() => Ok(interval),
+        // Infinite, or past what a Duration holds (some 10¹⁹ seconds).
+        Err(_) if seconds > 0.0 => Err(Error::InvalidArgument(format!(
+            "interval={shown}: write a finite time such as \"100ms\", \"1s\" or a number of seconds"
+        ))),
+        // Zero, negative, NaN, or under a nanosecond.
+        _ => Err(Error::InvalidArgument(format!("interval={shown}: it must be more than 0, e.g. interval=\"100ms\""))),
     }
 }
 
 /// Serialises a Unix time as RFC 3339 (`#[serde(serialize_with = ...)]`): every time in gpuexp's
 /// JSON is written the same way, whatever struct carries it.
-pub fn serialize_rfc3339<S: serde::Serializer>(unix_seconds: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+pub fn serialize_rfc3339<S: serde::Serializer>(
+    unix_seconds: &f64,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
     serializer.serialize_str(&rfc3339(*unix_seconds))
 }
 
@@ -142,7 +191,8 @@ mod tests {
         assert_eq!(parse_size("2k"), Ok(2048));
         assert_eq!(parse_size("1.5"), Ok(1), "a fraction of a byte is cut off");
         for bad in ["", "GiB", "24 parsecs", "-3GiB", "0", "0.5", "1e3", "24 GiB extra"] {
-            assert!(parse_size(bad).unwrap_err().contains("24GiB"), "{bad}");
+            let refused = parse_size(bad).unwrap_err();
+            assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("24GiB")), "{bad}: {refused:?}");
         }
     }
 
@@ -164,6 +214,47 @@ mod tests {
             let shown = bytes(n);
             assert_eq!(parse_size(&shown), Ok(n), "{shown}");
         }
+    }
+
+    // --- reading intervals ----------------------------------------------------------------
+
+    #[test]
+    fn intervals_are_read_in_milliseconds_seconds_or_minutes() {
+        let ms = Duration::from_millis;
+        assert_eq!(parse_interval("100ms"), Ok(ms(100)));
+        assert_eq!(parse_interval(" 100 ms "), Ok(ms(100)));
+        assert_eq!(parse_interval("1s"), Ok(ms(1000)));
+        assert_eq!(parse_interval("1.5sec"), Ok(ms(1500)));
+        assert_eq!(parse_interval("2min"), Ok(ms(120_000)));
+        assert_eq!(parse_interval("2m"), Ok(ms(120_000)));
+        assert_eq!(parse_interval("0.25"), Ok(ms(250)), "a plain number is seconds");
+        assert_eq!(parse_interval(".5s"), Ok(ms(500)));
+    }
+
+    #[test]
+    fn what_is_not_a_time_is_refused_with_how_to_write_one() {
+        for bad in ["", "fast", "ms", "1.", "1.2.3", "-1s", "1e3", "100 MS", "1h", "1 0ms", "100ms extra", "inf"] {
+            let refused = parse_interval(bad).unwrap_err();
+            let expected = format!("interval={bad:?}: write a time such as \"100ms\", \"1s\" or a number of seconds");
+            assert_eq!(refused, Error::InvalidArgument(expected), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_interval_must_be_more_than_zero_and_finite() {
+        for zero in ["0", "0ms", "0.0min", "0.0000000001"] {
+            let refused = parse_interval(zero).unwrap_err();
+            assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("must be more than 0")), "{refused:?}");
+        }
+        for number in [0.0, -1.0, f64::NAN] {
+            let refused = interval_of_seconds(number).unwrap_err();
+            assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("must be more than 0")), "{refused:?}");
+        }
+        let huge = "9".repeat(400);
+        for refused in [interval_of_seconds(f64::INFINITY), interval_of_seconds(1e300), parse_interval(&huge)] {
+            assert!(matches!(&refused, Err(Error::InvalidArgument(m)) if m.contains("finite")), "{refused:?}");
+        }
+        assert_eq!(interval_of_seconds(0.1), Ok(Duration::from_millis(100)));
     }
 
     // --- rfc3339 --------------------------------------------------------------------------

@@ -6,11 +6,12 @@
 
 use std::fs::File;
 use std::io::{ErrorKind, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::error::{Error, Result};
 use crate::snapshot::nvml::{self, DeviceStatus, Listed};
 use crate::status::{device_line, order_label};
 
@@ -85,19 +86,17 @@ pub struct Output {
     screen: Box<dyn Write>,
     /// Written before each refresh on a terminal, so the live view redraws in place.
     screen_prefix: &'static str,
-    log: Option<File>,
+    /// The log, with its path for the message if writing fails.
+    log: Option<(File, PathBuf)>,
 }
 
 impl Output {
     /// Opens the log for appending; `redraw` clears the screen before each refresh.
-    pub fn open(log: Option<&Path>, redraw: bool) -> Result<Output, String> {
+    pub fn open(log: Option<&Path>, redraw: bool) -> Result<Output> {
         let log = log
-            .map(|path| {
-                File::options()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                    .map_err(|e| format!("--log {}: cannot write there ({e})", path.display()))
+            .map(|path| match File::options().create(true).append(true).open(path) {
+                Ok(file) => Ok((file, path.to_path_buf())),
+                Err(e) => Err(Error::Io(format!("--log {}: cannot write there ({e})", path.display()))),
             })
             .transpose()?;
         Ok(Output {
@@ -108,17 +107,17 @@ impl Output {
     }
 
     /// False when standard output has closed (`gpuexp watch --csv | head`): the watch is over.
-    fn emit(&mut self, text: &str) -> Result<bool, String> {
+    fn emit(&mut self, text: &str) -> Result<bool> {
         // One write each: the log is an unbuffered file, and a half-written refresh is never seen.
         let line = format!("{}{text}\n", self.screen_prefix);
         match self.screen.write_all(line.as_bytes()).and_then(|()| self.screen.flush()) {
             Err(e) if e.kind() == ErrorKind::BrokenPipe => return Ok(false),
-            Err(e) => return Err(format!("writing to standard output failed: {e}")),
+            Err(e) => return Err(Error::Io(format!("writing to standard output failed: {e}"))),
             Ok(()) => {}
         }
-        if let Some(log) = self.log.as_mut() {
+        if let Some((log, path)) = self.log.as_mut() {
             log.write_all(&line.as_bytes()[self.screen_prefix.len()..])
-                .map_err(|e| format!("writing the log failed: {e}"))?;
+                .map_err(|e| Error::Io(format!("writing the log {} failed: {e}", path.display())))?;
         }
         Ok(true)
     }
@@ -126,19 +125,19 @@ impl Output {
 
 impl Watch {
     /// Opens the devices; with no driver this fails before anything is printed.
-    pub fn open(cuda_order: bool, style: Style, interval: Duration) -> Result<Watch, String> {
+    pub fn open(cuda_order: bool, style: Style, interval: Duration) -> Result<Watch> {
         Ok(Watch { devices: nvml::list_devices(cuda_order)?, style, interval, heading: heading(interval, cuda_order) })
     }
 
     /// One refresh, every device read now, stamped with `timestamp`.
-    fn refresh(&self, timestamp: &str) -> Result<String, String> {
-        let devices = self.devices.iter().map(|d| d.status(false)).collect::<Result<Vec<_>, _>>()?;
+    fn refresh(&self, timestamp: &str) -> Result<String> {
+        let devices = self.devices.iter().map(|d| d.status(false)).collect::<Result<Vec<_>>>()?;
         Ok(render(&devices, self.style, &self.heading, timestamp))
     }
 
     /// Refreshes every interval until `wait(time left)` says stop (it returns false) or standard
     /// output closes. `wait` sleeps, and is where the caller notices Ctrl-C.
-    pub fn run(&self, output: &mut Output, mut wait: impl FnMut(Duration) -> bool) -> Result<(), String> {
+    pub fn run(&self, output: &mut Output, mut wait: impl FnMut(Duration) -> bool) -> Result<()> {
         if self.style == Style::Csv && !output.emit(CSV_HEADER)? {
             return Ok(());
         }
@@ -331,9 +330,22 @@ mod tests {
             })
             .unwrap();
         assert_eq!(waits, 0);
-        assert!(Output::open(Some(Path::new("/nonexistent/dir/w.csv")), false)
-            .err()
-            .unwrap()
-            .contains("cannot write there"));
+    }
+
+    #[test]
+    fn a_log_that_cannot_be_written_stops_the_watch_and_names_the_log() {
+        let mut output = Output::open(Some(Path::new("/dev/full")), false).unwrap();
+        output.screen = Box::new(std::io::sink());
+        let failed = watch(Style::Csv, Duration::from_millis(1)).run(&mut output, |_| true).unwrap_err();
+        assert!(matches!(&failed, Error::Io(m) if m.starts_with("writing the log /dev/full failed")), "{failed:?}");
+    }
+
+    #[test]
+    fn an_unwritable_log_is_an_io_error_that_names_the_path() {
+        let refused = Output::open(Some(Path::new("/nonexistent/dir/w.csv")), false).err().unwrap();
+        assert!(
+            matches!(&refused, Error::Io(m) if m.starts_with("--log /nonexistent/dir/w.csv: cannot write there")),
+            "{refused:?}"
+        );
     }
 }

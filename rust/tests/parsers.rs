@@ -1,8 +1,11 @@
-//! Property tests of the parsers that read what people type: sizes and CUDA_VISIBLE_DEVICES.
+//! Property tests of the parsers that read what people type: sizes, intervals and
+//! CUDA_VISIBLE_DEVICES.
 //! No input makes them panic, and what they return means what their documentation says.
 
 use gpuexp_core::snapshot::visible::{resolve, DeviceOrder, PhysicalGpu, VisibleGpu};
-use gpuexp_core::units::{bytes, parse_size};
+use std::time::Duration;
+
+use gpuexp_core::units::{bytes, parse_interval, parse_size};
 use proptest::prelude::*;
 
 const UNITS: [(&str, u64); 10] = [
@@ -107,5 +110,26 @@ proptest! {
         let pick = pick % count;
         let uuid = gpus(count)[pick as usize].uuid.clone();
         prop_assert_eq!(resolve(Some(&uuid), DeviceOrder::FastestFirst, &gpus(count)), whole(&[pick]));
+    }
+
+    #[test]
+    fn no_text_makes_parse_interval_panic(text in "\\PC*") {
+        let _ = parse_interval(&text);
+    }
+
+    #[test]
+    fn an_interval_in_any_unit_is_that_long(n in 1u64..100_000, unit in 0usize..5) {
+        let (name, millis) = [("ms", 1), ("s", 1000), ("sec", 1000), ("m", 60_000), ("min", 60_000)][unit];
+        let text = format!("{n}{name}");
+        prop_assert_eq!(parse_interval(&text).ok(), Some(Duration::from_millis(n * millis)), "{}", text);
+        prop_assert_eq!(parse_interval(&n.to_string()).ok(), Some(Duration::from_secs(n)), "a plain number is seconds");
+    }
+
+    #[test]
+    fn zero_and_negative_intervals_are_refused(n in 0u64..1000, unit in "(ms|s|min)?") {
+        let negative = format!("-{n}{unit}");
+        prop_assert!(parse_interval(&negative).is_err());
+        let zero = format!("0{unit}");
+        prop_assert!(parse_interval(&zero).is_err());
     }
 }

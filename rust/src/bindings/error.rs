@@ -1,7 +1,10 @@
 //! Errors cross into Python here, once: each kind of core error becomes one Python exception.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::PyErr;
+
+use crate::error::Error;
 
 create_exception!(
     gpuexp,
@@ -9,3 +12,16 @@ create_exception!(
     PyRuntimeError,
     "NVIDIA's management library (NVML) could not be opened: no NVIDIA driver on this machine, or none this process can load."
 );
+
+/// The `?` at every call site: no driver → NvmlUnavailable (a RuntimeError), a failed NVML call
+/// → RuntimeError, bad input → ValueError, a file or the terminal → OSError.
+impl From<Error> for PyErr {
+    fn from(error: Error) -> PyErr {
+        match error {
+            Error::NoDriver(message) => NvmlUnavailable::new_err(message),
+            Error::Nvml(message) => PyRuntimeError::new_err(message),
+            Error::InvalidArgument(message) => PyValueError::new_err(message),
+            Error::Io(message) => PyOSError::new_err(message),
+        }
+    }
+}

@@ -75,7 +75,7 @@ pub(super) fn find_batch_size(
     }
     let settings =
         Settings { start, max, usable: 0, margin, power_of_two, multiple_of, verifications, steps_per_trial: steps };
-    let mut search = Search::new(settings).map_err(PyValueError::new_err)?;
+    let mut search = Search::new(settings)?;
 
     let torch = PyTorch::find(py);
     let cuda_available = match torch.torch.as_ref() {
@@ -224,10 +224,4 @@ fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
 /// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).
 fn release_between_trials(py: Python) -> PyResult<()> {
     teardown::BETWEEN_TRIALS.iter().try_for_each(|step| release(py, *step))
-}
-
-/// Bytes from "24GiB", "512MiB" or a number.
-#[pyfunction]
-pub(super) fn parse_size(text: &str) -> PyResult<u64> {
-    units::parse_size(text).map_err(PyValueError::new_err)
 }

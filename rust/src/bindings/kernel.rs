@@ -25,7 +25,7 @@ pub(super) fn config<'py>(
                 "sample_interval_ms must be a positive number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {ms}"
             ))
         })?;
-        py.detach(|| peak_sampler::set_interval(interval)).map_err(PyValueError::new_err)?;
+        py.detach(|| peak_sampler::set_interval(interval))?;
     }
     let mut registry = registry();
     if let Some(all) = cell_log_all_gpus {

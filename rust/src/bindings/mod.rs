@@ -19,6 +19,7 @@ mod scope;
 mod snapshot;
 mod status;
 mod torch;
+mod units;
 
 /// gpuexp's native core. The public API is the `gpuexp` package; see `_core.pyi` for types.
 #[pyo3::pymodule(name = "_core")]
@@ -28,7 +29,7 @@ mod core_module {
     #[pymodule_export]
     use super::error::NvmlUnavailable;
     #[pymodule_export]
-    use super::finder::{find_batch_size, parse_size, BatchSizeResultPy};
+    use super::finder::{find_batch_size, BatchSizeResultPy};
     #[pymodule_export]
     use super::holders::holders;
     #[pymodule_export]
@@ -52,4 +53,6 @@ mod core_module {
     use super::snapshot::snapshot;
     #[pymodule_export]
     use super::status::{GpuStatusPy, WatchPy};
+    #[pymodule_export]
+    use super::units::{parse_interval, parse_size};
 }

@@ -1,10 +1,9 @@
 //! The monitor: a timeline of the host and every GPU recorded by a native thread.
 //! `gpuexp.Monitor` starts and stops one, and adds `to_pandas()` and `plot()`.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::monitor;
+use crate::{monitor, units};
 
 #[pyclass(name = "Monitor", module = "gpuexp")]
 pub(super) struct MonitorPy(monitor::Monitor);
@@ -14,10 +13,15 @@ impl MonitorPy {
     #[new]
     #[pyo3(signature = (interval_s, path=None, gpus=true))]
     fn new(interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
-        let interval = std::time::Duration::try_from_secs_f64(interval_s).map_err(|_| {
-            PyValueError::new_err(format!("interval must be a positive time such as \"100ms\"; got {interval_s} s"))
-        })?;
-        monitor::Monitor::start(interval, path, gpus).map(MonitorPy).map_err(PyValueError::new_err)
+        let interval = units::interval_of_seconds(interval_s)?;
+        Ok(MonitorPy(monitor::Monitor::start(interval, path, gpus)?))
+    }
+
+    /// Refuses what `Monitor(...)` would refuse at start, without starting or writing anything.
+    #[staticmethod]
+    #[pyo3(signature = (interval_s, path=None))]
+    fn check(interval_s: f64, path: Option<std::path::PathBuf>) -> PyResult<()> {
+        Ok(monitor::Monitor::check(units::interval_of_seconds(interval_s)?, path.as_deref())?)
     }
 
     /// The samples so far, as a JSON list (the Python side turns it into dicts).

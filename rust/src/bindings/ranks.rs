@@ -147,7 +147,7 @@ fn current<'py>(py: Python<'py>, opened: &'static Mutex<Option<Opened>>, address
 /// The store `GPUEXP_RANKS_STORE` names, opened once per process; None where it is not set.
 fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
     let Ok(value) = std::env::var(STORE_ENV) else { return Ok(None) };
-    let address = StoreAddress::parse(&value).map_err(PyValueError::new_err)?;
+    let address = StoreAddress::parse(&value)?;
     let label = address.to_string();
     if let Some(store) = current(py, &HOSTED, &label).or_else(|| current(py, &NAMED, &label)) {
         return Ok(Some((store, label)));
@@ -344,7 +344,7 @@ pub(super) fn gather_ranks(py: Python, name: Option<String>, timeout: f64) -> Py
 /// This kernel's private store directory for the ranks it launches, as `file://…`.
 #[pyfunction]
 pub(super) fn kernel_ranks_store() -> PyResult<String> {
-    let dir = ranks::kernel_store_dir().map_err(PyRuntimeError::new_err)?;
+    let dir = ranks::kernel_store_dir()?;
     Ok(StoreAddress::Directory(dir).to_string())
 }
 

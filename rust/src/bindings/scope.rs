@@ -21,6 +21,7 @@ use crate::report::Details;
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
+use crate::units;
 
 /// What an open scope holds on the Python side.
 struct Held {
@@ -135,11 +136,7 @@ fn open(
             None => Vec::new(),
         },
         monitor: match monitor_s {
-            Some(seconds) => {
-                let interval = std::time::Duration::try_from_secs_f64(seconds)
-                    .map_err(|_| PyValueError::new_err("monitor= takes an interval such as \"100ms\""))?;
-                Some(monitor::Monitor::start(interval, None, gpu).map_err(PyValueError::new_err)?)
-            }
+            Some(seconds) => Some(monitor::Monitor::start(units::interval_of_seconds(seconds)?, None, gpu)?),
             None => None,
         },
     };
@@ -191,7 +188,7 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
         Some((adapter, created)) => (user_names(&adapter)?.into_iter().map(|(n, _)| n).collect(), created),
         None => (HashSet::new(), Vec::new()),
     };
-    teardown::check_keep(&names, |n| existing.contains(n), &created).map_err(PyValueError::new_err)?;
+    teardown::check_keep(&names, |n| existing.contains(n), &created)?;
     let mut registry = registry();
     let scope = registry.scope_mut(id).ok_or_else(|| unknown(id))?;
     scope.keep.extend(names);

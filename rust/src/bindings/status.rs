@@ -1,6 +1,6 @@
 //! The `gpuexp` command's `status` and `watch`, rendered in Rust.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::status;
@@ -14,8 +14,9 @@ pub(super) struct GpuStatusPy(status::Status);
 impl GpuStatusPy {
     #[new]
     #[pyo3(signature = (cuda_order=false, processes=true))]
+    /// Without a driver this raises NvmlUnavailable, a RuntimeError of its own.
     fn new(cuda_order: bool, processes: bool) -> PyResult<Self> {
-        status::Status::read(cuda_order, processes).map(GpuStatusPy).map_err(PyRuntimeError::new_err)
+        Ok(GpuStatusPy(status::Status::read(cuda_order, processes)?))
     }
 
     /// The newest CUDA version the driver supports, e.g. "13.0".
@@ -56,14 +57,14 @@ impl WatchPy {
             std::time::Duration::try_from_secs_f64(interval_s).ok().filter(|i| !i.is_zero()).ok_or_else(|| {
                 PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}"))
             })?;
-        watch::Watch::open(cuda_order, style, interval).map(WatchPy).map_err(PyRuntimeError::new_err)
+        Ok(WatchPy(watch::Watch::open(cuda_order, style, interval)?))
     }
 
     /// Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes; `redraw` clears
     /// the screen before each refresh.
     #[pyo3(signature = (log=None, redraw=false))]
     fn run(&self, py: Python, log: Option<std::path::PathBuf>, redraw: bool) -> PyResult<()> {
-        let mut output = watch::Output::open(log.as_deref(), redraw).map_err(PyValueError::new_err)?;
+        let mut output = watch::Output::open(log.as_deref(), redraw)?;
         let mut interrupted = None;
         let ran = self.0.run(&mut output, |left| {
             py.detach(|| watch::nap(left));
@@ -75,7 +76,7 @@ impl WatchPy {
                 }
             }
         });
-        ran.map_err(PyRuntimeError::new_err)?;
+        ran?;
         interrupted.map_or(Ok(()), Err)
     }
 }

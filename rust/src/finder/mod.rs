@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+use crate::error::{Error, Result};
 use crate::grid::Grid;
 use crate::units::bytes;
 
@@ -107,18 +108,18 @@ const LINEAR_TOLERANCE: f64 = 0.03;
 const BISECT_TOLERANCE: f64 = 0.01;
 
 impl Search {
-    pub fn new(settings: Settings) -> Result<Search, String> {
+    pub fn new(settings: Settings) -> Result<Search> {
         if settings.start == 0 || settings.max < settings.start {
-            return Err(format!(
+            return Err(Error::InvalidArgument(format!(
                 "start={} and max={}: start must be at least 1 and max at least start, e.g. find_batch_size(step, start=8, max=4096)",
                 settings.start, settings.max
-            ));
+            )));
         }
         if settings.multiple_of == 0 {
-            return Err("multiple_of must be at least 1, e.g. multiple_of=8".into());
+            return Err(Error::InvalidArgument("multiple_of must be at least 1, e.g. multiple_of=8".into()));
         }
         if settings.steps_per_trial == 0 {
-            return Err("steps must be at least 1, e.g. steps=2".into());
+            return Err(Error::InvalidArgument("steps must be at least 1, e.g. steps=2".into()));
         }
         Ok(Search {
             settings,

@@ -1,6 +1,7 @@
 //! Where ranks publish: the address `GPUEXP_RANKS_STORE` holds, and the notebook kernel's own
 //! private directory for the ranks it launches.
 
+use crate::error::{Error, Result};
 use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -18,13 +19,13 @@ pub enum StoreAddress {
 }
 
 impl StoreAddress {
-    pub fn parse(value: &str) -> Result<StoreAddress, String> {
+    pub fn parse(value: &str) -> Result<StoreAddress> {
         let value = value.trim();
         let bad = || {
-            format!(
+            Error::InvalidArgument(format!(
                 "{STORE_ENV}={value:?}: name a directory every rank can write (file:///shared/gpuexp) \
                  or a store address (tcp://host:port)"
-            )
+            ))
         };
         if let Some(path) = value.strip_prefix("file://") {
             return if path.starts_with('/') { Ok(StoreAddress::Directory(path.into())) } else { Err(bad()) };
@@ -67,24 +68,26 @@ static KERNEL_DIR: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
 
 /// A directory only this user can enter (mode 0700, owned by them, not a link): created, or
 /// checked where it exists, since a shared /tmp lets anyone create a name first.
-fn private_dir(path: &Path) -> Result<(), String> {
+fn private_dir(path: &Path) -> Result<()> {
     match fs::DirBuilder::new().mode(0o700).create(path) {
         Ok(()) => return Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("could not create {}: {e}", path.display())),
+        Err(e) => return Err(Error::Io(format!("could not create {}: {e}", path.display()))),
     }
-    let meta = fs::symlink_metadata(path).map_err(|e| format!("could not read {}: {e}", path.display()))?;
-    let uid = fs::metadata("/proc/self").map(|m| m.uid()).map_err(|e| format!("could not read /proc/self: {e}"))?;
+    let meta = fs::symlink_metadata(path).map_err(|e| Error::Io(format!("could not read {}: {e}", path.display())))?;
+    let uid = fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .map_err(|e| Error::Io(format!("could not read /proc/self: {e}")))?;
     if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
+        return Err(Error::Io(format!(
             "{} is not a private directory of this user (mode 0700, owned by uid {uid}): remove it, or set {STORE_ENV}",
             path.display()
-        ));
+        )));
     }
     Ok(())
 }
 
-fn private_base() -> Result<PathBuf, String> {
+fn private_base() -> Result<PathBuf> {
     let runtime = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_dir());
     let base = match runtime {
         Some(dir) => dir.join("gpuexp"),
@@ -99,7 +102,7 @@ fn private_base() -> Result<PathBuf, String> {
 
 /// This kernel's store directory for its ranks (mode 0700), made on first call; the
 /// directories of kernels that are gone are removed on the way.
-pub fn kernel_store_dir() -> Result<PathBuf, String> {
+pub fn kernel_store_dir() -> Result<PathBuf> {
     let pid = std::process::id();
     let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((owner, dir)) = made.as_ref() {
@@ -145,7 +148,10 @@ mod tests {
         assert_eq!(tcp.to_string(), "tcp://10.0.0.5:29600");
         assert_eq!(StoreAddress::parse("tcp://[::1]:7").unwrap().to_string(), "tcp://[::1]:7");
         for bad in ["tcp://host", "file://relative", "redis://x:1", "tcp://:5"] {
-            assert!(StoreAddress::parse(bad).unwrap_err().contains("file:///shared/gpuexp"), "{bad}");
+            assert!(
+                matches!(StoreAddress::parse(bad), Err(Error::InvalidArgument(m)) if m.contains("file:///shared/gpuexp")),
+                "{bad}"
+            );
         }
     }
 
@@ -165,7 +171,7 @@ mod tests {
         let open = std::env::temp_dir().join(format!("gpuexp-open-{}", std::process::id()));
         fs::create_dir_all(&open).unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
-        assert!(private_dir(&open).unwrap_err().contains("not a private directory"));
+        assert!(matches!(private_dir(&open), Err(Error::Io(m)) if m.contains("not a private directory")));
         fs::remove_dir_all(open).unwrap();
     }
 }

@@ -54,7 +54,8 @@ pub struct Snapshot {
 }
 
 /// Where a snapshot gets a device's NVML figures from, given the device and this process's PIDs.
-pub type NvmlSource = dyn Fn(&GpuIdent, &nvml_wrapper::Device<'static>, &[u32]) -> Result<nvml::NvmlReading, String>;
+pub type NvmlSource =
+    dyn Fn(&GpuIdent, &nvml_wrapper::Device<'static>, &[u32]) -> crate::error::Result<nvml::NvmlReading>;
 
 /// Which GPUs a snapshot covers.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,6 +9,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use super::visible::{self, DeviceOrder, PhysicalGpu, VisibleGpu};
+use crate::error::{Error, Result};
 
 /// A GPU this process can use, with how each side names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,13 +43,13 @@ pub struct NvmlReading {
     pub children: u64,
 }
 
-fn library() -> Result<&'static Nvml, String> {
-    static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
+fn library() -> Result<&'static Nvml> {
+    static NVML: OnceLock<Result<Nvml>> = OnceLock::new();
     NVML.get_or_init(|| {
         // Driver installs ship only the versioned name; the unversioned one comes with dev packages.
         Nvml::builder().lib_path("libnvidia-ml.so.1".as_ref()).init().or_else(|_| Nvml::init()).map_err(|e| match e {
-            NvmlError::LibloadingError(_) => "no NVIDIA driver (libnvidia-ml.so.1 not found)".into(),
-            e => format!("NVML unavailable ({e})"),
+            NvmlError::LibloadingError(_) => Error::NoDriver("no NVIDIA driver (libnvidia-ml.so.1 not found)".into()),
+            e => Error::NoDriver(format!("NVML unavailable ({e})")),
         })
     })
     .as_ref()
@@ -56,20 +57,29 @@ fn library() -> Result<&'static Nvml, String> {
 }
 
 /// Whether NVML can be used, with the reason when it cannot.
-pub fn available() -> Result<(), String> {
+pub fn available() -> Result<()> {
     library().map(|_| ())
 }
 
 /// Driver version and CUDA version the driver supports, e.g. ("580.65", "13.0").
-pub fn driver_versions() -> Result<(String, String), String> {
+pub fn driver_versions() -> Result<(String, String)> {
     let nvml = library()?;
-    let driver = nvml.sys_driver_version().map_err(|e| e.to_string())?;
-    let cuda = nvml.sys_cuda_driver_version().map_err(|e| e.to_string())?;
+    let driver = nvml.sys_driver_version().map_err(failed)?;
+    let cuda = nvml.sys_cuda_driver_version().map_err(failed)?;
     Ok((driver, format!("{}.{}", cuda / 1000, (cuda % 1000) / 10)))
 }
 
-fn physical_gpus(nvml: &Nvml) -> Result<Vec<PhysicalGpu>, String> {
-    let count = nvml.device_count().map_err(|e| format!("NVML could not count devices: {e}"))?;
+/// An NVML call's failure, in NVML's words.
+fn failed(error: NvmlError) -> Error {
+    Error::Nvml(error.to_string())
+}
+
+fn device_count(nvml: &Nvml) -> Result<u32> {
+    nvml.device_count().map_err(|e| Error::Nvml(format!("NVML could not count devices: {e}")))
+}
+
+fn physical_gpus(nvml: &Nvml) -> Result<Vec<PhysicalGpu>> {
+    let count = device_count(nvml)?;
     let mut gpus = Vec::with_capacity(count as usize);
     for index in 0..count {
         let Ok(device) = nvml.device_by_index(index) else { continue };
@@ -107,7 +117,7 @@ struct VisibleSet {
 pub fn with_visible<R>(
     torch_uuids: Option<Vec<String>>,
     read: impl FnOnce(&[(GpuIdent, Device<'static>)]) -> R,
-) -> Result<R, String> {
+) -> Result<R> {
     static CACHE: Mutex<Option<VisibleSet>> = Mutex::new(None);
     let nvml = library()?;
     let key = VisibilityKey {
@@ -123,7 +133,7 @@ pub fn with_visible<R>(
     Ok(read(&cache.as_ref().expect("filled above").devices))
 }
 
-fn resolve(nvml: &'static Nvml, key: &VisibilityKey) -> Result<Vec<(GpuIdent, Device<'static>)>, String> {
+fn resolve(nvml: &'static Nvml, key: &VisibilityKey) -> Result<Vec<(GpuIdent, Device<'static>)>> {
     let physical = physical_gpus(nvml)?;
     let chosen: Vec<VisibleGpu> = match &key.torch_uuids {
         Some(uuids) => uuids.iter().filter_map(|uuid| by_uuid(&physical, uuid)).collect(),
@@ -139,7 +149,7 @@ fn resolve(nvml: &'static Nvml, key: &VisibilityKey) -> Result<Vec<(GpuIdent, De
             VisibleGpu::Whole { nvml_index } => (*nvml_index, nvml.device_by_index(*nvml_index)),
             VisibleGpu::Mig { parent_nvml_index, uuid } => (*parent_nvml_index, nvml.device_by_uuid(uuid.as_str())),
         };
-        let device = device.map_err(|e| format!("NVML could not open GPU {nvml_index}: {e}"))?;
+        let device = device.map_err(|e| Error::Nvml(format!("NVML could not open GPU {nvml_index}: {e}")))?;
         let ident = GpuIdent {
             torch_index: torch_index as u32,
             nvml_index,
@@ -205,7 +215,7 @@ pub fn activity(device: &Device) -> Activity {
 }
 
 /// The UUIDs of the GPUs this process sees, in torch's order as CUDA_VISIBLE_DEVICES sets it.
-pub fn visible_uuids() -> Result<Vec<String>, String> {
+pub fn visible_uuids() -> Result<Vec<String>> {
     with_visible(None, |devices| devices.iter().map(|(ident, _)| ident.uuid.clone()).collect())
 }
 
@@ -245,7 +255,7 @@ pub struct Listed {
 }
 
 /// Every GPU in NVML's order, or those CUDA_VISIBLE_DEVICES shows in CUDA's order.
-pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>, String> {
+pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>> {
     let nvml = library()?;
     if cuda_order {
         let idents: Vec<GpuIdent> =
@@ -263,7 +273,7 @@ pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>, String> {
             })
             .collect();
     }
-    let count = nvml.device_count().map_err(|e| format!("NVML could not count devices: {e}"))?;
+    let count = device_count(nvml)?;
     Ok((0..count)
         .filter_map(|index| {
             let device = nvml.device_by_index(index).ok()?;
@@ -281,8 +291,11 @@ pub fn list_devices(cuda_order: bool) -> Result<Vec<Listed>, String> {
 impl Listed {
     /// Memory and activity now, with the compute processes when asked (each costs reads of
     /// /proc and /etc/passwd).
-    pub fn status(&self, with_processes: bool) -> Result<DeviceStatus, String> {
-        let memory = self.device.memory_info().map_err(|e| format!("NVML could not read GPU {}: {e}", self.index))?;
+    pub fn status(&self, with_processes: bool) -> Result<DeviceStatus> {
+        let memory = self
+            .device
+            .memory_info()
+            .map_err(|e| Error::Nvml(format!("NVML could not read GPU {}: {e}", self.index)))?;
         let processes =
             if with_processes { self.device.running_compute_processes().unwrap_or_default() } else { Vec::new() }
                 .into_iter()
@@ -333,14 +346,14 @@ fn process_user(pid: u32) -> String {
 }
 
 /// A handle of its own for a device, by UUID (the sampler's thread keeps one per GPU).
-pub fn open(uuid: &str) -> Result<Device<'static>, String> {
-    library()?.device_by_uuid(uuid).map_err(|e| format!("NVML could not open {uuid}: {e}"))
+pub fn open(uuid: &str) -> Result<Device<'static>> {
+    library()?.device_by_uuid(uuid).map_err(|e| Error::Nvml(format!("NVML could not open {uuid}: {e}")))
 }
 
 /// One device's memory, and this process's share of it. `pids` are this process's PIDs in
 /// every PID namespace it belongs to: drivers report host PIDs in some containers.
-pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading, String> {
-    let memory = device.memory_info().map_err(|e| e.to_string())?;
+pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading> {
+    let memory = device.memory_info().map_err(failed)?;
     let listed = device.running_compute_processes();
     let children = listed.as_ref().map(|processes| super::children::held_by_descendants(processes)).unwrap_or(0);
     let process = match listed {
