@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from conftest import SAMPLER_RUNNING
+
 MiB = 1 << 20
 
 # The ranks' code: a module the tests write next to their notebook, so spawn and torchrun can import it too.
@@ -34,26 +36,17 @@ def join(rank, world, port):
 
 
 def train(rank, world, port, out):
-    """Rank r holds (r + 1) × 64 MiB in its experiment, then the finder's search with a budget of
-    its own. Without a port, the group is already there (torchrun's env://)."""
+    """Rank r holds (r + 1) × 64 MiB in its experiment. Without a port, the group is already there
+    (torchrun's env://)."""
     if port is not None:
         join(rank, world, port)
     world = dist.get_world_size()
     with gpuexp.CPUExperiment("train"):
         buffer = bytearray((rank + 1) * (64 << 20))
         del buffer
-    # The finder's bookkeeping without a GPU: a linear step, and a budget that differs by rank.
-    search = gpuexp._core.BatchSizeResult(8, 4096, (8 + 4 * rank) << 30, margin=0.0)
-    while (trial := search.next_trial()) is not None:
-        bs, role = trial
-        peak = (2 << 30) + bs * (90 << 20)
-        search.record(bs, role, (peak, peak), 0.01)
-    alone = search.batch_size
-    agreed_in_group = search.agree_across_ranks(60)
     seen = gpuexp.ranks("train", timeout=30) if rank == world - 1 else None
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({
-            "alone": alone, "agreed": search.batch_size, "in_group": agreed_in_group, "table": str(search),
             "gathered_missing": None if seen is None else seen.missing,
             "gathered_ranks": None if seen is None else [r.rank for r in seen.reports],
             "publish_s": gpuexp._core.last_publish_s(),
@@ -103,11 +96,7 @@ def read_outputs(tmp_path, world):
 def check_train(kernel, tmp_path, world):
     """What every launch of `train` must show, in the ranks and in the notebook."""
     outputs = read_outputs(tmp_path, world)
-    # Budgets of 8 and 12 GiB: alone, rank 1 would run a larger batch; together, both run rank 0's.
-    alone = [o["alone"] for o in outputs]
-    assert alone[0] < alone[1], alone
-    assert all(o["agreed"] == alone[0] and o["in_group"] for o in outputs), outputs
-    assert "largest that fits on every rank" in outputs[0]["table"] and "each rank's answer" in outputs[0]["table"]
+    # The finder's agreement across ranks needs CUDA: tests/test_gpu_ranks.py and the Rust tests of ranks/agree.rs.
     assert outputs[-1]["gathered_missing"] == [] and outputs[-1]["gathered_ranks"] == list(range(world))
     assert all(o["publish_s"][0] < 0.05 for o in outputs), [o["publish_s"] for o in outputs]
 
@@ -207,9 +196,9 @@ def test_a_forked_rank_inheriting_an_open_experiment_starts_clean(make_kernel):
     # A sampler thread runs in the parent (sampled host peaks), and a timeline thread too.
     kernel = make_kernel(GPUEXP_HOST_PEAK="sampled")
     kernel.run("import gpuexp, multiprocessing, os")
-    kernel.run('exp = gpuexp.CPUExperiment("outer", timeline="20ms")')
+    kernel.run('exp = gpuexp.CPUExperiment("outer", monitor="20ms")')
     kernel.run("big = bytearray(64 << 20)")
-    assert kernel.value("gpuexp._core.sampler_running() and gpuexp._core.cell_log_active()")
+    assert kernel.value(SAMPLER_RUNNING + " and gpuexp._core.cell_log_active()")
     kernel.run(
         textwrap.dedent("""
         def child(queue):
@@ -217,10 +206,10 @@ def test_a_forked_rank_inheriting_an_open_experiment_starts_clean(make_kernel):
             state = {
                 "parent_scope_open": gpuexp._core.is_open(exp._id),
                 "history": len(gpuexp.history()),
-                "tracked": len(gpuexp.ipython.tracked()),
+                "tracked": len(gpuexp.experiment.tracked()),
                 "shell": gpuexp.ipython.shell() is not None,
                 "cell_log": gpuexp._core.cell_log_active(),
-                "sampler": gpuexp._core.sampler_running(),
+                "sampler": SAMPLER_RUNNING_EXPR,
             }
             with gpuexp.CPUExperiment("child") as own:
                 scratch = bytearray(8 << 20)
@@ -239,7 +228,7 @@ def test_a_forked_rank_inheriting_an_open_experiment_starts_clean(make_kernel):
             results.append(queue.get(timeout=60))
             process.join(30)
             results[-1]["exitcode"] = process.exitcode
-    """)
+    """).replace("SAMPLER_RUNNING_EXPR", SAMPLER_RUNNING)
     )
     for state in kernel.value("results"):
         assert state == {
@@ -257,7 +246,7 @@ def test_a_forked_rank_inheriting_an_open_experiment_starts_clean(make_kernel):
     # The parent's experiment was untouched by its children.
     kernel.run("del exp")
     report = kernel.value("gpuexp.history()[-1].to_dict()")
-    assert report["name"] == "outer" and "big" in report["deleted"] and len(report["timeline"]) > 0
+    assert report["name"] == "outer" and "big" in report["deleted"] and len(report["monitor"]) > 0
     assert kernel.value("[r.name for r in gpuexp.history()]") == ["outer"]
 
 
