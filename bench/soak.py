@@ -82,7 +82,10 @@ def soak(cycles, gpu, interrupt_every):
     driver.run(f"exp = {kind}('warm-up')\nx = np.ones(1 << 20)\ndel exp")  # first-use allocations
     rss_start, reports_start = driver.value("[rss(), history_bytes()]")
     interrupts, not_back = 0, []
+    halfway = None
     for cycle in range(cycles):
+        if cycle == cycles // 2:
+            halfway = driver.value("[rss(), history_bytes()]")
         driver.run(f"exp = {kind}('cycle-{cycle}')")
         work = "x = np.ones(2 << 20)\ny = [bytearray(4096) for _ in range(64)]"
         if gpu:
@@ -111,6 +114,8 @@ def soak(cycles, gpu, interrupt_every):
     elapsed = time.perf_counter() - started
     driver.close()
     growth = (rss_end - rss_start) - (reports_end - reports_start)
+    # The second half alone: what keeps growing once first-use allocations (CUDA, libraries) are made.
+    late = (rss_end - halfway[0]) - (reports_end - halfway[1])
     return {
         "machine": cpu_model(),
         "cycles": cycles,
@@ -120,6 +125,7 @@ def soak(cycles, gpu, interrupt_every):
         "rss_growth_bytes": rss_end - rss_start,
         "report_bytes": reports_end - reports_start,
         "growth_per_cycle_beyond_reports_bytes": growth / cycles,
+        "second_half_growth_per_cycle_beyond_reports_bytes": late / (cycles - cycles // 2),
         "gpuexp_threads_left": threads,
         "torch_allocated_not_back": not_back,
         "seconds": round(elapsed, 1),
