@@ -76,7 +76,7 @@ def test_the_live_view_reads_in_the_theme(lab, chrome, theme):
 
 
 def test_compare_shows_a_table_and_a_plot(lab, chrome, screenshots):
-    runs = [f"with gpuexp.CPUExperiment('bs={bs}'):\n    batch = bytearray({bs} << 22)" for bs in (16, 32, 64)]
+    runs = [f"with gpuexp.CPUExperiment('bs={bs}'):\n    batch = bytearray({bs} << 24)" for bs in (16, 32, 64)]
     page = chrome.open(lab, lab.write_notebook("compare.ipynb", [
         "import gpuexp", *runs, "comparison = gpuexp.compare()\ncomparison", "comparison.plot()"]))
     page.hide_left_sidebar()
