@@ -21,7 +21,7 @@ use crate::units::{bytes, signed_bytes};
 pub struct Row {
     pub name: String,
     pub params: Params,
-    pub kind: &'static str,
+    pub kind: String,
     pub finished: bool,
     pub duration_s: f64,
     pub host: HostReport,
@@ -34,7 +34,7 @@ impl From<&Report> for Row {
         Row {
             name: report.name.clone(),
             params: report.params.clone(),
-            kind: report.kind,
+            kind: report.kind.to_string(),
             finished: report.finished,
             duration_s: report.duration_s,
             host: report.host.clone(),

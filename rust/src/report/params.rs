@@ -1,10 +1,11 @@
 //! What an experiment varied: `GPUExperiment(..., params={"bs": 64})`, or read from a name such
 //! as `bs=64` or `bs=64,lr=3e-4`. Numbers stay numbers, so experiments can be plotted against them.
 
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
 /// One value: a number keeps its kind (64 is an integer, 3e-4 a float).
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(untagged)]
 pub enum Param {
     Int(i64),
@@ -105,6 +106,27 @@ impl Serialize for Params {
     }
 }
 
+/// Read back from a report's JSON, in the order written.
+impl<'de> Deserialize<'de> for Params {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Params, D::Error> {
+        struct InOrder;
+        impl<'de> Visitor<'de> for InOrder {
+            type Value = Params;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of params")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Params, M::Error> {
+                let mut params = Params::default();
+                while let Some((key, value)) = map.next_entry::<String, Param>()? {
+                    params.set(&key, value);
+                }
+                Ok(params)
+            }
+        }
+        deserializer.deserialize_map(InOrder)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +152,14 @@ mod tests {
             assert!(Params::from_name(name).is_empty(), "{name}");
         }
         assert_eq!(Params::from_name("x=nan").get("x"), Some(&Param::Text("nan".into())), "nan is a word");
+    }
+
+    #[test]
+    fn json_reads_back_the_same_params_in_the_same_order() {
+        let params = Params::from_name("opt=adam,bs=64,lr=3e-4,amp=false");
+        let back: Params = serde_json::from_str(&json(&params)).unwrap();
+        assert_eq!(back, params);
+        assert_eq!(back.get("bs"), Some(&Param::Int(64)));
     }
 
     #[test]
