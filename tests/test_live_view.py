@@ -205,3 +205,18 @@ def test_a_script_draws_no_live_view(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert "cell running" not in done.stdout
+
+
+def test_the_finders_progress_is_one_output_in_jupyter_and_lines_in_a_script(kernel, tmp_path):
+    """find_batch_size needs CUDA (test_gpu_views.py runs it); its progress is driven the same
+    way here: an update per trial, then finish."""
+    drive = ("from gpuexp.live import Progress\np = Progress()\n"
+             "for n in (1, 2, 3):\n    p.update(f'trial {n}', f'<b>{n} trials</b>')\np.finish('done', '<b>done</b>')")
+    found = [m for m in messages(kernel, drive) if m.display_id]
+    assert [m.kind for m in found] == ["display_data"] + ["update_display_data"] * 3, found
+    assert len({m.display_id for m in found}) == 1 and found[0].display_id.startswith("gpuexp-finder-")
+    assert [m.text for m in found] == ["trial 1", "trial 2", "trial 3", "done"]
+    script = tmp_path / "progress.py"
+    script.write_text(drive)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == ["trial 1", "trial 2", "trial 3"], done.stdout + done.stderr
