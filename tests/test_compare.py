@@ -42,6 +42,9 @@ def test_the_table_shows_each_experiment_and_its_params(kernel):
         assert column in header, header
     assert "<table>" in shown.html and "<td style=\"text-align:left\">tuned</td>" in shown.html
     assert kernel.value("len(gpuexp.compare([gpuexp.history()[0], gpuexp.history()[2]]))") == 2
+    kernel.run("running = gpuexp.CPUExperiment('bs=256')")
+    both = kernel.run("gpuexp.compare([gpuexp.history()[0], running])").text
+    assert "bs=256 (running)" in both and "a running experiment's figures are those so far" in both
 
 
 def test_to_pandas_gives_a_row_per_experiment_with_numbers(kernel):

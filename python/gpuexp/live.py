@@ -8,6 +8,7 @@ without the GIL, so a cell shorter than the delay never wakes it, and takes the 
 """
 
 import atexit
+import contextvars
 import shutil
 import sys
 import threading
@@ -95,7 +96,9 @@ class _Drawer:
             window, first = tick
             with _lock:
                 try:
-                    self._draw(window, first)
+                    # ipykernel sends a display to the parent a context variable names, else to the
+                    # running cell's: an empty context, whatever the thread inherited, means the latter.
+                    contextvars.Context().run(self._draw, window, first)
                 except Exception as error:  # a thread cannot raise into the cell: say it once
                     if not self.failed:
                         self.failed = True
