@@ -31,6 +31,7 @@ def test_batch_size_notebook_runs_whole_here_or_says_why_it_skips():
     if GPU:
         assert "CUDA out of memory on cuda:0 · rescued" in done.stdout
         assert "gpuexp · batch size " in done.stdout and "verdict:" in done.stdout
+        assert "gpuexp · compare · 3 experiments" in done.stdout
     else:
         # The output lines, not the sources.
-        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 7
+        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 8

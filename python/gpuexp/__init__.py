@@ -9,7 +9,7 @@ import atexit
 import sys
 
 from . import _core, extension, ipython
-from ._core import CellRecord, GpuReport, HostReport, Metric, NvmlUnavailable, Report, Snapshot
+from ._core import CellRecord, Comparison, GpuReport, HostReport, Metric, NvmlUnavailable, Report, Snapshot
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
 from .monitor import Monitor
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CellRecord",
+    "Comparison",
     "CPUExperiment",
     "GPUExperiment",
     "GpuReport",
@@ -29,6 +30,7 @@ __all__ = [
     "Report",
     "Snapshot",
     "cells",
+    "compare",
     "config",
     "find_batch_size",
     "holders",
@@ -97,7 +99,46 @@ def cells():
     return _core.cells()
 
 
-def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None):
+def compare(experiments=None):
+    """Finished experiments side by side: name, params, duration, the peak of each layer, what
+    was consumed, the share reclaimed and out-of-memory errors.
+
+    experiments: reports or experiments (an open one shows its figures so far); by default this
+        kernel's history. Params come from ``GPUExperiment(..., params={"bs": 64})`` or from
+        names such as ``"bs=64,lr=3e-4"``.
+
+    The result shows as a table (text and HTML); ``to_dict()`` is ``{"rows": [...]}`` with each
+    report's figures in its own JSON shape; ``to_pandas()`` gives one row per experiment;
+    ``plot(x=None)`` draws each layer's peak against a numeric param, with the device's total,
+    the limit and a fit that extrapolates the largest value that fits.
+    """
+    if experiments is None:
+        return _core.compare(None)
+    if isinstance(experiments, (Report, GPUExperiment)):
+        experiments = [experiments]
+    reports = []
+    for item in experiments:
+        if isinstance(item, GPUExperiment):
+            item = item.data
+        if not isinstance(item, Report):
+            raise TypeError(
+                "compare() takes reports (gpuexp.history(), exp.finish()) or experiments, "
+                f"e.g. gpuexp.compare([exp1, exp2]); got {type(item).__name__}"
+            )
+        reports.append(item)
+    return _core.compare(reports)
+
+
+class _Unchanged:
+    def __repr__(self):
+        return "unchanged"
+
+
+_UNCHANGED = _Unchanged()
+
+
+def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
+           live_view_after_s=_UNCHANGED):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
@@ -105,6 +146,11 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None):
     cell_log_all_gpus: show every GPU in the cell log, not only those a cell touched.
     oom_rescue: after a CUDA out-of-memory error, clear the failed cell's frames and free its
         memory (default True). Turn it off to inspect the frames with %debug.
+    cell_log_min_change: a cell's memory block shows only when a figure's Δ or its peak above
+        start reaches this ("1MiB" by default; a size string or bytes). ``%gpuexp log all``
+        shows every cell's.
+    live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
+        None or False: no live view.
     """
     if sample_interval_ms is not None and (
         isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))
@@ -113,9 +159,30 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None):
             "sample_interval_ms must be a number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); "
             f"got {sample_interval_ms!r}"
         )
+    if cell_log_min_change is not None:
+        cell_log_min_change = _bytes(cell_log_min_change, "cell_log_min_change")
+    if live_view_after_s is _UNCHANGED:
+        live_view_after_s = None
+    elif live_view_after_s is None or live_view_after_s is False:
+        live_view_after_s = False  # the core reads False as off, None as unchanged
+    elif isinstance(live_view_after_s, bool) or not isinstance(live_view_after_s, (int, float)):
+        raise TypeError(
+            "live_view_after_s must be a number of seconds, e.g. gpuexp.config(live_view_after_s=2), "
+            f"or None to turn the live view off; got {live_view_after_s!r}"
+        )
     return _core.config(
-        sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue
+        sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue,
+        cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s,
     )
+
+
+def _bytes(value, name):
+    """Bytes from a size string ("1MiB") or a number of bytes, 0 included."""
+    if isinstance(value, str):
+        return _core.parse_size(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"1MiB\" or a number of bytes")
 
 
 def load_ipython_extension(ip):

@@ -40,7 +40,18 @@ class _Settings(TypedDict):
     sample_interval_ms: float
     cell_log_all_gpus: bool
     oom_rescue: bool
+    cell_log_min_change: int
+    live_view_after_s: float | None
     host_peak: Literal["exact", "sampled"]
+
+class _Progress(Protocol):
+    """How ``find_batch_size`` shows its trials (``gpuexp.live.Progress``)."""
+
+    def update(self, line: str, html: str) -> None:
+        """After each trial: its line, and the table of the trials so far."""
+
+    def finish(self, line: str, html: str) -> None:
+        """Once the search stops: its title, and the table."""
 
 class NvmlUnavailable(RuntimeError):
     """The NVIDIA driver's NVML library cannot be opened (no driver, or no GPU machine)."""
@@ -188,6 +199,16 @@ class BatchSizeResult(_Table):
     @property
     def verdict(self) -> str: ...
 
+@final
+class Comparison(_Table):
+    """Experiments side by side (``gpuexp.compare``); ``to_dict()`` is ``{"rows": [...]}``."""
+
+    def __len__(self) -> int: ...
+    def to_pandas(self) -> Any:
+        """One row per experiment, one column per param and figure (a pandas DataFrame)."""
+    def plot(self, x: str | None = None) -> Any:
+        """Each layer's peak against a numeric param, the levels and a fit (a matplotlib Figure)."""
+
 # ---- the monitor and the gpuexp command -------------------------------------------------------
 
 @final
@@ -236,6 +257,7 @@ def open_scope(
     monitor_s: float | None = None,
     handles: Iterable[str] = ...,
     in_use: Iterable[str] = ...,
+    params: dict[str, int | float | bool | str] | None = None,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
     """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
 def scope_name(id: _ScopeId) -> str: ...
@@ -252,21 +274,37 @@ def snapshot(gpu: bool = True) -> Snapshot: ...
 def rescue_oom(error: BaseException, adapter: _NamespaceAdapter | None = None) -> OomDiagnosis | None:
     """The rescue after a CUDA out-of-memory error; None for any other error, or with the rescue off."""
 def holders(memory: int | None, min_bytes: int, adapter: _NamespaceAdapter | None = None) -> Holders: ...
+def compare(reports: Sequence[Report] | None = None) -> Comparison:
+    """``reports`` side by side; by default this kernel's history."""
 
 # ---- the cell log and settings -----------------------------------------------------------------
 
 def cell_log_active() -> bool: ...
-def set_standalone_log(on: bool) -> None: ...
+def set_standalone_log(on: bool, every_cell: bool = False) -> None: ...
 def begin_cell() -> None: ...
-def end_cell(execution_count: int) -> CellRecord | None: ...
+def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
+    """(the record if its block shows, the window of the cell's live view if one was drawn)."""
 def cells() -> list[CellRecord]: ...
 def before_user_peak_reset() -> None: ...
 def config(
     sample_interval_ms: float | None = None,
     cell_log_all_gpus: bool | None = None,
     oom_rescue: bool | None = None,
-) -> _Settings: ...
+    cell_log_min_change: int | None = None,
+    live_view_after_s: float | Literal[False] | None = None,
+) -> _Settings:
+    """``live_view_after_s``: seconds, False for no live view, None to leave it."""
 def shutdown() -> None: ...
+
+# ---- the live view of a running cell -----------------------------------------------------------
+
+def live_view_wait() -> tuple[int, bool] | None:
+    """Blocks, without the GIL, until a running cell's view is due: (its window, whether the view
+    is new); None once ``live_view_stop`` ran."""
+def live_view(window: int, width: int) -> tuple[str, str, str] | None:
+    """(one terminal line of at most ``width`` characters, the text table, the HTML); None once
+    that cell has ended."""
+def live_view_stop() -> None: ...
 
 # ---- the batch-size finder ---------------------------------------------------------------------
 
@@ -282,7 +320,7 @@ def find_batch_size(
     multiple_of: int = 1,
     verifications: int = 2,
     steps: int = 2,
-    progress: bool = True,
+    progress: _Progress | None = None,
     ranks_timeout: float = 600.0,
     adapter: _NamespaceAdapter,
 ) -> BatchSizeResult: ...

@@ -3,7 +3,7 @@
 import sys
 import weakref
 
-from . import _core, ipython
+from . import _core, ipython, live
 from .devices import device_indices
 from .monitor import seconds
 from .torch_peaks import watch_torch_peak_resets
@@ -17,16 +17,20 @@ class GPUExperiment:
     Everything the experiment's cells create is deleted and freed when it finishes
     (``del exp``, ``exp.finish()`` or the end of a ``with`` block), and a table shows what it
     consumed, what came back and the peak. Names that existed before are never touched unless
-    the experiment rebound them. While it is open, each cell is followed by a compact memory
-    block (``cell_log=False`` turns that off).
+    the experiment rebound them. While it is open, a cell where memory moved is followed by a
+    compact memory block, and a long cell shows its memory live (``cell_log=False`` turns both
+    off). ``params={"bs": 64}`` says what the experiment varied, for ``gpuexp.compare()``; by
+    default it is read from the name (``"bs=64,lr=3e-4"``).
     """
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
+        if params is not None and not isinstance(params, dict):
+            raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         devices = device_indices(devices) if self._gpu else None
         self._handles = ipython.assignment_targets()
         creator = _creator_frame()
@@ -44,6 +48,7 @@ class GPUExperiment:
             monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
             handles=self._handles,
             in_use=ipython.names_bound_before(creator.f_lineno),
+            params=params,
         )
         for report in replaced:
             ipython.show(report)
@@ -121,8 +126,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True, monitor=False):
-        super().__init__(name, cell_log=cell_log, monitor=monitor)
+    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None):
+        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
@@ -156,11 +161,14 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     every rank gets that one answer, and the table shows each rank's. A rank whose answer has
     not come after ``ranks_timeout`` seconds is named in a RuntimeError.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
+    With ``progress``, each trial shows as it ends: in Jupyter the table so far, updated in place;
+    in a terminal one line, rewritten; in a script a line per trial.
     """
     return _core.find_batch_size(
         step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
-        progress=progress, ranks_timeout=ranks_timeout, adapter=ipython.DetachedNamespace(),
+        progress=live.Progress() if progress else None, ranks_timeout=ranks_timeout,
+        adapter=ipython.DetachedNamespace(),
     )
 
 

@@ -1,8 +1,8 @@
 """The IPython extension (``%load_ext gpuexp``; importing gpuexp in a notebook loads it): the
-cell events that notice ``del exp``, run the cell log and rescue a CUDA out-of-memory error,
-and the ``%gpuexp`` magics."""
+cell events that notice ``del exp``, run the cell log (its live view included) and rescue a
+CUDA out-of-memory error, and the ``%gpuexp`` magics."""
 
-from . import _core
+from . import _core, live
 from .experiment import GPUExperiment, tracked
 from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
@@ -26,6 +26,7 @@ def register(ip):
 def _before_cell(info=None):
     if _core.cell_log_active():
         watch_torch_peak_resets()
+        live.start()  # before the cell's window opens: the thread's own memory is not the cell's
         _core.begin_cell()
 
 
@@ -39,10 +40,10 @@ def _after_cell(result=None):
     diagnosis = _core.rescue_oom(error, namespace) if error is not None else None
     if diagnosis is not None:
         show(diagnosis)
-    record = _core.end_cell(getattr(result, "execution_count", None) or 0)
+    # The block shows only when something moved (the core decides), in place of the live view.
+    record, live_view = live.end_cell(getattr(result, "execution_count", None) or 0)
     # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
-    if record is not None and _core.cell_log_active():
-        show(record)
+    live.replace(live_view, record if _core.cell_log_active() else None)
     for experiment in tracked().values():
         bound = set(_core.bound_names(namespace, experiment))
         if experiment._handles and not bound:
@@ -60,7 +61,8 @@ def _after_cell(result=None):
 
 USAGE = """\
 %gpuexp status           the current state (gpuexp.snapshot())
-%gpuexp log on [all]     a memory block after every cell (all: every GPU, not only those the cell touched)
+%gpuexp log on           a memory block after each cell where memory moved (gpuexp.config(cell_log_min_change=...))
+%gpuexp log all          a memory block after every cell
 %gpuexp log off          stop the cell log
 %%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report"""
 
@@ -79,9 +81,8 @@ def _magics():
             words = line.split()
             if words == ["status"]:
                 show(_core.snapshot(True))
-            elif words[:1] == ["log"] and words[1:] in (["on"], ["on", "all"]):
-                _core.config(cell_log_all_gpus=words[2:] == ["all"])
-                _core.set_standalone_log(True)
+            elif words in (["log", "on"], ["log", "all"]):
+                _core.set_standalone_log(True, every_cell=words[1] == "all")
             elif words == ["log", "off"]:
                 _core.set_standalone_log(False)
             else:

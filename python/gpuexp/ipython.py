@@ -36,25 +36,13 @@ def show(obj):
         print(obj)
         return
     # Both formats straight to the display publisher: IPython's formatter would probe a dozen
-    # repr methods first, and the cell log shows something after every cell.
-    data = {"text/plain": str(obj), "text/html": obj._repr_html_()}
-    publisher = ip.display_pub
-    streams_idle = not any(getattr(stream, "_flush_pending", True) for stream in (sys.stdout, sys.stderr))
-    if streams_idle and hasattr(publisher, "_flush_streams"):
-        # ipykernel waits for its IO thread to flush stdout and stderr before every display,
-        # even when both are empty: most of a display's cost. With nothing pending there is
-        # nothing to keep in order, so that wait is skipped (any other publisher flushes as usual).
-        publisher._flush_streams = _nothing_to_flush
-        try:
-            publisher.publish(data=data, metadata={})
-        finally:
-            del publisher._flush_streams
-    else:
-        publisher.publish(data=data, metadata={})
+    # repr methods first.
+    ip.display_pub.publish(data=bundle(obj), metadata={})
 
 
-def _nothing_to_flush():
-    pass
+def bundle(obj):
+    """What a report, snapshot or cell record shows as: its text table and its HTML one."""
+    return {"text/plain": str(obj), "text/html": obj._repr_html_()}
 
 
 def warn(message):

@@ -1,6 +1,8 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+/// Finished experiments side by side: a table, JSON, and peaks against a param with a fit.
+pub mod compare;
 /// What can go wrong, by kind: no driver, a failed NVML call, bad input, a file.
 pub mod error;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
@@ -9,6 +11,8 @@ pub mod finder;
 pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
+/// The view of a running cell's memory, and when it is drawn.
+pub mod live_view;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
 /// The thread that raises peaks between snapshots where no peak counter exists.

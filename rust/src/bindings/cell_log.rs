@@ -1,7 +1,9 @@
-//! The per-cell log: a peak window from `pre_run_cell` to `post_run_cell`, and its records.
+//! The per-cell log: a peak window from `pre_run_cell` to `post_run_cell`, its records, and
+//! whether a cell's block shows.
 
 use pyo3::prelude::*;
 
+use super::live_view::schedule;
 use super::registry::registry;
 use super::report::CellRecordPy;
 use super::snapshot::{opening_snapshot, reset_counters, take_cell_snapshot, take_snapshot, update_sampler};
@@ -12,10 +14,16 @@ pub(super) fn cell_log_active() -> bool {
     registry().cell_log_active()
 }
 
-/// `%gpuexp log on|off`: the cell log without an experiment.
+/// `%gpuexp log on|all|off`: the cell log without an experiment; `every_cell` (`log all`) shows
+/// every cell's block, not only those of cells where something moved.
 #[pyfunction]
-pub(super) fn set_standalone_log(py: Python, on: bool) {
-    registry().standalone_log = on;
+#[pyo3(signature = (on, every_cell=false))]
+pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
+    {
+        let mut registry = registry();
+        registry.standalone_log = on;
+        registry.cell_log_every_cell = on && every_cell;
+    }
     if !on {
         update_sampler(py, None);
     }
@@ -26,21 +34,26 @@ pub(super) fn set_standalone_log(py: Python, on: bool) {
 pub(super) fn begin_cell(py: Python) {
     let selection = registry().cell_selection();
     let (start, torch) = opening_snapshot(py, &selection, take_cell_snapshot);
-    registry().begin_cell(start.clone());
+    let window = registry().begin_cell(start.clone());
     reset_counters(&torch, &start);
+    schedule().cell_began(window);
 }
 
-/// Closes the running cell's window and returns its record (the `post_run_cell` event).
+/// Closes the running cell's window and records it (the `post_run_cell` event). Returns the
+/// record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
+/// and the window of the cell's live view if one was drawn: the caller replaces it.
 #[pyfunction]
-pub(super) fn end_cell(py: Python, execution_count: u64) -> Option<CellRecordPy> {
-    let selection = registry().open_cell_selection()?;
+pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy>, Option<u64>) {
+    let drawn = schedule().cell_ended();
+    let Some(selection) = registry().open_cell_selection() else { return (None, drawn) };
     let (end, _) = take_cell_snapshot(py, &selection);
-    let (record, all_gpus) = {
+    let shown = {
         let mut registry = registry();
-        (registry.end_cell(execution_count, &end)?, registry.cell_log_all_gpus)
+        let record = registry.end_cell(execution_count, &end);
+        record.filter(|r| registry.shows(r)).map(|record| CellRecordPy { record, all_gpus: registry.cell_log_all_gpus })
     };
     update_sampler(py, None);
-    Some(CellRecordPy { record, all_gpus })
+    (shown, drawn)
 }
 
 /// Every cell record of this kernel, oldest first.

@@ -42,9 +42,11 @@ shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
 
 /// Runs the search. The arguments are checked before anything touches the GPU. `adapter`
 /// clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
+/// `progress` (`gpuexp.live.Progress`) shows each trial as it ends: `update(line, html)` with
+/// the trial's line and the table so far, and `finish(line, html)` once the search stops.
 #[pyfunction]
 #[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
-                    verifications=2, steps=2, progress=true, ranks_timeout=600.0, adapter))]
+                    verifications=2, steps=2, progress=None, ranks_timeout=600.0, adapter))]
 #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
 pub(super) fn find_batch_size(
     py: Python,
@@ -58,7 +60,7 @@ pub(super) fn find_batch_size(
     multiple_of: u64,
     verifications: u32,
     steps: u32,
-    progress: bool,
+    progress: Option<Bound<PyAny>>,
     ranks_timeout: f64,
     adapter: Bound<PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
@@ -98,7 +100,7 @@ pub(super) fn find_batch_size(
         Some(limit) => apply_limit(py, &GpuSelection::Only(vec![index]), limit)?,
         None => Vec::new(),
     };
-    let searched = run_trials(py, &mut search, &step, &cuda, index, progress, &adapter);
+    let searched = run_trials(py, &mut search, &step, &cuda, index, progress.as_ref(), &adapter);
     // The cap comes off and the cache empties whatever stopped the search, Ctrl-C included.
     let held = interrupts::hold(py);
     let restored = restore_limit(py, &limited);
@@ -109,9 +111,10 @@ pub(super) fn find_batch_size(
         return Err(interrupts::interrupted());
     }
     // In a rank of a process group every rank must run one size: the largest that fits on all.
-    if ranks::agree_across_ranks(py, &mut search, ranks_timeout)? && progress {
-        let line = format!("gpuexp: every rank agreed on batch size {:?}", search.batch_size);
-        py.import("builtins")?.call_method1("print", (line,))?;
+    ranks::agree_across_ranks(py, &mut search, ranks_timeout)?;
+    if let Some(progress) = &progress {
+        let grid = search.grid();
+        progress.call_method1("finish", (grid.title.as_str(), grid.to_html()))?;
     }
     Ok(BatchSizeResultPy(search))
 }
@@ -122,7 +125,7 @@ fn run_trials(
     step: &Bound<PyAny>,
     cuda: &Bound<PyAny>,
     index: u32,
-    progress: bool,
+    progress: Option<&Bound<PyAny>>,
     adapter: &Bound<PyAny>,
 ) -> PyResult<()> {
     let mut previous = None;
@@ -133,20 +136,20 @@ fn run_trials(
         }
         previous = Some(batch);
         let trial = run_trial(py, step, cuda, batch, index, search.settings.steps_per_trial, role, adapter)?;
-        if progress {
-            let outcome = match trial.outcome {
-                Outcome::Fit { peak, .. } => format!("peak {}", units::bytes(peak)),
-                Outcome::OutOfMemory => "out of memory".into(),
-            };
-            let line = format!(
-                "gpuexp: trial {} ({}) batch size {batch}: {outcome}, {:.2} s",
-                search.trials.len() + 1,
-                role.label(),
-                trial.seconds
-            );
-            py.import("builtins")?.call_method1("print", (line,))?;
-        }
+        let outcome = match trial.outcome {
+            Outcome::Fit { peak, .. } => format!("peak {}", units::bytes(peak)),
+            Outcome::OutOfMemory => "out of memory".into(),
+        };
+        let line = format!(
+            "gpuexp: trial {} ({}) batch size {batch}: {outcome}, {:.2} s",
+            search.trials.len() + 1,
+            role.label(),
+            trial.seconds
+        );
         search.record(trial);
+        if let Some(progress) = progress {
+            progress.call_method1("update", (line, search.grid().to_html()))?;
+        }
     }
     Ok(())
 }

@@ -1,9 +1,12 @@
 //! What the kernel keeps across experiments: its settings and the history of finished reports.
 
+use std::time::Duration;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict};
 
+use super::live_view::schedule;
 use super::registry::registry;
 use super::report::ReportPy;
 use crate::peak_sampler;
@@ -11,14 +14,21 @@ use crate::snapshot::host;
 
 /// Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
 /// kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.
+/// `live_view_after_s` is seconds, or False for no live view (None leaves it as it is).
 #[pyfunction]
-#[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None))]
+#[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
+                    live_view_after_s=None))]
 pub(super) fn config<'py>(
     py: Python<'py>,
     sample_interval_ms: Option<f64>,
     cell_log_all_gpus: Option<bool>,
     oom_rescue: Option<bool>,
+    cell_log_min_change: Option<u64>,
+    live_view_after_s: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    if let Some(after) = live_view_after_s {
+        schedule().set_after(live_view_after(&after)?);
+    }
     if let Some(ms) = sample_interval_ms {
         let interval = std::time::Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
             PyValueError::new_err(format!(
@@ -34,12 +44,32 @@ pub(super) fn config<'py>(
     if let Some(rescue) = oom_rescue {
         registry.oom_rescue = rescue;
     }
+    if let Some(min_change) = cell_log_min_change {
+        registry.cell_log_min_change = min_change;
+    }
     let settings = PyDict::new(py);
     settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
     settings.set_item("oom_rescue", registry.oom_rescue)?;
+    settings.set_item("cell_log_min_change", registry.cell_log_min_change)?;
+    settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     Ok(settings)
+}
+
+/// False: no live view; seconds: how long a cell runs before it shows one.
+fn live_view_after(value: &Bound<PyAny>) -> PyResult<Option<Duration>> {
+    let bad = || {
+        PyValueError::new_err(format!(
+            "live_view_after_s is the seconds a cell runs before its live view shows, e.g. \
+             gpuexp.config(live_view_after_s=2), or None to turn it off; got {value}"
+        ))
+    };
+    if let Ok(flag) = value.cast::<PyBool>() {
+        return if flag.is_true() { Err(bad()) } else { Ok(None) };
+    }
+    let seconds: f64 = value.extract().map_err(|_| bad())?;
+    Duration::try_from_secs_f64(seconds).map(Some).map_err(|_| bad())
 }
 
 /// Stops the sampler thread (at interpreter exit, and when a kernel shuts down).

@@ -5,11 +5,13 @@
 #[macro_use]
 mod report; // first: the families below use its `shown_as_table!`
 mod cell_log;
+mod compare;
 mod error;
 mod finder;
 mod holders;
 mod interrupts;
 mod kernel;
+mod live_view;
 mod monitor;
 mod namespace;
 mod oom;
@@ -27,6 +29,8 @@ mod core_module {
     #[pymodule_export]
     use super::cell_log::{before_user_peak_reset, begin_cell, cell_log_active, cells, end_cell, set_standalone_log};
     #[pymodule_export]
+    use super::compare::{compare, ComparisonPy};
+    #[pymodule_export]
     use super::error::NvmlUnavailable;
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
@@ -34,6 +38,8 @@ mod core_module {
     use super::holders::holders;
     #[pymodule_export]
     use super::kernel::{config, history, history_json, shutdown};
+    #[pymodule_export]
+    use super::live_view::{live_view, live_view_stop, live_view_wait};
     #[pymodule_export]
     use super::monitor::MonitorPy;
     #[pymodule_export]

@@ -5,8 +5,9 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyString};
 
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::interrupts;
@@ -17,7 +18,7 @@ use super::report::{CellRecordPy, ReportPy, SnapshotPy};
 use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
 use super::torch::{apply_limit, release, restore_limit};
 use crate::monitor;
-use crate::report::Details;
+use crate::report::{Details, Param, Params};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
@@ -77,7 +78,7 @@ impl teardown::Release for Releaser<'_> {
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
 #[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None,
-                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new()))]
+                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), params=None))]
 #[allow(clippy::too_many_arguments)] // one per keyword of GPUExperiment
 pub(super) fn open_scope(
     py: Python,
@@ -91,9 +92,11 @@ pub(super) fn open_scope(
     monitor_s: Option<f64>,
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
+    params: Option<Bound<PyDict>>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
+    let params = params.as_ref().map(params_from).transpose()?;
     let held = interrupts::hold(py);
-    let opened = open(py, name, gpu, devices, adapter, owner, cell_log, limit, monitor_s, handles, in_use);
+    let opened = open(py, name, gpu, devices, adapter, owner, cell_log, limit, monitor_s, handles, in_use, params);
     let interrupted = held.release(py);
     let (id, start, replaced) = opened?;
     Ok((id, start, replaced, interrupted))
@@ -112,6 +115,7 @@ fn open(
     monitor_s: Option<f64>,
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
+    params: Option<Params>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
     // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
     // head would still hold.
@@ -147,12 +151,43 @@ fn open(
         let name = registry.name_or_default(name);
         let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
         let title = format!("{name} · started");
-        let id = registry.open(Opening { name, kind, selection, start: start.clone(), cell_log, limit, handles });
+        let id =
+            registry.open(Opening { name, kind, selection, start: start.clone(), cell_log, limit, handles, params });
         (id, title)
     };
     reset_counters(&torch, &start);
     held().insert(id, scope_held);
     Ok((id, SnapshotPy { snapshot: start, title }, replaced))
+}
+
+/// `params={"bs": 64, "opt": "adam"}`: names with numbers, text or booleans, in the given order.
+fn params_from(dict: &Bound<PyDict>) -> PyResult<Params> {
+    let mut params = Params::default();
+    for (key, value) in dict.iter() {
+        let key: String = key.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "params= keys are names such as \"bs\"; got {}",
+                key.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+            ))
+        })?;
+        // Numbers of any kind that says it is one (numpy's too): integers stay integers.
+        let param = if value.is_instance_of::<PyBool>() {
+            Param::Bool(value.extract()?)
+        } else if let Ok(text) = value.cast::<PyString>() {
+            Param::Text(text.to_string())
+        } else if let Ok(int) = value.extract::<i64>() {
+            Param::Int(int)
+        } else if let Ok(float) = value.extract::<f64>() {
+            Param::Float(float)
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "params={{{key:?}: {}}}: a param is a number, a string or a bool, e.g. params={{\"bs\": 64}}",
+                value.repr()?
+            )));
+        };
+        params.set(&key, param);
+    }
+    Ok(params)
 }
 
 #[pyfunction]

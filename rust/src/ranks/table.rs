@@ -332,13 +332,14 @@ mod tests {
 
     /// A rank's report of a GPU experiment whose torch allocated peak is `peak`.
     fn gpu_report(rank: u32, world_size: u32, peak: u64, ooms: u64) -> Report {
-        let reading = |allocated: u64| GpuReading {
+        // Torch's count is the process's: the scope's OOMs are those since its start.
+        let reading = |allocated: u64, ooms: u64| GpuReading {
             torch: Some(TorchStats { num_ooms: ooms, ..torch(allocated, allocated, allocated, allocated) }),
             process_used: Some(allocated + 500 * MIB),
             ..gpu(0, "GPU-aaaa")
         };
-        let start = host(0.0, GIB, GIB).with_gpu(reading(0));
-        let end = host(3.0, GIB, GIB).with_gpu(reading(0));
+        let start = host(0.0, GIB, GIB).with_gpu(reading(0, 0));
+        let end = host(3.0, GIB, GIB).with_gpu(reading(0, ooms));
         let peaks = move |g: &crate::snapshot::Gauge| match g {
             crate::snapshot::Gauge::TorchAllocated(_) | crate::snapshot::Gauge::TorchReserved(_) => Some(peak),
             _ => None,

@@ -23,8 +23,10 @@ impl CellMetric {
         CellMetric { start, end, peak, consumed: end as i64 - start as i64, peak_above_start: peak - start }
     }
 
-    fn moved(&self) -> bool {
-        self.consumed != 0 || self.peak_above_start != 0
+    /// Whether the figure moved by at least `min_change` bytes: its Δ either way, or how far it
+    /// rose above where the cell began.
+    fn moved_by(&self, min_change: u64) -> bool {
+        self.consumed.unsigned_abs() >= min_change || self.peak_above_start >= min_change
     }
 }
 
@@ -40,7 +42,11 @@ pub struct CellGpu {
 impl CellGpu {
     /// Whether the cell did anything on this GPU (only those are shown, unless all are asked for).
     pub fn touched(&self) -> bool {
-        [self.torch_allocated, self.torch_reserved, self.process_used].iter().flatten().any(CellMetric::moved)
+        self.figures().any(|m| m.moved_by(1))
+    }
+
+    fn figures(&self) -> impl Iterator<Item = &CellMetric> {
+        [&self.torch_allocated, &self.torch_reserved, &self.process_used].into_iter().flatten()
     }
 }
 
@@ -105,6 +111,15 @@ impl CellRecord {
             gpus,
             notes,
         }
+    }
+
+    /// Whether the block is worth showing under its cell: some figure moved by at least
+    /// `min_change` bytes (its Δ, or its peak above start), or the record has a note to tell.
+    /// A cell that only read or printed something stays quiet.
+    pub fn moved_by(&self, min_change: u64) -> bool {
+        !self.notes.is_empty()
+            || self.host.moved_by(min_change)
+            || self.gpus.iter().flat_map(CellGpu::figures).any(|m| m.moved_by(min_change))
     }
 
     /// The compact block shown under a cell; GPUs the cell never touched are left out unless `all_gpus`.
@@ -182,6 +197,23 @@ mod tests {
         assert_eq!(grid.title, "gpuexp · cell [7] · 1.500 s");
         assert!(grid.compact);
         assert_eq!(grid.rows[1], ["cuda:0 torch allocated", "+2.00 GiB", "+3.00 GiB", "3.00 GiB"]);
+    }
+
+    #[test]
+    fn a_block_shows_only_when_a_figure_moved_by_the_threshold() {
+        const MIB: u64 = 1 << 20;
+        let at = |t: f64, rss: u64, peak: u64| host(t, rss, peak);
+        let quiet = CellRecord::build(1, &at(0.0, GIB, GIB), &at(0.1, GIB + 16 * 1024, GIB), |_| None, Vec::new());
+        assert!(!quiet.moved_by(MIB), "+16 KiB is below 1 MiB");
+        assert!(quiet.moved_by(16 * 1024) && quiet.moved_by(0));
+        let freed = CellRecord::build(2, &at(0.0, GIB, GIB), &at(0.1, GIB - 2 * MIB, GIB), |_| None, Vec::new());
+        assert!(freed.moved_by(MIB), "a fall counts as much as a rise");
+        let spike = CellRecord::build(3, &at(0.0, GIB, GIB), &at(0.1, GIB, GIB), |_| Some(GIB + 3 * MIB), Vec::new());
+        assert!(spike.moved_by(MIB) && !spike.moved_by(4 * MIB), "a peak above start counts though Δ is 0");
+        assert!(record().moved_by(GIB), "a GPU figure counts: cuda:0 allocated +2 GiB");
+        assert!(!record().moved_by(4 * GIB));
+        let noted = CellRecord::build(4, &at(0.0, GIB, GIB), &at(0.1, GIB, GIB), |_| None, vec!["a note".into()]);
+        assert!(noted.moved_by(MIB), "a note is always told");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 mod cell;
 mod holders;
 mod oom;
+mod params;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -14,6 +15,7 @@ use serde::{Deserialize, Serialize};
 pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, OomDiagnosis, OtherProcess};
+pub use params::{Param, Params};
 pub use snapshot::snapshot_grid;
 
 use crate::grid::{prefixed, Grid};
@@ -85,6 +87,8 @@ pub struct GpuReport {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub name: String,
+    /// What the experiment varied: `params=`, or the `key=value` pieces of its name.
+    pub params: Params,
     /// "gpu" or "cpu" (a Cow so that reports published by other ranks read back).
     pub kind: std::borrow::Cow<'static, str>,
     pub finished: bool,
@@ -123,6 +127,8 @@ pub struct Details {
     pub cells: Vec<CellRecord>,
     pub limit: Option<u64>,
     pub monitor: Vec<Sample>,
+    /// `params=`; None: read from the name.
+    pub params: Option<Params>,
 }
 
 /// The snapshots a report is built from; `end` is None while the scope is open.
@@ -188,7 +194,12 @@ impl Report {
                     torch_reserved,
                     process_used,
                     device_used,
-                    num_ooms: end.unwrap_or(before).gpu(&uuid).and_then(|g| g.torch).map(|t| t.num_ooms),
+                    // Torch counts for the whole process: the scope's are those since its start.
+                    num_ooms: end
+                        .unwrap_or(before)
+                        .gpu(&uuid)
+                        .and_then(|g| g.torch)
+                        .map(|t| t.num_ooms.saturating_sub(first.torch.map_or(0, |s| s.num_ooms))),
                     children_used,
                 }
             })
@@ -203,6 +214,7 @@ impl Report {
         let finished_at = end.map(|e| e.taken_at);
         Report {
             name: name.to_string(),
+            params: details.params.unwrap_or_else(|| Params::from_name(name)),
             kind: if gpu { "gpu" } else { "cpu" }.into(),
             finished: end.is_some(),
             started_at: rfc3339(start.taken_at),

@@ -202,12 +202,23 @@ fn torch_imported_mid_scope_counts_from_zero() {
 }
 
 #[test]
-fn num_ooms_is_read_at_the_end() {
+fn num_ooms_counts_those_since_the_scope_began() {
     let uuid = "GPU-aaaa";
     let ooms = |n: u64| GpuReading { torch: Some(TorchStats { num_ooms: n, ..torch(0, 0, 0, 0) }), ..gpu(0, uuid) };
     let at = |t: f64, n: u64| host(t, 0, 0).with_gpu(ooms(n));
     let report = finished("x", &at(0.0, 1), &at(1.0, 2), &at(2.0, 3), &no_peaks());
-    assert_eq!(report.gpus[0].num_ooms, Some(3));
+    assert_eq!(report.gpus[0].num_ooms, Some(2), "torch's counter is for the process: one came before");
+}
+
+#[test]
+fn params_come_from_the_name_unless_given() {
+    let snapshot = host(0.0, 0, 0);
+    let span = || Span { start: &snapshot, before_teardown: &snapshot, end: Some(&snapshot) };
+    let from_name = Report::build("bs=64,lr=3e-4", false, span(), |_| None, Details::default());
+    assert_eq!(serde_json::to_value(&from_name).unwrap()["params"], serde_json::json!({"bs": 64, "lr": 0.0003}));
+    let given = Params(vec![("bs".into(), Param::Int(32))]);
+    let details = Details { params: Some(given.clone()), ..Details::default() };
+    assert_eq!(Report::build("bs=64", false, span(), |_| None, details).params, given);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::report::{CellRecord, Details, Report, Span};
+use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 
 pub type ScopeId = u64;
@@ -75,6 +75,8 @@ pub struct Scope {
     /// The names the constructor's cell bound the experiment to (`exp = GPUExperiment(...)`):
     /// a later constructor bound to one of them replaces this scope.
     pub handles: BTreeSet<String>,
+    /// What the experiment varied (`params=`); None: read from its name.
+    pub params: Option<Params>,
 }
 
 /// What a scope opens with.
@@ -86,6 +88,7 @@ pub struct Opening {
     pub cell_log: bool,
     pub limit: Option<u64>,
     pub handles: BTreeSet<String>,
+    pub params: Option<Params>,
 }
 
 /// The cell being run while the log is on.
@@ -119,7 +122,14 @@ pub struct Registry {
     pub cell_log_all_gpus: bool,
     /// Rescue after a CUDA OOM (on unless the user wants `%debug` on the failed frames).
     pub oom_rescue: bool,
+    /// A cell's block shows only when a figure moved by this many bytes (its Δ or its peak above start).
+    pub cell_log_min_change: u64,
+    /// `%gpuexp log all`: every cell's block shows, whatever moved.
+    pub cell_log_every_cell: bool,
 }
+
+/// The default of `cell_log_min_change`: less than this is the noise of running any cell.
+pub const CELL_LOG_MIN_CHANGE: u64 = 1 << 20;
 
 impl Default for Registry {
     fn default() -> Registry {
@@ -134,6 +144,8 @@ impl Default for Registry {
             standalone_log: false,
             cell_log_all_gpus: false,
             oom_rescue: true,
+            cell_log_min_change: CELL_LOG_MIN_CHANGE,
+            cell_log_every_cell: false,
         }
     }
 }
@@ -154,7 +166,7 @@ impl Registry {
     pub fn open(&mut self, opening: Opening) -> ScopeId {
         let id = self.next_window();
         self.peaks.open(id, &opening.start);
-        let Opening { name, kind, selection, start, cell_log, limit, handles } = opening;
+        let Opening { name, kind, selection, start, cell_log, limit, handles, params } = opening;
         let first_cell = self.cells.len();
         self.open.push(Scope {
             id,
@@ -168,6 +180,7 @@ impl Registry {
             first_cell,
             limit,
             handles,
+            params,
         });
         id
     }
@@ -226,7 +239,8 @@ impl Registry {
     /// A scope's report as it stands: final with `end`, live without. The registry adds the
     /// scope's peaks, its cells and its limit to `details`.
     pub fn report_of(&self, scope: &Scope, before: &Snapshot, end: Option<&Snapshot>, details: Details) -> Report {
-        let details = Details { cells: self.cells_of(scope), limit: scope.limit, ..details };
+        let details =
+            Details { cells: self.cells_of(scope), limit: scope.limit, params: scope.params.clone(), ..details };
         let span = Span { start: &scope.start, before_teardown: before, end };
         Report::build(&scope.name, scope.kind == Kind::Gpu, span, |gauge| self.peaks.peak(scope.id, gauge), details)
     }
@@ -287,14 +301,42 @@ impl Registry {
         peaks
     }
 
-    /// Opens the cell's peak window at `start`, taken just before the counters are reset.
-    pub fn begin_cell(&mut self, start: Snapshot) {
+    /// Opens the cell's peak window at `start`, taken just before the counters are reset;
+    /// returns the window, which names the cell to its live view.
+    pub fn begin_cell(&mut self, start: Snapshot) -> u64 {
         if let Some(stale) = self.cell.take() {
             self.peaks.close(stale.window);
         }
         let window = self.next_window();
         self.peaks.open(window, &start);
         self.cell = Some(OpenCell { window, start, notes: Vec::new() });
+        window
+    }
+
+    /// The running cell's figures so far (`now` against its start, with its peaks), for its
+    /// live view; None unless `window` is still the running cell.
+    pub fn running_cell(&mut self, window: u64, now: &Snapshot) -> Option<CellRecord> {
+        let cell = self.cell.as_ref().filter(|c| c.window == window)?;
+        self.peaks.observe(now);
+        let peaks = &self.peaks;
+        Some(CellRecord::build(0, &cell.start, now, |g| peaks.peak(window, g), cell.notes.clone()))
+    }
+
+    /// Whether a finished cell's block shows: with `%gpuexp log all` always, else only when a
+    /// figure moved by `cell_log_min_change`.
+    pub fn shows(&self, record: &CellRecord) -> bool {
+        self.cell_log_every_cell || record.moved_by(self.cell_log_min_change)
+    }
+
+    /// The bytes torch may allocate on a GPU (by torch index): the `limit` of the innermost open
+    /// scope over that GPU that has one.
+    pub fn limit_on(&self, torch_index: u32) -> Option<u64> {
+        let covers = |selection: &GpuSelection| match selection {
+            GpuSelection::AllVisible => true,
+            GpuSelection::Only(devices) => devices.contains(&torch_index),
+            GpuSelection::None => false,
+        };
+        self.open.iter().rev().filter(|s| covers(&s.selection)).find_map(|s| s.limit)
     }
 
     /// What the running cell's start snapshot covered: its end snapshot must cover the same.

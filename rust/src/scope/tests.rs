@@ -39,7 +39,16 @@ fn report_named(name: &str) -> Report {
 }
 
 fn opening(name: &str, kind: Kind, selection: GpuSelection, start: Snapshot) -> Opening {
-    Opening { name: name.into(), kind, selection, start, cell_log: false, limit: None, handles: BTreeSet::new() }
+    Opening {
+        name: name.into(),
+        kind,
+        selection,
+        start,
+        cell_log: false,
+        limit: None,
+        handles: BTreeSet::new(),
+        params: None,
+    }
 }
 
 fn open_cpu(registry: &mut Registry, name: &str) -> ScopeId {
@@ -352,4 +361,55 @@ fn has_windows_is_true_exactly_while_a_scope_is_open() {
     registry.complete(b, report_named("b"));
     assert!(!registry.has_windows());
     assert!(open_ids(&registry).is_empty());
+}
+
+// --- cells ------------------------------------------------------------------------------
+
+#[test]
+fn a_running_cell_shows_its_figures_so_far_and_only_for_its_own_window() {
+    let mut registry = Registry::default();
+    let window = registry.begin_cell(host(0.0, 100 * MIB, 100 * MIB));
+    // A spike to 400 MiB came and went; VmHWM (reset at the cell's start) kept it.
+    let now = host(3.0, 150 * MIB, 400 * MIB);
+    let live = registry.running_cell(window, &now).expect("the cell is running");
+    assert_eq!((live.host.consumed, live.host.peak_above_start), ((50 * MIB) as i64, 300 * MIB));
+    assert!(registry.running_cell(window + 1, &now).is_none(), "another window is not this cell");
+    // The live look folded the peak into the cell's window: its record keeps it.
+    let record = registry.end_cell(7, &host(3.5, 150 * MIB, 150 * MIB)).expect("a record");
+    assert_eq!(record.host.peak_above_start, 300 * MIB);
+    assert!(registry.running_cell(window, &now).is_none(), "the cell has ended");
+}
+
+#[test]
+fn a_block_shows_when_a_figure_moved_by_the_setting_or_every_cell_is_asked_for() {
+    let mut registry = Registry::default();
+    let record_after = |registry: &mut Registry, grew: u64| {
+        registry.begin_cell(host(0.0, 100 * MIB, 100 * MIB));
+        registry.end_cell(1, &host(0.1, 100 * MIB + grew, 100 * MIB + grew)).expect("a record")
+    };
+    let trivial = record_after(&mut registry, 16 << 10);
+    let moved = record_after(&mut registry, 8 * MIB);
+    assert_eq!(registry.cell_log_min_change, CELL_LOG_MIN_CHANGE);
+    assert!(!registry.shows(&trivial) && registry.shows(&moved));
+    registry.cell_log_min_change = 16 * MIB;
+    assert!(!registry.shows(&moved));
+    registry.cell_log_every_cell = true;
+    assert!(registry.shows(&trivial) && registry.shows(&moved));
+    assert_eq!(registry.cells().len(), 2, "quiet cells are recorded all the same");
+}
+
+#[test]
+fn the_limit_on_a_gpu_is_the_innermost_scope_over_it_that_has_one() {
+    let mut registry = Registry::default();
+    let start = host(0.0, 0, 0);
+    let gpu_scope = |name: &str, selection: GpuSelection, limit: Option<u64>| Opening {
+        limit,
+        ..opening(name, Kind::Gpu, selection, start.clone())
+    };
+    registry.open(gpu_scope("outer", GpuSelection::AllVisible, Some(24 * GIB)));
+    assert_eq!((registry.limit_on(0), registry.limit_on(1)), (Some(24 * GIB), Some(24 * GIB)));
+    registry.open(gpu_scope("one", GpuSelection::Only(vec![1]), Some(8 * GIB)));
+    registry.open(gpu_scope("none", GpuSelection::AllVisible, None));
+    assert_eq!((registry.limit_on(0), registry.limit_on(1)), (Some(24 * GIB), Some(8 * GIB)));
+    assert_eq!(Registry::default().limit_on(0), None);
 }

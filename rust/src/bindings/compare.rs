@@ -1,0 +1,56 @@
+//! `gpuexp.compare`: finished experiments side by side. The table, the JSON, the columns of a
+//! data frame and the plot's content come from the core; pandas and matplotlib draw them.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::registry::registry;
+use super::report::{json_to_python, ReportPy};
+use crate::compare::Comparison;
+use crate::report::Report;
+
+/// Experiments side by side: `str()` and `_repr_html_` are the table, `to_dict()` is
+/// `{"rows": [...]}` with each report's figures in its own JSON shape.
+#[pyclass(name = "Comparison", module = "gpuexp", frozen)]
+pub(super) struct ComparisonPy(Comparison);
+
+shown_as_table!(ComparisonPy, |this| &this.0, this.0.grid());
+
+#[pymethods]
+impl ComparisonPy {
+    fn __len__(&self) -> usize {
+        self.0.rows.len()
+    }
+
+    /// One row per experiment, one column per param (numbers stay numbers) and per figure.
+    fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let table = self.0.columns();
+        let rows = json_to_python(py, &serde_json::to_string(&table.rows).expect("values serialise"))?;
+        let columns = pyo3::types::PyDict::new(py);
+        columns.set_item("columns", table.columns)?;
+        py.import("pandas")?.call_method("DataFrame", (rows,), Some(&columns))
+    }
+
+    /// The peak of each layer against a numeric param (`x`, or the only one that varies), the
+    /// device's total and the limit as levels, and a fit extrapolated to the largest value
+    /// that fits: a matplotlib Figure.
+    #[pyo3(signature = (x=None))]
+    fn plot<'py>(&self, py: Python<'py>, x: Option<&str>) -> PyResult<Bound<'py, PyAny>> {
+        let plot = self.0.plot(x).map_err(PyValueError::new_err)?;
+        let spec = json_to_python(py, &serde_json::to_string(&plot).expect("plots serialise"))?;
+        py.import("gpuexp.comparison")?.call_method1("draw", (spec,))
+    }
+}
+
+/// The comparison of `reports`, or of this kernel's finished experiments.
+#[pyfunction]
+#[pyo3(signature = (reports=None))]
+pub(super) fn compare(reports: Option<Vec<PyRef<ReportPy>>>) -> ComparisonPy {
+    let reports: Vec<Arc<Report>> = match reports {
+        Some(reports) => reports.iter().map(|r| r.0.clone()).collect(),
+        None => registry().history(),
+    };
+    ComparisonPy(Comparison::of(reports.iter().map(|r| r.as_ref())))
+}
