@@ -43,12 +43,13 @@ def test_a_2_gib_spike_peaks_at_exactly_2_gib_and_nvml_sees_it(kernel):
 
 def test_gpus_a_cell_never_touched_are_not_shown(kernel):
     kernel.run(SETUP + "%gpuexp log on")
-    host_only = kernel.run("x = [0] * 1000")
-    assert "cuda:" not in host_only.text
+    # Each cell moves 8 MiB of host memory, so that the quiet log shows its block.
+    host_only = kernel.run("x = bytearray(8 << 20)")
+    assert "host RSS" in host_only.text and "cuda:" not in host_only.text
     gpu_cell = kernel.run("y = torch.ones(1 << 20, device='cuda')")
     assert "cuda:0 torch allocated" in gpu_cell.text
     kernel.run("gpuexp.config(cell_log_all_gpus=True)")
-    assert "cuda:0 torch allocated" in kernel.run("z = 1").text
+    assert "cuda:0 torch allocated" in kernel.run("z = bytearray(8 << 20)").text
 
 
 def test_nested_experiments_and_cells_keep_their_peaks_on_the_gpu(kernel):

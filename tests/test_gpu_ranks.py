@@ -77,7 +77,10 @@ def kernel_with_ranks(kernel, tmp_path):
     return kernel
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+# Spawn only: on an H100, a rank forked from the kernel saw no GPU ("Visible GPUs: []"), and torch
+# supports CUDA in forked children only where the parent never initialised it. Forked ranks are
+# covered on the CPU (tests/test_ranks.py); GPU ranks are spawned, as torch recommends.
+@pytest.mark.parametrize("start_method", ["spawn"])
 def test_two_ranks_share_a_gpu_with_exact_torch_figures_and_the_notebook_sees_both(kernel_with_ranks, start_method):
     kernel = kernel_with_ranks
     # The notebook's own experiment is open (its sampler reads NVML every 1 ms) while the ranks run.
