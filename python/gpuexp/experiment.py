@@ -110,7 +110,7 @@ class CPUExperiment(GPUExperiment):
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
-                    multiple_of=1, device=None, verifications=2, steps=2, progress=True):
+                    multiple_of=1, device=None, verifications=2, steps=2, progress=True, estimate=True):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
 
@@ -134,12 +134,17 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     fragmentation at the cap). A verification that fails steps down 3% once before the search
     bisects. ``power_of_two`` and
     ``multiple_of`` round the answer down.
+    With ``estimate`` (the default), the step's peak is first estimated under fake tensors at
+    a few sizes (``gpuexp.estimate``, nothing allocated): the search then runs one trial a
+    little below the size the estimates predict and one at the size its measured peak corrects
+    to. A step that can't run under fake tensors is searched by trials as above, and the table
+    says why.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
     """
     return _core.find_batch_size(
         step, start, max, device=None if device is None else _device_indices(device)[0], limit=_size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
-        progress=progress, adapter=ipython.DetachedNamespace(),
+        progress=progress, estimate=estimate, adapter=ipython.DetachedNamespace(),
     )
 
 

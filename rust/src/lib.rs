@@ -1,6 +1,10 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+/// A step's memory predicted under fake tensors: the peak, what made it up, whether it fits.
+pub mod estimate;
+/// How one device's memory adds up: torch's tensors by role, its cache, what torch does not track.
+pub mod explain;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
 /// Tables: one set of cells, rendered as text and as HTML.

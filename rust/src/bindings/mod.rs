@@ -6,6 +6,9 @@
 mod report; // first: the families below use its `shown_as_table!`
 mod cell_log;
 mod error;
+mod estimate;
+mod explain;
+mod fakes;
 mod finder;
 mod holders;
 mod kernel;
@@ -25,6 +28,10 @@ mod core_module {
     use super::cell_log::{before_user_peak_reset, begin_cell, cell_log_active, cells, end_cell, set_standalone_log};
     #[pymodule_export]
     use super::error::NvmlUnavailable;
+    #[pymodule_export]
+    use super::estimate::{estimate, EstimatePy, NoEstimate};
+    #[pymodule_export]
+    use super::explain::{explain, ExplanationPy};
     #[pymodule_export]
     use super::finder::{find_batch_size, parse_size, BatchSizeResultPy};
     #[pymodule_export]

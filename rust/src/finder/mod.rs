@@ -2,11 +2,16 @@
 //! doubling until an out-of-memory error. Peak memory grows nearly linearly with the batch for
 //! most models, so small probes give the line, one further probe checks it, and the predicted
 //! size is verified before it is trusted; a failed verification falls back to bisection.
+//! When the step's peak can be estimated under fake tensors, the estimates give the line and
+//! the trials only place the answer (`seeded`).
 
 use serde::Serialize;
 
 use crate::grid::Grid;
 use crate::units::bytes;
+
+mod seeded;
+pub use seeded::Seed;
 
 /// How one trial of the step went.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -35,10 +40,15 @@ pub enum Role {
     LinearityCheck,
     Verify,
     Bisect,
+    /// The first trial of a seeded search, a little below the size the estimates predict.
+    FromEstimate,
+    /// A seeded search's trial at the size a measured peak corrects to.
+    Corrected,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect];
+    pub const ALL: [Role; 6] =
+        [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect, Role::FromEstimate, Role::Corrected];
 
     /// The word shown in tables and passed to the Python driver.
     pub fn label(self) -> &'static str {
@@ -47,6 +57,8 @@ impl Role {
             Role::LinearityCheck => "check",
             Role::Verify => "verify",
             Role::Bisect => "bisect",
+            Role::FromEstimate => "estimate",
+            Role::Corrected => "corrected",
         }
     }
 }
@@ -96,6 +108,10 @@ pub struct Search {
     pub batch_size: Option<u64>,
     /// Why the search ended where it did, in words.
     pub verdict: String,
+    /// The estimates the search started from, when the step could run under fake tensors.
+    pub seed: Option<Seed>,
+    /// Why the search had no estimates to start from.
+    pub unseeded: Option<String>,
 }
 
 /// A check passes when the line predicts the further probe within this share.
@@ -127,6 +143,8 @@ impl Search {
             stepped_down: false,
             batch_size: None,
             verdict: String::new(),
+            seed: None,
+            unseeded: None,
         })
     }
 
@@ -138,8 +156,16 @@ impl Search {
     /// the allocator keeps whatever the batch, and that the usable memory must hold too. (What
     /// it caches in proportion to the batch, it gives back when it nears a cap, so a line
     /// through reserved peaks would predict far too low for a conv net.)
+    /// A seeded search has no small probe: it reads the overhead at its latest trial that ran.
     fn cached_overhead(&self) -> u64 {
-        self.fit_at(self.settings.start * 2).map_or(0, |(peak, reserved)| reserved.saturating_sub(peak))
+        let reference = match self.seed {
+            Some(_) => self.trials.iter().rev().find_map(|t| match t.outcome {
+                Outcome::Fit { peak, reserved } => Some((peak, reserved)),
+                Outcome::OutOfMemory => None,
+            }),
+            None => self.fit_at(self.settings.start * 2),
+        };
+        reference.map_or(0, |(peak, reserved)| reserved.saturating_sub(peak))
     }
 
     /// Where predictions aim: the usable memory less what torch keeps cached, less the margin.
@@ -234,6 +260,9 @@ impl Search {
     }
 
     pub fn next_trial(&mut self) -> Next {
+        if self.seed.is_some() {
+            return self.next_seeded();
+        }
         let start = self.settings.start;
         // 1. Two small probes give a first line.
         for batch in [start, start * 2] {
@@ -377,11 +406,13 @@ impl Search {
             bytes(self.cached_overhead()),
             self.settings.margin * 100.0
         )];
+        lines.extend(self.seed_line());
         lines.push(match self.settings.steps_per_trial {
             1 => "each trial: one step".to_string(),
             steps => format!("each trial: {steps} steps in a row, from an emptied cache at each new size"),
         });
-        if let Some(line) = self.line {
+        // A seeded search's line and prediction come from its estimates, on the line above.
+        if let Some(line) = self.line.filter(|_| self.seed.is_none()) {
             let linear = match self.linear {
                 Some(true) => "linear (checked by a further probe)",
                 Some(false) => "not quite linear: refitted through the larger sizes",
@@ -393,7 +424,7 @@ impl Search {
                 bytes(line.slope.max(0.0) as u64)
             ));
         }
-        if let Some(predicted) = self.predicted {
+        if let Some(predicted) = self.predicted.filter(|_| self.seed.is_none()) {
             lines.push(format!("predicted: {predicted}"));
         }
         let title = match self.batch_size {

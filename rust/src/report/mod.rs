@@ -234,6 +234,9 @@ impl Report {
                 line.push_str(&format!("; {} with no reachable referrer", bytes(held.unreachable)));
             }
             lines.push(line);
+            if let Some(roles) = held.roles {
+                lines.push(format!("  that is {}", roles.summary()));
+            }
         }
         let finished = self.finished;
         let mut rows = vec![metric_row("host RSS".into(), &self.host.rss, finished)];
