@@ -111,8 +111,7 @@ def estimate(step, batch_size, *, device=None, limit=None, steps=1):
         raise TypeError(f"step must be a function of the batch size, e.g. estimate(train_step, 64); got {step!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, e.g. estimate(train_step, 64); got {batch_size!r}")
-    return _core.estimate(step, batch_size, memory=_holder_memory(device), limit=limit, steps=steps,
-                          adapter=ipython.namespace_for(sys._getframe(1)))
+    return _core.estimate(step, batch_size, memory=_holder_memory(device), limit=limit, steps=steps)
 
 
 def _holder_memory(device):

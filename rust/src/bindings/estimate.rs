@@ -13,8 +13,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use super::error::NvmlUnavailable;
-use super::fakes::{Fakes, Ledgered};
-use super::holders::{hunt_roots, reachable_owners, Memory};
+use super::fakes::Fakes;
+use super::holders::{reachable_owners, Memory};
+use super::ledger_mode::Ledgered;
 use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
@@ -48,12 +49,14 @@ pub(super) fn run_estimate<'py>(
 ) -> PyResult<Run> {
     let mut fakes = Fakes::swap_in(py, owners)?;
     let fastpath_skipped = fakes.fastpath_skipped;
+    // What the step returns is kept until the ledger is read: an output outlives the step.
+    let mut returned = Vec::new();
     let ran = fakes.run(memory, |ledgered: &Ledgered| {
         let mut made = 0;
         loop {
             let state_before = ledgered.optimizer_state_entries()?;
             made += 1;
-            step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?;
+            returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
             let created_state = ledgered.optimizer_state_entries()? > state_before;
             if !created_state || made >= calls {
                 let mut notes = Vec::new();
@@ -68,6 +71,7 @@ pub(super) fn run_estimate<'py>(
             }
         }
     });
+    drop(returned);
     let restored = fakes.restore();
     let (peak, (calls, mut notes)) = ran?;
     restored?;
@@ -83,12 +87,13 @@ pub(super) fn run_estimate<'py>(
 
 /// Where the step's modules and optimizers can be found from: the step itself (a closure's
 /// cells, a bound method's object, a partial's arguments, a callable object) and the globals
-/// its code and the functions it reaches refer to by name.
+/// its code and the functions it reaches load.
 fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
     const MOST_FUNCTIONS: usize = 64;
     let types = py.import("types")?;
     let function_type = types.getattr("FunctionType")?.cast_into::<PyType>()?;
     let code_type = types.getattr("CodeType")?.cast_into::<PyType>()?;
+    let instructions = py.import("dis")?.getattr("get_instructions")?;
     let mut roots = vec![("step".to_string(), step.clone())];
     let mut pending = vec![step.clone()];
     let mut seen = HashSet::new();
@@ -116,7 +121,7 @@ fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(S
         }
         let globals = callable.getattr("__globals__")?.cast_into::<PyDict>()?;
         let mut names = Vec::new();
-        code_names(&callable.getattr("__code__")?, &code_type, &mut names)?;
+        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names)?;
         for name in names {
             if let Some(value) = globals.get_item(&name)? {
                 if value.is_instance(&function_type)? {
@@ -139,29 +144,36 @@ fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(S
     Ok(roots)
 }
 
-/// The global names a code object and the code nested in it (inner functions, lambdas) use.
-fn code_names(code: &Bound<PyAny>, code_type: &Bound<PyType>, into: &mut Vec<String>) -> PyResult<()> {
-    into.extend(code.getattr("co_names")?.extract::<Vec<String>>()?);
+/// The globals a code object and the code nested in it (inner functions, lambdas) load; not
+/// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).
+fn global_names(
+    code: &Bound<PyAny>,
+    code_type: &Bound<PyType>,
+    instructions: &Bound<PyAny>,
+    into: &mut Vec<String>,
+) -> PyResult<()> {
+    for instruction in instructions.call1((code,))?.try_iter()? {
+        let instruction = instruction?;
+        let operation: String = instruction.getattr("opname")?.extract()?;
+        if operation == "LOAD_GLOBAL" || operation == "LOAD_NAME" {
+            if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
+                into.push(name);
+            }
+        }
+    }
     for constant in code.getattr("co_consts")?.cast_into::<PyTuple>()?.iter() {
         if constant.is_instance(code_type)? {
-            code_names(&constant, code_type, into)?;
+            global_names(&constant, code_type, instructions, into)?;
         }
     }
     Ok(())
 }
 
-/// The modules and optimizers a step uses, found from the step and, for `gpuexp.estimate`, the
-/// caller's names too.
-fn owners_of<'py>(
-    py: Python<'py>,
-    step: &Bound<'py, PyAny>,
-    adapter: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let mut roots = step_roots(py, step)?;
-    if let Some(adapter) = adapter {
-        roots.extend(hunt_roots(adapter)?);
-    }
-    reachable_owners(py, roots)
+/// The modules and optimizers a step uses: those reachable from it. Only they are swapped, so
+/// the categories are the step's own; a parameter it uses that is not found stops the estimate
+/// (`ledger_mode`), never a real tensor's gradient set.
+fn owners_of<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    reachable_owners(py, step_roots(py, step)?)
 }
 
 /// What the step is checked against on `memory`, read now.
@@ -262,7 +274,7 @@ shown_as_table!(EstimatePy, |this| &this.0, this.0.grid());
 
 /// `gpuexp.estimate`: the step's peak at one batch size, predicted without running it.
 #[pyfunction]
-#[pyo3(signature = (step, batch_size, *, memory=None, limit=None, steps=1, adapter=None))]
+#[pyo3(signature = (step, batch_size, *, memory=None, limit=None, steps=1))]
 pub(super) fn estimate(
     py: Python,
     step: Bound<PyAny>,
@@ -270,7 +282,6 @@ pub(super) fn estimate(
     memory: Option<u32>,
     limit: Option<Bound<PyAny>>,
     steps: u32,
-    adapter: Option<Bound<PyAny>>,
 ) -> PyResult<EstimatePy> {
     if !step.is_callable() {
         return Err(PyTypeError::new_err(format!(
@@ -286,7 +297,7 @@ pub(super) fn estimate(
     let limit = limit_bytes(limit.as_ref())?;
     let memory = estimated_memory(py, memory)?;
     let started = Instant::now();
-    let owners = owners_of(py, &step, adapter.as_ref())?;
+    let owners = owners_of(py, &step)?;
     let run = run_estimate(py, &step, batch_size, &memory, &owners, steps)?;
     let room = room(py, &memory, limit)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -312,7 +323,7 @@ fn estimates(
     progress: bool,
 ) -> PyResult<Vec<(u64, u64)>> {
     let memory = Memory::Cuda(index);
-    let owners = owners_of(py, step, None)?;
+    let owners = owners_of(py, step)?;
     let now = room(py, &memory, None)?.now;
     let mut estimates = Vec::new();
     while let Some(batch) = search.next_estimate(&estimates) {

@@ -12,6 +12,7 @@ mod fakes;
 mod finder;
 mod holders;
 mod kernel;
+mod ledger_mode;
 mod monitor;
 mod namespace;
 mod oom;
