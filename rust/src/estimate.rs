@@ -296,8 +296,9 @@ pub struct Room {
     pub device: String,
     /// In use now: torch allocated on a GPU, the process's RSS on the host.
     pub now: u64,
-    /// What more the step can have: NVML's free memory plus torch's cache, or the host's available memory.
-    pub free: u64,
+    /// What more the step can have: NVML's free memory plus torch's cache, or the host's
+    /// available memory; None where NVML can't be read.
+    pub free: Option<u64>,
     /// What torch may allocate in all, to rehearse a smaller card (`limit=`).
     pub limit: Option<u64>,
 }
@@ -350,14 +351,18 @@ pub struct Estimate {
 }
 
 impl Estimate {
-    pub fn new(batch_size: u64, steps: u32, peak: Peak, room: &Room, seconds: f64, notes: Vec<String>) -> Estimate {
+    pub fn new(batch_size: u64, steps: u32, peak: Peak, room: &Room, seconds: f64, mut notes: Vec<String>) -> Estimate {
         let gpu = room.device != "cpu";
-        let mut fits = vec![Fit::new(
-            "free memory",
-            format!("fits the free memory of {} ({})", room.device, bytes(room.free)),
-            room.free,
-            peak.above_start,
-        )];
+        let mut fits = Vec::new();
+        match room.free {
+            Some(free) => fits.push(Fit::new(
+                "free memory",
+                format!("fits the free memory of {} ({})", room.device, bytes(free)),
+                free,
+                peak.above_start,
+            )),
+            None => notes.push(format!("NVML can't be read, so {}'s free memory is unknown", room.device)),
+        }
         if let Some(limit) = room.limit {
             let question = if gpu {
                 format!("fits a {} card", bytes(limit))
@@ -527,7 +532,7 @@ mod tests {
     }
 
     fn estimate(limit: Option<u64>, device: &str) -> Estimate {
-        let room = Room { device: device.into(), now: 2 << 30, free: 10 << 30, limit };
+        let room = Room { device: device.into(), now: 2 << 30, free: Some(10 << 30), limit };
         Estimate::new(64, 1, training_step().peak(), &room, 0.12, vec!["a note".into()])
     }
 
@@ -544,6 +549,9 @@ mod tests {
         let host = estimate(Some(16 << 30), "cpu").fits.remove(1);
         assert!(host.answer.starts_with("fits in 16.00 GiB of host memory: yes"), "{}", host.answer);
         assert_eq!(estimate(None, "cpu").fits.len(), 1);
+        let room = Room { device: "cuda:0".into(), now: 0, free: None, limit: None };
+        let unknown = Estimate::new(8, 1, training_step().peak(), &room, 0.1, Vec::new());
+        assert!(unknown.fits.is_empty() && unknown.notes[0].contains("free memory is unknown"), "{unknown:?}");
     }
 
     #[test]

@@ -12,7 +12,6 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use super::error::NvmlUnavailable;
 use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
 use super::ledger_mode::Ledgered;
@@ -20,7 +19,7 @@ use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
 use crate::finder::{Search, Seed};
-use crate::snapshot::{host, nvml, GpuSelection};
+use crate::snapshot::{host, GpuSelection};
 use crate::units;
 
 create_exception!(
@@ -47,7 +46,14 @@ pub(super) fn run_estimate<'py>(
     owners: &[Bound<'py, PyAny>],
     calls: u32,
 ) -> PyResult<Run> {
-    let mut fakes = Fakes::swap_in(py, owners)?;
+    let mut fakes = Fakes::swap_in(py, owners).map_err(|error| {
+        let wrapped = NoEstimate::new_err(format!(
+            "no estimate was made: the model's tensors could not be swapped for fakes ({})",
+            error.value(py)
+        ));
+        wrapped.set_cause(py, Some(error));
+        wrapped
+    })?;
     let fastpath_skipped = fakes.fastpath_skipped;
     // What the step returns is kept until the ledger is read: an output outlives the step.
     let mut returned = Vec::new();
@@ -176,23 +182,20 @@ fn owners_of<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<Bou
     reachable_owners(py, step_roots(py, step)?)
 }
 
-/// What the step is checked against on `memory`, read now.
+/// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
+/// is unknown, and the estimate says so rather than failing.
 fn room(py: Python, memory: &Memory, limit: Option<u64>) -> PyResult<Room> {
     match memory {
         Memory::Cuda(index) => {
-            let (snapshot, _) = take_snapshot(py, &GpuSelection::Only(vec![*index]));
-            let gpu =
-                snapshot.gpus.iter().find(|g| g.torch_index == *index).ok_or_else(|| match nvml::available() {
-                    Err(why) => NvmlUnavailable::new_err(why),
-                    Ok(()) => PyValueError::new_err(format!("cuda:{index} is not a visible GPU")),
-                })?;
-            let torch = gpu.torch.unwrap_or_default();
-            let cache = torch.reserved.saturating_sub(torch.allocated);
-            Ok(Room { device: memory.label(), now: torch.allocated, free: gpu.free + cache, limit })
+            let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![*index]));
+            let stats = torch.read_stats(*index)?;
+            let free = snapshot.gpus.iter().find(|g| g.torch_index == *index).map(|g| g.free);
+            let cache = stats.reserved.saturating_sub(stats.allocated);
+            Ok(Room { device: memory.label(), now: stats.allocated, free: free.map(|f| f + cache), limit })
         }
         _ => {
             let reading = host::read();
-            Ok(Room { device: "cpu".into(), now: reading.rss, free: reading.available, limit })
+            Ok(Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit })
         }
     }
 }

@@ -20,21 +20,26 @@ pub(super) fn run<'py, T>(
     body: impl FnOnce(&Ledgered<'py>) -> PyResult<T>,
 ) -> PyResult<(Peak, T)> {
     let ledgered = Ledgered::open(fakes, memory)?;
-    fakes.mode.call_method0("__enter__")?;
-    let entered = ledgered.mode.call_method0("__enter__");
-    let outcome = entered.and_then(|_| body(&ledgered));
-    let none = fakes.py.None();
-    let exited = ledgered
-        .mode
-        .call_method1("__exit__", (&none, &none, &none))
-        .and(fakes.mode.call_method1("__exit__", (&none, &none, &none)));
+    let outcome = within(&fakes.mode, || within(&ledgered.mode, || body(&ledgered)));
     let marked = ledgered.mark_gradients_and_state();
     let peak = books(&ledgered.shared).ledger.peak();
+    // The hooks go whatever happened: the optimizer's are global.
     ledgered.close()?;
     let outcome = outcome?;
-    exited?;
     marked?;
     Ok((peak, outcome))
+}
+
+/// Runs `inner` with `mode` entered. A mode is left only if it was entered: leaving one that was
+/// not would pop another off torch's stack.
+fn within<T>(mode: &Bound<PyAny>, inner: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    mode.call_method0("__enter__")?;
+    let outcome = inner();
+    let none = mode.py().None();
+    let left = mode.call_method1("__exit__", (&none, &none, &none));
+    let outcome = outcome?;
+    left?;
+    Ok(outcome)
 }
 
 /// What the dispatch mode and the hooks share: the ledger, which storage is which entry, and
@@ -106,19 +111,30 @@ impl<'py> Ledgered<'py> {
             hooks: Vec::new(),
             mode: py.None().into_bound(py),
         };
+        match ledgered.prepare(fakes) {
+            Ok(()) => Ok(ledgered),
+            Err(error) => {
+                ledgered.close()?;
+                Err(error)
+            }
+        }
+    }
+
+    /// Enters what exists in the ledger, installs the hooks and makes the dispatch mode.
+    fn prepare(&mut self, fakes: &Fakes<'py>) -> PyResult<()> {
         for param in &fakes.params {
-            ledgered.enter_existing(param, Category::Parameters)?;
-            ledgered.enter_existing(&param.getattr("grad")?, Category::Gradients)?;
+            self.enter_existing(param, Category::Parameters)?;
+            self.enter_existing(&param.getattr("grad")?, Category::Gradients)?;
         }
         for buffer in &fakes.buffers {
-            ledgered.enter_existing(buffer, Category::Buffers)?;
+            self.enter_existing(buffer, Category::Buffers)?;
         }
-        for tensor in ledgered.state_tensors()? {
-            ledgered.enter_existing(&tensor, Category::OptimizerState)?;
+        for tensor in self.state_tensors()? {
+            self.enter_existing(&tensor, Category::OptimizerState)?;
         }
-        ledgered.install_hooks()?;
-        ledgered.mode = ledgered.dispatch_mode()?;
-        Ok(ledgered)
+        self.install_hooks()?;
+        self.mode = self.dispatch_mode()?;
+        Ok(())
     }
 
     fn on_target(&self, tensor: &Bound<'py, PyAny>) -> bool {
