@@ -9,7 +9,19 @@ import atexit
 import sys
 
 from . import _core, extension, ipython
-from ._core import CellRecord, Comparison, GpuReport, HostReport, Metric, NvmlUnavailable, Report, Snapshot
+from ._core import (
+    CellRecord,
+    Comparison,
+    Estimate,
+    Explanation,
+    GpuReport,
+    HostReport,
+    Metric,
+    NoEstimate,
+    NvmlUnavailable,
+    Report,
+    Snapshot,
+)
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
 from .monitor import Monitor
@@ -21,17 +33,22 @@ __all__ = [
     "CellRecord",
     "Comparison",
     "CPUExperiment",
+    "Estimate",
+    "Explanation",
     "GPUExperiment",
     "GpuReport",
     "HostReport",
     "Metric",
     "Monitor",
+    "NoEstimate",
     "NvmlUnavailable",
     "Report",
     "Snapshot",
     "cells",
     "compare",
     "config",
+    "estimate",
+    "explain",
     "find_batch_size",
     "holders",
     "history",
@@ -78,6 +95,42 @@ def holders(device=None, min_bytes=1 << 20):
         raise ValueError(f"min_bytes must be a number of bytes, e.g. holders(min_bytes=1 << 20); got {min_bytes!r}")
     adapter = ipython.namespace_for(sys._getframe(1))
     return _core.holders(_holder_memory(device), min_bytes, adapter=adapter)
+
+
+def explain(device=None):
+    """How one device's memory adds up, in bytes by category: parameters, gradients,
+    optimizer_state and buffers of the modules and optimizers reachable from your names;
+    other_tensors, with the paths that hold them; no_python_tensor (saved for backward,
+    workspaces); torch_cache (reserved, unallocated; the fragmented part shown apart); and
+    not_torch, the rest of NVML's figure for this process (the CUDA context, kernels, cuBLAS,
+    cuDNN, NCCL, other libraries), labelled as a residual. Other processes on the GPU follow, so
+    that NVML's device figure adds up too. For ``'cpu'``: the host's RSS, split the same way for
+    CPU tensors and NumPy arrays; the rest is "not tensors".
+
+    device: as for ``holders()``. Returns an ``Explanation``: a table (text and HTML), ``to_dict()``.
+    """
+    return _core.explain(_holder_memory(device), adapter=ipython.namespace_for(sys._getframe(1)))
+
+
+def estimate(step, batch_size, *, device=None, limit=None, steps=1):
+    """The peak of torch allocated that ``step(batch_size)`` will reach above what is allocated
+    now, predicted by running it once under torch's fake tensors: nothing is allocated on the
+    device, and the model's parameters, gradients and optimizer state are left exactly as they
+    were. ``step`` is what ``find_batch_size`` takes, with the model and optimizer built.
+
+    device: as for ``holders()`` (the current GPU once torch has initialised CUDA, else ``'cpu'``).
+    limit: also answer whether it fits when torch may allocate only this much ("24GiB").
+    steps: calls of the step, when a second one is wanted because the first creates the
+        optimizer's state.
+    Returns an ``Estimate``: ``.peak`` in bytes, ``.categories`` (what was live at the peak),
+    whether it fits, a table, ``to_dict()``. Raises ``NoEstimate``, naming the operator, when
+    the step can't run under fake tensors: no estimate is made then.
+    """
+    if not callable(step):
+        raise TypeError(f"step must be a function of the batch size, e.g. estimate(train_step, 64); got {step!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, e.g. estimate(train_step, 64); got {batch_size!r}")
+    return _core.estimate(step, batch_size, memory=_holder_memory(device), limit=limit, steps=steps)
 
 
 def _holder_memory(device):

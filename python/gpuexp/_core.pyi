@@ -321,9 +321,50 @@ def find_batch_size(
     verifications: int = 2,
     steps: int = 2,
     progress: _Progress | None = None,
+    estimate: bool = True,
     ranks_timeout: float = 600.0,
     adapter: _NamespaceAdapter,
 ) -> BatchSizeResult: ...
+
+# ---- where every byte goes, and a step's peak before it runs ------------------------------------
+
+class NoEstimate(RuntimeError):
+    """A step could not run under fake tensors; the message names the operator or the object."""
+
+@final
+class Explanation(_Table):
+    @property
+    def device(self) -> str: ...
+    @property
+    def categories(self) -> dict[str, int]:
+        """parameters, gradients, optimizer_state, buffers, other_tensors, no_python_tensor,
+        torch_cache and not_torch, in bytes."""
+    @property
+    def paths(self) -> list[str]: ...
+    @property
+    def notes(self) -> list[str]: ...
+
+@final
+class Estimate(_Table):
+    @property
+    def peak(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def categories(self) -> dict[str, int]: ...
+    @property
+    def fits_free_memory(self) -> bool: ...
+    @property
+    def fits_limit(self) -> bool | None: ...
+    @property
+    def seconds(self) -> float: ...
+
+def explain(memory: int | None, adapter: _NamespaceAdapter | None = None) -> Explanation: ...
+def estimate(
+    step: Any, batch_size: int, *, memory: int | None = None, limit: int | str | None = None, steps: int = 1
+) -> Estimate: ...
 
 # ---- across ranks ------------------------------------------------------------------------------
 

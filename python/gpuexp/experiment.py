@@ -131,7 +131,8 @@ class CPUExperiment(GPUExperiment):
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
-                    multiple_of=1, device=None, verifications=2, steps=2, progress=True, ranks_timeout=600):
+                    multiple_of=1, device=None, verifications=2, steps=2, progress=True, estimate=True,
+                    ranks_timeout=600):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
 
@@ -155,6 +156,11 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     fragmentation at the cap). A verification that fails steps down 3% once before the search
     bisects. ``power_of_two`` and
     ``multiple_of`` round the answer down.
+    With ``estimate`` (the default), the step's peak is first estimated under fake tensors at
+    a few sizes (``gpuexp.estimate``, nothing allocated): the search then runs one trial a
+    little below the size the estimates predict and one at the size its measured peak corrects
+    to. A step that can't run under fake tensors is searched by trials as above, and the table
+    says why.
 
     Called on every rank of an initialised process group, each rank searches its own GPU and
     then all agree, through the group's store, on the largest size that fits on every rank:
@@ -167,7 +173,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     return _core.find_batch_size(
         step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
-        progress=live.Progress() if progress else None, ranks_timeout=ranks_timeout,
+        progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
         adapter=ipython.DetachedNamespace(),
     )
 

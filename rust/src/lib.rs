@@ -5,6 +5,10 @@
 pub mod compare;
 /// What can go wrong, by kind: no driver, a failed NVML call, bad input, a file.
 pub mod error;
+/// A step's memory predicted under fake tensors: the peak, what made it up, whether it fits.
+pub mod estimate;
+/// How one device's memory adds up: torch's tensors by role, its cache, what torch does not track.
+pub mod explain;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
 /// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.

@@ -1,12 +1,14 @@
-//! `gpuexp.find_batch_size`: the whole search in one call. Rust drives it: it caps torch at
-//! `limit`, asks the search for each trial, runs the user's step, measures torch's exact peaks,
-//! cleans up after an out-of-memory error and restores everything at the end.
+//! `gpuexp.find_batch_size`: the whole search in one call. Rust drives it: it estimates the
+//! step's peak under fake tensors where it can, caps torch at `limit`, asks the search for each
+//! trial, runs the user's step, measures torch's exact peaks, cleans up after an out-of-memory
+//! error and restores everything at the end.
 
 use std::time::Instant;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::estimate::seed_search;
 use super::interrupts;
 use super::ranks;
 use super::registry::registry;
@@ -46,7 +48,7 @@ shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
 /// the trial's line and the table so far, and `finish(line, html)` once the search stops.
 #[pyfunction]
 #[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
-                    verifications=2, steps=2, progress=None, ranks_timeout=600.0, adapter))]
+                    verifications=2, steps=2, progress=None, estimate=true, ranks_timeout=600.0, adapter))]
 #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
 pub(super) fn find_batch_size(
     py: Python,
@@ -61,6 +63,7 @@ pub(super) fn find_batch_size(
     verifications: u32,
     steps: u32,
     progress: Option<Bound<PyAny>>,
+    estimate: bool,
     ranks_timeout: f64,
     adapter: Bound<PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
@@ -95,6 +98,9 @@ pub(super) fn find_batch_size(
         None => cuda.call_method0("current_device")?.extract()?,
     };
     search.settings.usable = usable_memory(py, index, limit)?;
+    if estimate {
+        seed_search(py, &mut search, &step, index, progress.is_some());
+    }
 
     let limited = match limit {
         Some(limit) => apply_limit(py, &GpuSelection::Only(vec![index]), limit)?,

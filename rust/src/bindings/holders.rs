@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PyModule, PySet, PyString, PyTuple, PyType};
 
+use super::explain::tensor_roles;
 use super::namespace::{hidden_refs, user_names};
 use super::report::HoldersPy;
 use super::snapshot::take_snapshot;
@@ -70,6 +71,8 @@ struct Node<'py> {
 struct Types<'py> {
     tensor: Option<Bound<'py, PyType>>,
     ndarray: Option<Bound<'py, PyType>>,
+    module: Option<Bound<'py, PyType>>,
+    optimizer: Option<Bound<'py, PyType>>,
     traceback: Bound<'py, PyType>,
     frame: Bound<'py, PyType>,
     function: Bound<'py, PyType>,
@@ -88,6 +91,8 @@ impl<'py> Types<'py> {
         Ok(Types {
             tensor: find("torch", "Tensor"),
             ndarray: find("numpy", "ndarray"),
+            module: find("torch.nn", "Module"),
+            optimizer: find("torch.optim", "Optimizer"),
             traceback: get("TracebackType")?,
             frame: get("FrameType")?,
             function: get("FunctionType")?,
@@ -106,6 +111,9 @@ struct Walk<'py> {
     visited: HashMap<usize, usize>,
     queue: VecDeque<usize>,
     found: HashMap<Buffer, Found>,
+    /// The modules and optimizers passed on the way: what tells parameters, gradients and
+    /// optimizer state from other tensors.
+    owners: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> Walk<'py> {
@@ -117,6 +125,7 @@ impl<'py> Walk<'py> {
             visited: HashMap::new(),
             queue: VecDeque::new(),
             found: HashMap::new(),
+            owners: Vec::new(),
         })
     }
 
@@ -185,6 +194,9 @@ impl<'py> Walk<'py> {
                 _ => self.record_array(index, object),
             }
             return Ok(());
+        }
+        if self.is_a(object, &self.types.module) || self.is_a(object, &self.types.optimizer) {
+            self.owners.push(object.clone());
         }
         if let Ok(dict) = object.cast::<PyDict>() {
             for (key, value) in dict.iter() {
@@ -292,7 +304,7 @@ impl<'py> Walk<'py> {
 }
 
 /// A tensor's storage if it lives in `memory`: (buffer, bytes, device label).
-fn tensor_buffer(tensor: &Bound<PyAny>, memory: &Memory) -> PyResult<Option<(Buffer, u64, String)>> {
+pub(super) fn tensor_buffer(tensor: &Bound<PyAny>, memory: &Memory) -> PyResult<Option<(Buffer, u64, String)>> {
     let device = tensor.getattr("device")?;
     let kind: String = device.getattr("type")?.extract()?;
     let index: Option<u32> = device.getattr("index")?.extract()?;
@@ -387,6 +399,78 @@ fn module_roots<'py>(py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>
     Ok(user)
 }
 
+/// What a walk from roots a person recognises reached in `memory`.
+pub struct Survey<'py> {
+    /// Every buffer found outside `exclude`, with what holds it, largest first.
+    pub held: Vec<(Buffer, Holder)>,
+    /// Every live tensor storage in `memory` that Python can see, reachable or not.
+    pub live: HashMap<Buffer, u64>,
+    /// Modules and optimizers reached on the way.
+    pub owners: Vec<Bound<'py, PyAny>>,
+    pub objects_visited: u64,
+}
+
+impl Survey<'_> {
+    /// Bytes of live tensors outside `exclude` that no root reaches.
+    pub fn unreachable(&self, exclude: &HashSet<Buffer>) -> u64 {
+        let reached: HashSet<&Buffer> = self.held.iter().map(|(buffer, _)| buffer).collect();
+        self.live.iter().filter(|(b, _)| !exclude.contains(b) && !reached.contains(b)).map(|(_, bytes)| bytes).sum()
+    }
+}
+
+/// Walks from `roots`, then every module's globals, to every tensor (and, on the host, every
+/// array) in `memory`; `exclude` are buffers that existed before (an experiment's start).
+pub fn survey<'py>(
+    py: Python<'py>,
+    memory: &Memory,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+    exclude: &HashSet<Buffer>,
+) -> PyResult<Survey<'py>> {
+    // Some library globals warn on any attribute access (deprecated aliases); a hunt is not the user's code.
+    let warnings = py.import("warnings")?;
+    let quiet = warnings.call_method0("catch_warnings")?;
+    quiet.call_method0("__enter__")?;
+    warnings.call_method1("simplefilter", ("ignore",))?;
+    let result = survey_quietly(py, memory, roots, exclude);
+    quiet.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    result
+}
+
+fn survey_quietly<'py>(
+    py: Python<'py>,
+    memory: &Memory,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+    exclude: &HashSet<Buffer>,
+) -> PyResult<Survey<'py>> {
+    let live = live_tensor_buffers(py, memory)?;
+    let wanted: HashSet<Buffer> = live.keys().copied().filter(|b| !exclude.contains(b)).collect();
+    let mut walk = Walk::new(py, memory.clone())?;
+    let roots = roots.into_iter().chain(module_roots(py)?);
+    for (label, object) in roots {
+        walk.push(object, None, PathEdge::Root(label));
+    }
+    // Arrays are not known in advance, so a host hunt walks everything it can reach.
+    let host = *memory == Memory::Host;
+    walk.run(|found| !host && wanted.iter().all(|b| found.contains_key(b)))?;
+    let mut held: Vec<(Buffer, Holder)> = walk
+        .found
+        .iter()
+        .filter(|(buffer, _)| !exclude.contains(buffer))
+        .map(|(buffer, found)| {
+            let holder = Holder {
+                path: walk.path(found.node),
+                bytes: found.bytes,
+                device: found.device.clone(),
+                kind: found.kind.into(),
+                shape: found.shape.clone(),
+            };
+            (*buffer, holder)
+        })
+        .collect();
+    held.sort_by(|(_, a), (_, b)| b.bytes.cmp(&a.bytes).then_with(|| a.path.cmp(&b.path)));
+    Ok(Survey { held, live, owners: walk.owners, objects_visited: walk.nodes.len() as u64 })
+}
+
 /// Finds what holds the memory of `memory`, largest first; `exclude` are buffers that existed
 /// before (an experiment's start), `min_bytes` the smallest worth naming. Also returns the
 /// bytes of every live Python tensor there, for what no Python tensor accounts for.
@@ -398,56 +482,18 @@ pub fn hunt<'py>(
     exclude: &HashSet<Buffer>,
 ) -> PyResult<(Holders, u64)> {
     let started = Instant::now();
-    // Some library globals warn on any attribute access (deprecated aliases); a hunt is not the user's code.
-    let warnings = py.import("warnings")?;
-    let quiet = warnings.call_method0("catch_warnings")?;
-    quiet.call_method0("__enter__")?;
-    warnings.call_method1("simplefilter", ("ignore",))?;
-    let result = hunt_quietly(py, memory, roots, min_bytes, exclude, started);
-    quiet.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
-    result
-}
-
-fn hunt_quietly<'py>(
-    py: Python<'py>,
-    memory: Memory,
-    roots: Vec<(String, Bound<'py, PyAny>)>,
-    min_bytes: u64,
-    exclude: &HashSet<Buffer>,
-    started: Instant,
-) -> PyResult<(Holders, u64)> {
-    let live = live_tensor_buffers(py, &memory)?;
-    let wanted: HashSet<Buffer> = live.keys().copied().filter(|b| !exclude.contains(b)).collect();
-    let mut walk = Walk::new(py, memory.clone())?;
-    let roots = roots.into_iter().chain(module_roots(py)?);
-    for (label, object) in roots {
-        walk.push(object, None, PathEdge::Root(label));
-    }
-    // Arrays are not known in advance, so a host hunt walks everything it can reach.
-    let host = memory == Memory::Host;
-    walk.run(|found| !host && wanted.iter().all(|b| found.contains_key(b)))?;
-    let mut holders: Vec<Holder> = walk
-        .found
-        .iter()
-        .filter(|(buffer, found)| !exclude.contains(buffer) && found.bytes >= min_bytes)
-        .map(|(_, found)| Holder {
-            path: walk.path(found.node),
-            bytes: found.bytes,
-            device: found.device.clone(),
-            kind: found.kind.into(),
-            shape: found.shape.clone(),
-        })
-        .collect();
-    holders.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.path.cmp(&b.path)));
-    let unreachable = wanted.iter().filter(|b| !walk.found.contains_key(b)).map(|b| live[b]).sum();
-    let python_bytes = live.values().sum();
+    let survey = survey(py, &memory, roots, exclude)?;
+    let roles = tensor_roles(&survey, &memory, exclude)?;
+    let unreachable = survey.unreachable(exclude);
+    let python_bytes = survey.live.values().sum();
     let holders = Holders {
         device: memory.label(),
-        holders,
+        holders: survey.held.into_iter().map(|(_, holder)| holder).filter(|h| h.bytes >= min_bytes).collect(),
         unreachable,
         no_python_tensor: None,
         cached: None,
-        objects_visited: walk.nodes.len() as u64,
+        roles: (roles.total() > 0).then_some(roles),
+        objects_visited: survey.objects_visited,
         seconds: started.elapsed().as_secs_f64(),
     };
     Ok((holders, python_bytes))
@@ -456,12 +502,25 @@ fn hunt_quietly<'py>(
 /// The buffers reachable from `roots` now (an experiment's start), so that a later hunt names
 /// only what came after. Module globals are left out: they are walked at the hunt.
 pub fn inventory<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) -> PyResult<HashSet<Buffer>> {
+    Ok(walk_everything(py, roots)?.found.keys().copied().collect())
+}
+
+/// The modules and optimizers reachable from `roots` (a step and what it refers to); module
+/// globals are left out.
+pub fn reachable_owners<'py>(
+    py: Python<'py>,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    Ok(walk_everything(py, roots)?.owners)
+}
+
+fn walk_everything<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) -> PyResult<Walk<'py>> {
     let mut walk = Walk::new(py, Memory::Any)?;
     for (label, object) in roots {
         walk.push(object, None, PathEdge::Root(label));
     }
     walk.run(|_| false)?;
-    Ok(walk.found.keys().copied().collect())
+    Ok(walk)
 }
 /// Where a leak hunt starts: the notebook's names, then IPython's hidden references.
 pub(super) fn hunt_roots<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {

@@ -7,10 +7,14 @@ mod report; // first: the families below use its `shown_as_table!`
 mod cell_log;
 mod compare;
 mod error;
+mod estimate;
+mod explain;
+mod fakes;
 mod finder;
 mod holders;
 mod interrupts;
 mod kernel;
+mod ledger_mode;
 mod live_view;
 mod monitor;
 mod namespace;
@@ -32,6 +36,10 @@ mod core_module {
     use super::compare::{compare, ComparisonPy};
     #[pymodule_export]
     use super::error::NvmlUnavailable;
+    #[pymodule_export]
+    use super::estimate::{estimate, EstimatePy, NoEstimate};
+    #[pymodule_export]
+    use super::explain::{explain, ExplanationPy};
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
     #[pymodule_export]

@@ -2,12 +2,17 @@
 //! doubling until an out-of-memory error. Peak memory grows nearly linearly with the batch for
 //! most models, so small probes give the line, one further probe checks it, and the predicted
 //! size is verified before it is trusted; a failed verification falls back to bisection.
+//! When the step's peak can be estimated under fake tensors, the estimates give the line and
+//! the trials only place the answer (`seeded`).
 
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::grid::Grid;
 use crate::units::bytes;
+
+mod seeded;
+pub use seeded::Seed;
 
 /// How one trial of the step went.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -36,10 +41,15 @@ pub enum Role {
     LinearityCheck,
     Verify,
     Bisect,
+    /// The first trial of a seeded search, a little below the size the estimates predict.
+    FromEstimate,
+    /// A seeded search's trial at the size a measured peak corrects to.
+    Corrected,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect];
+    pub const ALL: [Role; 6] =
+        [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect, Role::FromEstimate, Role::Corrected];
 
     /// The word shown in tables and passed to the Python driver.
     pub fn label(self) -> &'static str {
@@ -48,6 +58,8 @@ impl Role {
             Role::LinearityCheck => "check",
             Role::Verify => "verify",
             Role::Bisect => "bisect",
+            Role::FromEstimate => "estimate",
+            Role::Corrected => "corrected",
         }
     }
 }
@@ -99,6 +111,10 @@ pub struct Search {
     pub verdict: String,
     /// Every rank's answer, where the search ran on each rank of a process group.
     pub ranks: Option<crate::ranks::Agreement>,
+    /// The estimates the search started from, when the step could run under fake tensors.
+    pub seed: Option<Seed>,
+    /// Why the search had no estimates to start from.
+    pub unseeded: Option<String>,
 }
 
 /// A check passes when the line predicts the further probe within this share.
@@ -131,6 +147,8 @@ impl Search {
             batch_size: None,
             verdict: String::new(),
             ranks: None,
+            seed: None,
+            unseeded: None,
         })
     }
 
@@ -142,7 +160,13 @@ impl Search {
     /// the allocator keeps whatever the batch, and that the usable memory must hold too. (What
     /// it caches in proportion to the batch, it gives back when it nears a cap, so a line
     /// through reserved peaks would predict far too low for a conv net.)
+    /// A seeded search has no small probe, and its trials near the edge show the allocator
+    /// caching up to the cap (an H100 conv net at 24 GiB: 2.9 GiB reserved above its peak, all
+    /// given back when needed): it holds back only the margin.
     fn cached_overhead(&self) -> u64 {
+        if self.seed.is_some() {
+            return 0;
+        }
         self.fit_at(self.settings.start * 2).map_or(0, |(peak, reserved)| reserved.saturating_sub(peak))
     }
 
@@ -238,6 +262,9 @@ impl Search {
     }
 
     pub fn next_trial(&mut self) -> Next {
+        if self.seed.is_some() {
+            return self.next_seeded();
+        }
         let start = self.settings.start;
         // 1. Two small probes give a first line.
         for batch in [start, start * 2] {
@@ -381,11 +408,13 @@ impl Search {
             bytes(self.cached_overhead()),
             self.settings.margin * 100.0
         )];
+        lines.extend(self.seed_line());
         lines.push(match self.settings.steps_per_trial {
             1 => "each trial: one step".to_string(),
             steps => format!("each trial: {steps} steps in a row, from an emptied cache at each new size"),
         });
-        if let Some(line) = self.line {
+        // A seeded search's line and prediction come from its estimates, on the line above.
+        if let Some(line) = self.line.filter(|_| self.seed.is_none()) {
             let linear = match self.linear {
                 Some(true) => "linear (checked by a further probe)",
                 Some(false) => "not quite linear: refitted through the larger sizes",
@@ -397,7 +426,7 @@ impl Search {
                 bytes(line.slope.max(0.0) as u64)
             ));
         }
-        if let Some(predicted) = self.predicted {
+        if let Some(predicted) = self.predicted.filter(|_| self.seed.is_none()) {
             lines.push(format!("predicted: {predicted}"));
         }
         lines.extend(self.ranks.iter().flat_map(crate::ranks::Agreement::lines));

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::explain::TensorRoles;
 use crate::grid::Grid;
 use crate::units::bytes;
 
@@ -30,6 +31,8 @@ pub struct Holders {
     pub no_python_tensor: Option<u64>,
     /// Reserved by torch's allocator but not allocated: its cache, and fragmentation.
     pub cached: Option<u64>,
+    /// What the memory found is to training (parameters, gradients, ...), when it holds any.
+    pub roles: Option<TensorRoles>,
     pub objects_visited: u64,
     pub seconds: f64,
 }
@@ -160,6 +163,7 @@ mod tests {
             unreachable: 0,
             no_python_tensor: Some(64 << 20),
             cached: Some(0),
+            roles: None,
             objects_visited: 10,
             seconds: 0.01,
         };

@@ -262,6 +262,9 @@ impl Report {
                 line.push_str(&format!("; {} with no reachable referrer", bytes(held.unreachable)));
             }
             lines.push(line);
+            if let Some(roles) = held.roles {
+                lines.push(format!("  that is {}", roles.summary()));
+            }
         }
         lines.extend(self.rank.line());
         lines.extend(crate::snapshot::children::still_holding_lines(&self.child_processes));

@@ -532,3 +532,27 @@ fn changes_below_the_noise_floor_read_as_about_zero_in_tables_and_stay_exact_in_
     assert_eq!(rss[3..6], ["≈ 0", "≈ 0", "—"], "{rss:?}");
     assert_eq!((report.host.rss.consumed, report.host.rss.reclaimed), (8192, Some(-8192)));
 }
+
+// --- What still holds memory ----------------------------------------------------------
+
+#[test]
+fn a_finished_report_names_what_holds_its_memory_and_what_that_is_to_training() {
+    let start = host(0.0, GIB, GIB);
+    let mut report = finished("leaky", &start, &start, &start, &no_peaks());
+    let roles = crate::explain::TensorRoles { parameters: 64 * MIB, optimizer_state: 128 * MIB, ..Default::default() };
+    report.holders.push(Holders {
+        device: "host".into(),
+        holders: vec![Holder {
+            path: "cache[0]".into(),
+            bytes: 64 * MIB,
+            device: "cpu".into(),
+            kind: "tensor".into(),
+            shape: "[16777216]".into(),
+        }],
+        roles: Some(roles),
+        ..Holders::default()
+    });
+    let lines = report.grid().lines;
+    let at = lines.iter().position(|l| l == "still held on host: cache[0] (64.00 MiB)").expect("the holder line");
+    assert_eq!(lines[at + 1], "  that is parameters 64.00 MiB, optimizer state 128.00 MiB");
+}

@@ -1,0 +1,348 @@
+//! `gpuexp.estimate`, and the estimates the batch-size finder starts from: the user's step run
+//! under torch's `FakeTensorMode`, with the real model's parameters, gradients, buffers and
+//! optimizer state swapped for fake copies (`fakes`), and every storage the step makes or frees
+//! entered in the core's [`Ledger`] by a dispatch mode. Nothing is allocated on the device; the
+//! real tensors are never touched, and everything swapped is put back.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+use super::fakes::Fakes;
+use super::holders::{reachable_owners, Memory};
+use super::ledger_mode::Ledgered;
+use super::snapshot::take_snapshot;
+use super::torch::PyTorch;
+use crate::estimate::{Estimate, Peak, Room};
+use crate::finder::{Search, Seed};
+use crate::snapshot::{host, GpuSelection};
+use crate::units;
+
+create_exception!(
+    gpuexp,
+    NoEstimate,
+    PyRuntimeError,
+    "The step could not run under fake tensors, so no estimate was made; the message names the operator and why."
+);
+
+/// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
+pub(super) struct Run {
+    pub(super) peak: Peak,
+    pub(super) calls: u32,
+    pub(super) notes: Vec<String>,
+}
+
+/// Runs `step(batch)` under fake tensors on `memory`, a second time (up to `calls`) when the
+/// first call created optimizer state, since later steps hold it through their forward pass.
+pub(super) fn run_estimate<'py>(
+    py: Python<'py>,
+    step: &Bound<'py, PyAny>,
+    batch: u64,
+    memory: &Memory,
+    owners: &[Bound<'py, PyAny>],
+    calls: u32,
+) -> PyResult<Run> {
+    let mut fakes = Fakes::swap_in(py, owners).map_err(|error| {
+        let wrapped = NoEstimate::new_err(format!(
+            "no estimate was made: the model's tensors could not be swapped for fakes ({})",
+            error.value(py)
+        ));
+        wrapped.set_cause(py, Some(error));
+        wrapped
+    })?;
+    let fastpath_skipped = fakes.fastpath_skipped;
+    // What the step returns is kept until the ledger is read: an output outlives the step.
+    let mut returned = Vec::new();
+    let ran = fakes.run(memory, |ledgered: &Ledgered| {
+        let mut made = 0;
+        loop {
+            let state_before = ledgered.optimizer_state_entries()?;
+            made += 1;
+            returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
+            let created_state = ledgered.optimizer_state_entries()? > state_before;
+            if !created_state || made >= calls {
+                let mut notes = Vec::new();
+                if created_state {
+                    notes.push(
+                        "this call created the optimizer's state: later steps hold it all along, \
+                         which estimate(..., steps=2) includes"
+                            .to_string(),
+                    );
+                }
+                return Ok((made, notes));
+            }
+        }
+    });
+    drop(returned);
+    let restored = fakes.restore();
+    let (peak, (calls, mut notes)) = ran?;
+    restored?;
+    if fastpath_skipped {
+        notes.push(
+            "attention's fast path (nested tensors) can't run under fake tensors: this is the peak of the \
+             regular path, which needs more where the fast path drops padding"
+                .into(),
+        );
+    }
+    Ok(Run { peak, calls, notes })
+}
+
+/// Where the step's modules and optimizers can be found from: the step itself (a closure's
+/// cells, a bound method's object, a partial's arguments, a callable object) and the globals
+/// its code and the functions it reaches load.
+fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    const MOST_FUNCTIONS: usize = 64;
+    let types = py.import("types")?;
+    let function_type = types.getattr("FunctionType")?.cast_into::<PyType>()?;
+    let code_type = types.getattr("CodeType")?.cast_into::<PyType>()?;
+    let instructions = py.import("dis")?.getattr("get_instructions")?;
+    let mut roots = vec![("step".to_string(), step.clone())];
+    let mut pending = vec![step.clone()];
+    let mut seen = HashSet::new();
+    while let Some(callable) = pending.pop() {
+        if !seen.insert(callable.as_ptr() as usize) || seen.len() > MOST_FUNCTIONS {
+            continue;
+        }
+        for inner in ["__func__", "__wrapped__", "func"] {
+            if let Ok(inner) = callable.getattr(inner) {
+                if inner.is_callable() {
+                    pending.push(inner);
+                }
+            }
+        }
+        for arguments in ["args", "keywords"] {
+            if let Ok(values) = callable.getattr(arguments) {
+                roots.push((format!("step.{arguments}"), values));
+            }
+        }
+        if !callable.is_instance(&function_type)? {
+            if let Ok(call) = callable.get_type().getattr("__call__") {
+                pending.push(call);
+            }
+            continue;
+        }
+        let globals = callable.getattr("__globals__")?.cast_into::<PyDict>()?;
+        let mut names = Vec::new();
+        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names)?;
+        for name in names {
+            if let Some(value) = globals.get_item(&name)? {
+                if value.is_instance(&function_type)? {
+                    pending.push(value.clone());
+                }
+                roots.push((name, value));
+            }
+        }
+        let closure = callable.getattr("__closure__")?;
+        if !closure.is_none() {
+            for cell in closure.try_iter()? {
+                if let Ok(contents) = cell?.getattr("cell_contents") {
+                    if contents.is_instance(&function_type)? {
+                        pending.push(contents);
+                    }
+                }
+            }
+        }
+    }
+    Ok(roots)
+}
+
+/// The globals a code object and the code nested in it (inner functions, lambdas) load; not
+/// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).
+fn global_names(
+    code: &Bound<PyAny>,
+    code_type: &Bound<PyType>,
+    instructions: &Bound<PyAny>,
+    into: &mut Vec<String>,
+) -> PyResult<()> {
+    for instruction in instructions.call1((code,))?.try_iter()? {
+        let instruction = instruction?;
+        let operation: String = instruction.getattr("opname")?.extract()?;
+        if operation == "LOAD_GLOBAL" || operation == "LOAD_NAME" {
+            if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
+                into.push(name);
+            }
+        }
+    }
+    for constant in code.getattr("co_consts")?.cast_into::<PyTuple>()?.iter() {
+        if constant.is_instance(code_type)? {
+            global_names(&constant, code_type, instructions, into)?;
+        }
+    }
+    Ok(())
+}
+
+/// The modules and optimizers a step uses: those reachable from it. Only they are swapped, so
+/// the categories are the step's own; a parameter it uses that is not found stops the estimate
+/// (`ledger_mode`), never a real tensor's gradient set.
+fn owners_of<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    reachable_owners(py, step_roots(py, step)?)
+}
+
+/// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
+/// is unknown, and the estimate says so rather than failing.
+fn room(py: Python, memory: &Memory, limit: Option<u64>) -> PyResult<Room> {
+    match memory {
+        Memory::Cuda(index) => {
+            let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![*index]));
+            let stats = torch.read_stats(*index)?;
+            let free = snapshot.gpus.iter().find(|g| g.torch_index == *index).map(|g| g.free);
+            let cache = stats.reserved.saturating_sub(stats.allocated);
+            Ok(Room { device: memory.label(), now: stats.allocated, free: free.map(|f| f + cache), limit })
+        }
+        _ => {
+            let reading = host::read();
+            Ok(Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit })
+        }
+    }
+}
+
+/// Which memory an estimate counts: a GPU torch has initialised (fake CUDA tensors need one),
+/// or the host.
+fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
+    let torch = PyTorch::find(py);
+    if torch.torch.is_none() {
+        return Err(PyRuntimeError::new_err(
+            "estimate runs the step under torch's fake tensors: import torch and build the model first",
+        ));
+    }
+    match device {
+        None => Ok(Memory::Host),
+        Some(index) if torch.cuda().is_some() => Ok(Memory::Cuda(index)),
+        Some(index) => Err(PyValueError::new_err(format!(
+            "device=cuda:{index}: torch has not initialised CUDA, so nothing of the step is on the GPU; \
+             move the model there first, or estimate on device='cpu'"
+        ))),
+    }
+}
+
+fn limit_bytes(limit: Option<&Bound<PyAny>>) -> PyResult<Option<u64>> {
+    let Some(limit) = limit else { return Ok(None) };
+    if let Ok(text) = limit.extract::<String>() {
+        return Ok(Some(units::parse_size(&text)?));
+    }
+    match limit.extract::<u64>() {
+        Ok(bytes) if bytes > 0 && !limit.is_instance_of::<pyo3::types::PyBool>() => Ok(Some(bytes)),
+        _ => Err(PyValueError::new_err(format!(
+            "limit={}: write a size such as limit=\"24GiB\" or a number of bytes",
+            limit.repr()?
+        ))),
+    }
+}
+
+/// The prediction of `gpuexp.estimate`; `str()` and `_repr_html_` are its table.
+#[pyclass(name = "Estimate", module = "gpuexp", frozen)]
+pub(super) struct EstimatePy(Estimate);
+
+#[pymethods]
+impl EstimatePy {
+    /// The predicted peak of torch allocated above what is allocated now, in bytes.
+    #[getter]
+    fn peak(&self) -> u64 {
+        self.0.peak
+    }
+    #[getter]
+    fn batch_size(&self) -> u64 {
+        self.0.batch_size
+    }
+    #[getter]
+    fn device(&self) -> &str {
+        &self.0.device
+    }
+    /// What was live at the peak, in bytes by category.
+    #[getter]
+    fn categories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::report::json_to_python(py, &serde_json::to_string(&self.0.categories).expect("categories serialise"))
+    }
+    /// Whether the peak fits the device's free memory (NVML free plus torch's cache; the host's available memory).
+    #[getter]
+    fn fits_free_memory(&self) -> bool {
+        self.0.fits.iter().any(|f| f.against == "free memory" && f.fits)
+    }
+    /// Whether what is allocated now plus the peak fits `limit=`; None without a limit.
+    #[getter]
+    fn fits_limit(&self) -> Option<bool> {
+        self.0.fits.iter().find(|f| f.against == "limit").map(|f| f.fits)
+    }
+    #[getter]
+    fn seconds(&self) -> f64 {
+        self.0.seconds
+    }
+}
+
+shown_as_table!(EstimatePy, |this| &this.0, this.0.grid());
+
+/// `gpuexp.estimate`: the step's peak at one batch size, predicted without running it.
+#[pyfunction]
+#[pyo3(signature = (step, batch_size, *, memory=None, limit=None, steps=1))]
+pub(super) fn estimate(
+    py: Python,
+    step: Bound<PyAny>,
+    batch_size: u64,
+    memory: Option<u32>,
+    limit: Option<Bound<PyAny>>,
+    steps: u32,
+) -> PyResult<EstimatePy> {
+    if !step.is_callable() {
+        return Err(PyTypeError::new_err(format!(
+            "step must be a function of the batch size, e.g. estimate(train_step, 64); got {}",
+            step.repr()?
+        )));
+    }
+    if batch_size == 0 || steps == 0 {
+        return Err(PyValueError::new_err(format!(
+            "batch_size={batch_size}, steps={steps}: both must be at least 1, e.g. estimate(train_step, 64)"
+        )));
+    }
+    let limit = limit_bytes(limit.as_ref())?;
+    let memory = estimated_memory(py, memory)?;
+    let started = Instant::now();
+    let owners = owners_of(py, &step)?;
+    let run = run_estimate(py, &step, batch_size, &memory, &owners, steps)?;
+    let room = room(py, &memory, limit)?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(EstimatePy(Estimate::new(batch_size, run.calls, run.peak, &room, seconds, run.notes)))
+}
+
+/// Starts `search` from estimates of `step` on cuda:`index`. A step that can't run under fake
+/// tensors leaves the search to its trials, and the search's table says why.
+pub(super) fn seed_search(py: Python, search: &mut Search, step: &Bound<PyAny>, index: u32, progress: bool) {
+    let started = Instant::now();
+    let seeded = estimates(py, search, step, index, progress);
+    match seeded {
+        Ok(estimates) => search.seed(Seed { estimates, seconds: started.elapsed().as_secs_f64() }),
+        Err(error) => search.unseeded = Some(format!("{}; searched by trials", error.value(py))),
+    }
+}
+
+fn estimates(
+    py: Python,
+    search: &Search,
+    step: &Bound<PyAny>,
+    index: u32,
+    progress: bool,
+) -> PyResult<Vec<(u64, u64)>> {
+    let memory = Memory::Cuda(index);
+    let owners = owners_of(py, step)?;
+    let now = room(py, &memory, None)?.now;
+    let mut estimates = Vec::new();
+    while let Some(batch) = search.next_estimate(&estimates) {
+        let started = Instant::now();
+        let run = run_estimate(py, step, batch, &memory, &owners, search.settings.steps_per_trial)?;
+        let peak = now + run.peak.above_start;
+        if progress {
+            let line = format!(
+                "gpuexp: estimate at batch size {batch}: torch peak {} ({} calls under fake tensors, {:.2} s)",
+                units::bytes(peak),
+                run.calls,
+                started.elapsed().as_secs_f64()
+            );
+            py.import("builtins")?.call_method1("print", (line,))?;
+        }
+        estimates.push((batch, peak));
+    }
+    Ok(estimates)
+}

@@ -1,0 +1,200 @@
+//! `gpuexp.explain`: how one device's memory adds up. The leak hunter's walk finds every tensor
+//! with the path to it and the modules and optimizers on the way; their parameters, gradients,
+//! buffers and state are told apart here; torch's allocator and NVML give the totals.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::holders::{hunt_roots, survey, tensor_buffer, Buffer, Memory, Survey};
+use super::report::json_to_python;
+use super::snapshot::take_snapshot;
+use super::torch::PyTorch;
+use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading, Role, TensorRoles};
+use crate::snapshot::{host, nvml, own_pids, GpuSelection};
+
+/// Each storage in `memory` that a module or optimizer of `owners` holds, with its role and bytes.
+fn roles_of(py: Python, owners: &[Bound<PyAny>], memory: &Memory) -> PyResult<HashMap<Buffer, (Role, u64)>> {
+    let mut roles = HashMap::new();
+    let Some(torch) = PyTorch::find(py).torch else { return Ok(roles) };
+    let tensor = torch.getattr("Tensor")?;
+    let mut note = |value: &Bound<PyAny>, role: Role| -> PyResult<()> {
+        if !value.is_instance(&tensor)? {
+            return Ok(());
+        }
+        if let Some((buffer, bytes, _)) = tensor_buffer(value, memory)? {
+            let (known, _) = roles.entry(buffer).or_insert((role, bytes));
+            *known = role.min(*known);
+        }
+        Ok(())
+    };
+    let parameter = |value: &Bound<PyAny>, note: &mut dyn FnMut(&Bound<PyAny>, Role) -> PyResult<()>| {
+        note(value, Role::Parameter)?;
+        if let Ok(grad) = value.getattr("grad") {
+            note(&grad, Role::Gradient)?;
+        }
+        Ok::<(), PyErr>(())
+    };
+    for owner in owners {
+        if let (Ok(parameters), Ok(buffers)) = (owner.getattr("_parameters"), owner.getattr("_buffers")) {
+            for value in parameters.cast::<PyDict>()?.values() {
+                parameter(&value, &mut note)?;
+            }
+            for value in buffers.cast::<PyDict>()?.values() {
+                note(&value, Role::Buffer)?;
+            }
+            continue;
+        }
+        for group in owner.getattr("param_groups")?.try_iter()? {
+            if let Some(params) = group?.cast::<PyDict>()?.get_item("params")? {
+                for value in params.try_iter()? {
+                    parameter(&value?, &mut note)?;
+                }
+            }
+        }
+        for values in owner.getattr("state")?.cast::<PyDict>()?.values() {
+            if let Ok(values) = values.cast::<PyDict>() {
+                for value in values.values() {
+                    note(&value, Role::OptimizerState)?;
+                }
+            }
+        }
+    }
+    Ok(roles)
+}
+
+/// Bytes by role of every tensor (and array) the survey saw outside `exclude`: each storage once.
+fn sum_roles(survey: &Survey, roles: &HashMap<Buffer, (Role, u64)>, exclude: &HashSet<Buffer>) -> TensorRoles {
+    let mut sums = TensorRoles::default();
+    let mut counted = HashSet::new();
+    for (buffer, (role, bytes)) in roles {
+        if !exclude.contains(buffer) && counted.insert(*buffer) {
+            sums.add(Some(*role), *bytes);
+        }
+    }
+    for (buffer, holder) in &survey.held {
+        if counted.insert(*buffer) {
+            sums.add(None, holder.bytes);
+        }
+    }
+    for (buffer, bytes) in &survey.live {
+        if !exclude.contains(buffer) && counted.insert(*buffer) {
+            sums.add(None, *bytes);
+        }
+    }
+    sums
+}
+
+/// What the tensors a survey found are to training: the breakdown a leak report shows.
+pub(super) fn tensor_roles(survey: &Survey, memory: &Memory, exclude: &HashSet<Buffer>) -> PyResult<TensorRoles> {
+    let py = match survey.owners.first() {
+        Some(owner) => owner.py(),
+        None => return Ok(sum_roles(survey, &HashMap::new(), exclude)),
+    };
+    Ok(sum_roles(survey, &roles_of(py, &survey.owners, memory)?, exclude))
+}
+
+fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
+    let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![index]));
+    let gpu = snapshot.gpus.iter().find(|g| g.torch_index == index).ok_or_else(|| match nvml::available() {
+        Err(why) => PyErr::from(why),
+        Ok(()) => {
+            PyValueError::new_err(format!("cuda:{index} is not a visible GPU: name one torch sees, e.g. explain(0)"))
+        }
+    })?;
+    let stats = gpu.torch.unwrap_or_default();
+    // The nested dict straight from C++, as snapshots read it: no CUDA context is created.
+    let fragmented = match (torch.cuda(), torch.torch.as_ref()) {
+        (Some(_), Some(module)) => module
+            .getattr("_C")?
+            .call_method1("_cuda_memoryStats", (index,))?
+            .get_item("inactive_split_bytes")?
+            .get_item("all")?
+            .get_item("current")?
+            .extract()?,
+        _ => 0,
+    };
+    let others = nvml::other_processes(&gpu.uuid, &own_pids())
+        .into_iter()
+        .map(|(pid, bytes)| OtherProcess { pid, bytes })
+        .collect();
+    Ok(GpuFigures {
+        torch_index: index,
+        nvml_index: gpu.nvml_index,
+        name: gpu.name.clone(),
+        uuid: gpu.uuid.clone(),
+        total: gpu.total,
+        allocated: stats.allocated,
+        reserved: stats.reserved,
+        fragmented,
+        process_used: gpu.process_used,
+        device_used: gpu.device_used,
+        others,
+    })
+}
+
+/// How one device's memory adds up: the result of `gpuexp.explain()`.
+#[pyclass(name = "Explanation", module = "gpuexp", frozen)]
+pub(super) struct ExplanationPy(Explanation);
+
+#[pymethods]
+impl ExplanationPy {
+    #[getter]
+    fn device(&self) -> &str {
+        &self.0.device
+    }
+    /// Bytes by category: parameters, gradients, optimizer_state, buffers, other_tensors,
+    /// no_python_tensor, torch_cache, not_torch (None where a category does not apply).
+    #[getter]
+    fn categories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &serde_json::to_string(&self.0.categories).expect("categories serialise"))
+    }
+    /// The paths of the other tensors, largest first.
+    #[getter]
+    fn paths(&self) -> Vec<String> {
+        self.0.holders.iter().map(|h| h.path.clone()).collect()
+    }
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.0.notes.clone()
+    }
+}
+
+shown_as_table!(ExplanationPy, |this| &this.0, this.0.grid());
+
+/// Explains a GPU's memory (by torch index) or, with None, the host's.
+#[pyfunction]
+#[pyo3(signature = (memory, adapter=None))]
+pub(super) fn explain(py: Python, memory: Option<u32>, adapter: Option<Bound<PyAny>>) -> PyResult<ExplanationPy> {
+    let started = Instant::now();
+    let (memory, device) = match memory {
+        Some(index) => (Memory::Cuda(index), format!("cuda:{index}")),
+        None => (Memory::Host, "cpu".to_string()),
+    };
+    let roots = match &adapter {
+        Some(adapter) => hunt_roots(adapter)?,
+        None => Vec::new(),
+    };
+    let none = HashSet::new();
+    let survey = survey(py, &memory, roots, &none)?;
+    let roles = roles_of(py, &survey.owners, &memory)?;
+    let sums = sum_roles(&survey, &roles, &none);
+    let holders = survey.held.iter().filter(|(b, _)| !roles.contains_key(b)).map(|(_, h)| h.clone()).collect();
+    let reached: HashSet<&Buffer> = survey.held.iter().map(|(b, _)| b).chain(roles.keys()).collect();
+    let unreachable = survey.live.iter().filter(|(b, _)| !reached.contains(b)).map(|(_, bytes)| bytes).sum();
+    let reading = match memory {
+        Memory::Cuda(index) => Reading::Gpu(gpu_figures(py, index)?),
+        _ => Reading::Host { rss: host::read().rss },
+    };
+    let found = Found {
+        roles: sums,
+        holders,
+        unreachable,
+        objects_visited: survey.objects_visited,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok(ExplanationPy(Explanation::new(&device, reading, found)))
+}

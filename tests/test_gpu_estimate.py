@@ -1,0 +1,71 @@
+"""gpuexp.estimate and the finder that starts from it, on an NVIDIA GPU (`pytest -m gpu`), in real
+kernels: the bench's models within 5% of the measured peak, nothing allocated, the model untouched;
+the finder in at most 2 real trials."""
+
+from pathlib import Path
+
+import pytest
+
+from test_gpu_finder import setup
+
+pytestmark = pytest.mark.gpu
+
+GiB = 1 << 30
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+MODELS = f"""\
+import sys, gc, torch, gpuexp
+sys.path.insert(0, {str(BENCH)!r})
+import estimate as bench
+device = torch.device("cuda")
+workloads = bench.make_workloads(torch)
+"""
+
+
+@pytest.mark.parametrize("name", ["conv", "transformer", "attention", "mlp"])
+def test_the_estimate_is_within_5_percent_of_the_real_peak_and_allocates_nothing(kernel, name):
+    kernel.run(MODELS + f"model, opt = bench.workloads_of.fresh(torch, workloads[{name!r}], device)\n"
+               f"step = bench.workloads_of.make_step(torch, model, opt, workloads[{name!r}], device)\nstep(2)")
+    for batch_size in kernel.value(f"bench.SIZES[{name!r}]"):
+        kernel.run(f"result, seconds, allocated = bench.estimated(torch, gpuexp, step, {batch_size}, device)\n"
+                   f"real = bench.measured_peak(torch, step, {batch_size}, device)")
+        estimate, real, seconds, allocated = kernel.value("[result.peak, real, seconds, allocated]")
+        assert abs(estimate - real) <= 0.05 * real, (name, batch_size, estimate, real)
+        assert seconds <= 2.0 and allocated == 0, (name, batch_size, seconds, allocated)
+
+
+def test_the_model_on_the_gpu_is_untouched_to_the_bit(kernel):
+    kernel.run(MODELS + "model, opt = bench.workloads_of.fresh(torch, workloads['transformer'], device)\n"
+               "step = bench.workloads_of.make_step(torch, model, opt, workloads['transformer'], device)\nstep(2)\n"
+               "model(torch.randint(0, 8192, (2, 256), device='cuda')).sum().backward()  # gradients exist too\n"
+               "def fingerprint():\n"
+               "    tensors = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),\n"
+               "               *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]\n"
+               "    return [(id(t), t._version, t.detach().cpu().reshape(-1).view(torch.int32).tolist()\n"
+               "             if t.element_size() == 4 else t.tolist()) for t in tensors]\n"
+               "before = fingerprint()")
+    kernel.run("gpuexp.estimate(step, 64)")
+    assert kernel.value("fingerprint() == before") is True
+
+
+@pytest.mark.parametrize("model", ["bench-conv", "bench-transformer"])
+def test_the_finder_starts_from_the_estimate_and_verifies_in_two_trials(kernel, model):
+    limit = 24 * GiB
+    setup(kernel, model)
+    kernel.run(f"result = gpuexp.find_batch_size(step, start=8, max=8192, limit={limit}, progress=False)")
+    found, trials = kernel.value("[result.batch_size, result.trials]")
+    shown = kernel.run("print(result)").text
+    assert "estimate under fake tensors at 8, 32" in shown, shown
+    truth = kernel.value(f"true_max({limit}, 8192)")
+    assert found >= 0.97 * truth and trials <= 2, (found, truth, shown)
+    frac = limit / kernel.value("torch.cuda.get_device_properties(0).total_memory")
+    kernel.run(f"torch.cuda.set_per_process_memory_fraction({frac})")
+    assert kernel.value(f"[fits({found}) for _ in range(3)]") == [True, True, True], shown
+
+
+def test_estimate_false_searches_by_trials_as_before(kernel):
+    setup(kernel, "small-conv")
+    kernel.run("result = gpuexp.find_batch_size(step, limit=4 << 30, progress=False, estimate=False)")
+    shown = kernel.run("print(result)").text
+    assert "estimate" not in shown.split("┌")[0] and "probe" in shown, shown
