@@ -114,6 +114,7 @@ def test_a_descendant_still_holding_memory_is_named_at_finish(kernel_with_ranks)
         "stray.start()\n"
         "assert ready.wait(120)"
     )
+    kernel.run("exp.keep('stray', 'release')")  # made in the scope, used after it
     shown = kernel.run("exp.finish()")
     named = kernel.value("exp.data.child_processes")
     pid = kernel.value("stray.pid")

@@ -55,7 +55,7 @@ def step(bs):
 """)
     found = messages(kernel, "result = gpuexp.find_batch_size(step, start=64, max=2048)")
     progress = [m for m in found if (m.display_id or "").startswith("gpuexp-finder-")]
-    assert progress[0].kind == "display_data" and progress[0].text.startswith("gpuexp: trial 1 (probe)"), progress
+    assert progress[0].kind == "display_data" and progress[0].text.startswith("gpuexp: trial 1 ("), progress
     assert all(m.kind == "update_display_data" for m in progress[1:]) and len(progress) >= 3
     assert "<table>" in progress[1].content["data"]["text/html"]
     assert re.fullmatch(r"gpuexp · batch size \d+ · \d+ trials", progress[-1].text), progress[-1]
