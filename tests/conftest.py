@@ -68,3 +68,23 @@ SAMPLER_RUNNING = (
     "'gpuexp-sampler' in [open(f'/proc/self/task/{t}/comm').read().strip() "
     "for t in __import__('os').listdir('/proc/self/task')]"
 )
+
+
+# What every rank's code starts with in the ranks tests: a free port and a gloo group on loopback.
+RANK_PRELUDE = """
+import datetime, json, os, socket, sys, time
+import torch
+import torch.distributed as dist
+import gpuexp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+"""

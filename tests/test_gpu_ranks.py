@@ -5,27 +5,13 @@ import json
 
 import pytest
 
+from conftest import RANK_PRELUDE
+
 pytestmark = pytest.mark.gpu
 
 GiB = 1 << 30
 
-RANK_CODE = '''
-import datetime, json, os, socket, time
-import torch
-import torch.distributed as dist
-import gpuexp
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-
+RANK_CODE = RANK_PRELUDE + '''
 
 def share(rank, world, port):
     """Rank r holds (r + 1) GiB on cuda:0 while every rank holds its own, for a second."""

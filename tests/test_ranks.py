@@ -12,28 +12,12 @@ import time
 
 import pytest
 
-from conftest import SAMPLER_RUNNING
+from conftest import RANK_PRELUDE, SAMPLER_RUNNING
 
 MiB = 1 << 20
 
 # The ranks' code: a module the tests write next to their notebook, so spawn and torchrun can import it too.
-RANK_CODE = '''
-import datetime, json, os, socket, sys, time
-import torch
-import torch.distributed as dist
-import gpuexp
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-
+RANK_CODE = RANK_PRELUDE + '''
 
 def train(rank, world, port, out):
     """Rank r holds (r + 1) × 64 MiB in its experiment. Without a port, the group is already there
