@@ -25,3 +25,10 @@ impl From<Error> for PyErr {
         }
     }
 }
+
+create_exception!(
+    gpuexp,
+    NoEstimate,
+    PyRuntimeError,
+    "The step could not run under fake tensors, so no estimate was made; the message names the operator and why."
+);

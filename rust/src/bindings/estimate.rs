@@ -7,27 +7,20 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
+use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
-use super::ledger_mode::Ledgered;
+use super::ledger_mode::{self, Ledgered};
 use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
 use crate::finder::{Search, Seed};
 use crate::snapshot::{host, GpuSelection};
 use crate::units;
-
-create_exception!(
-    gpuexp,
-    NoEstimate,
-    PyRuntimeError,
-    "The step could not run under fake tensors, so no estimate was made; the message names the operator and why."
-);
 
 /// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
 pub(super) struct Run {
@@ -57,7 +50,7 @@ pub(super) fn run_estimate<'py>(
     let fastpath_skipped = fakes.fastpath_skipped;
     // What the step returns is kept until the ledger is read: an output outlives the step.
     let mut returned = Vec::new();
-    let ran = fakes.run(memory, |ledgered: &Ledgered| {
+    let ran = ledger_mode::run(&fakes, memory, |ledgered: &Ledgered| {
         let mut made = 0;
         loop {
             let state_before = ledgered.optimizer_state_entries()?;

@@ -2,100 +2,17 @@
 //! with the path to it and the modules and optimizers on the way; their parameters, gradients,
 //! buffers and state are told apart here; torch's allocator and NVML give the totals.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
-use super::holders::{hunt_roots, survey, tensor_buffer, Buffer, Memory, Survey};
+use super::holders::{hunt_roots, roles_of, sum_roles, survey, Buffer, Memory};
 use super::report::json_to_python;
 use super::snapshot::take_snapshot;
-use super::torch::PyTorch;
-use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading, Role, TensorRoles};
+use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading};
 use crate::snapshot::{host, nvml, own_pids, GpuSelection};
-
-/// Each storage in `memory` that a module or optimizer of `owners` holds, with its role and bytes.
-fn roles_of(py: Python, owners: &[Bound<PyAny>], memory: &Memory) -> PyResult<HashMap<Buffer, (Role, u64)>> {
-    let mut roles = HashMap::new();
-    let Some(torch) = PyTorch::find(py).torch else { return Ok(roles) };
-    let tensor = torch.getattr("Tensor")?;
-    let mut note = |value: &Bound<PyAny>, role: Role| -> PyResult<()> {
-        if !value.is_instance(&tensor)? {
-            return Ok(());
-        }
-        if let Some((buffer, bytes, _)) = tensor_buffer(value, memory)? {
-            let (known, _) = roles.entry(buffer).or_insert((role, bytes));
-            *known = role.min(*known);
-        }
-        Ok(())
-    };
-    let parameter = |value: &Bound<PyAny>, note: &mut dyn FnMut(&Bound<PyAny>, Role) -> PyResult<()>| {
-        note(value, Role::Parameter)?;
-        if let Ok(grad) = value.getattr("grad") {
-            note(&grad, Role::Gradient)?;
-        }
-        Ok::<(), PyErr>(())
-    };
-    for owner in owners {
-        if let (Ok(parameters), Ok(buffers)) = (owner.getattr("_parameters"), owner.getattr("_buffers")) {
-            for value in parameters.cast::<PyDict>()?.values() {
-                parameter(&value, &mut note)?;
-            }
-            for value in buffers.cast::<PyDict>()?.values() {
-                note(&value, Role::Buffer)?;
-            }
-            continue;
-        }
-        for group in owner.getattr("param_groups")?.try_iter()? {
-            if let Some(params) = group?.cast::<PyDict>()?.get_item("params")? {
-                for value in params.try_iter()? {
-                    parameter(&value?, &mut note)?;
-                }
-            }
-        }
-        for values in owner.getattr("state")?.cast::<PyDict>()?.values() {
-            if let Ok(values) = values.cast::<PyDict>() {
-                for value in values.values() {
-                    note(&value, Role::OptimizerState)?;
-                }
-            }
-        }
-    }
-    Ok(roles)
-}
-
-/// Bytes by role of every tensor (and array) the survey saw outside `exclude`: each storage once.
-fn sum_roles(survey: &Survey, roles: &HashMap<Buffer, (Role, u64)>, exclude: &HashSet<Buffer>) -> TensorRoles {
-    let mut sums = TensorRoles::default();
-    let mut counted = HashSet::new();
-    for (buffer, (role, bytes)) in roles {
-        if !exclude.contains(buffer) && counted.insert(*buffer) {
-            sums.add(Some(*role), *bytes);
-        }
-    }
-    for (buffer, holder) in &survey.held {
-        if counted.insert(*buffer) {
-            sums.add(None, holder.bytes);
-        }
-    }
-    for (buffer, bytes) in &survey.live {
-        if !exclude.contains(buffer) && counted.insert(*buffer) {
-            sums.add(None, *bytes);
-        }
-    }
-    sums
-}
-
-/// What the tensors a survey found are to training: the breakdown a leak report shows.
-pub(super) fn tensor_roles(survey: &Survey, memory: &Memory, exclude: &HashSet<Buffer>) -> PyResult<TensorRoles> {
-    let py = match survey.owners.first() {
-        Some(owner) => owner.py(),
-        None => return Ok(sum_roles(survey, &HashMap::new(), exclude)),
-    };
-    Ok(sum_roles(survey, &roles_of(py, &survey.owners, memory)?, exclude))
-}
 
 fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
     let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![index]));

@@ -8,10 +8,6 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyType};
 
-use super::holders::Memory;
-use super::ledger_mode::{self, Ledgered};
-use crate::estimate::Peak;
-
 /// Real tensors swapped for fake ones, until `restore`.
 pub(super) struct Fakes<'py> {
     pub(super) py: Python<'py>,
@@ -266,15 +262,6 @@ impl<'py> Fakes<'py> {
             }
         }
         first_error.map_or(Ok(()), Err)
-    }
-
-    /// Runs `body` under the fake mode and the ledger's dispatch mode; the peak it found.
-    pub(super) fn run<T>(
-        &mut self,
-        memory: &Memory,
-        body: impl FnOnce(&Ledgered<'py>) -> PyResult<T>,
-    ) -> PyResult<(Peak, T)> {
-        ledger_mode::run(self, memory, body)
     }
 }
 

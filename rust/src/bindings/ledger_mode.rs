@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyList, PyTuple, PyType};
 
-use super::estimate::NoEstimate;
+use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
 use crate::estimate::{Category, Entry, Ledger, Peak, Phase, Rounding};

@@ -11,6 +11,7 @@ mod estimate;
 mod explain;
 mod fakes;
 mod finder;
+mod fork;
 mod holders;
 mod interrupts;
 mod kernel;
@@ -35,13 +36,15 @@ mod core_module {
     #[pymodule_export]
     use super::compare::{compare, ComparisonPy};
     #[pymodule_export]
-    use super::error::NvmlUnavailable;
+    use super::error::{NoEstimate, NvmlUnavailable};
     #[pymodule_export]
-    use super::estimate::{estimate, EstimatePy, NoEstimate};
+    use super::estimate::{estimate, EstimatePy};
     #[pymodule_export]
     use super::explain::{explain, ExplanationPy};
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
+    #[pymodule_export]
+    use super::fork::{after_fork_in_child, after_fork_in_parent, before_fork};
     #[pymodule_export]
     use super::holders::holders;
     #[pymodule_export]
@@ -56,8 +59,8 @@ mod core_module {
     use super::oom::rescue_oom;
     #[pymodule_export]
     use super::ranks::{
-        after_fork_in_child, after_fork_in_parent, before_fork, gather_ranks, host_ranks_store, kernel_ranks_store,
-        last_publish_s, note_scope_error, remove_kernel_ranks_store, RanksPy,
+        gather_ranks, host_ranks_store, kernel_ranks_store, last_publish_s, note_scope_error,
+        remove_kernel_ranks_store, RanksPy,
     };
     #[pymodule_export]
     use super::report::{CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy};

@@ -10,16 +10,12 @@ use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::registry::registry;
 use super::report::{json_to_python, ReportPy};
-use super::scope;
 use crate::finder::Search;
-use crate::fork;
-use crate::peak_sampler;
 use crate::ranks::{self, GatherError, Gathered, RankIdentity, RankStore, StoreAddress, STORE_ENV};
 use crate::report::Report;
-use crate::scope::{Registry, ScopeId};
-use crate::snapshot::children;
+use crate::scope::ScopeId;
+use crate::snapshot::nvml;
 
 /// How long a store operation may wait for the store's lock or connection.
 const STORE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -271,7 +267,7 @@ pub(super) fn prepare_publishing(py: Python) {
 /// report with the rank's identity and publishes it. A store that fails costs a note, never
 /// the report; where the named store can't be reached, the group's takes the report.
 pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
-    report.child_processes = children::still_holding(report.gpus.iter().map(|g| (g.torch_index, g.uuid.as_str())));
+    report.child_processes = nvml::still_holding(report.gpus.iter().map(|g| (g.torch_index, g.uuid.as_str())));
     let error = ranks::take_error(scope);
     let (started, cpu_started) = (Instant::now(), thread_cpu_s());
     let group = process_group(py);
@@ -387,30 +383,9 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
 
 // ---- fork ------------------------------------------------------------------------------------
 
-/// `os.register_at_fork(before=...)`: background threads are kept out of NVML across the fork.
-/// The GIL stays held: they never take it, and no other Python thread should run now.
-#[pyfunction]
-pub(super) fn before_fork() {
-    peak_sampler::hold_for_fork();
-    fork::hold();
-}
-
-#[pyfunction]
-pub(super) fn after_fork_in_parent() {
-    fork::release();
-    peak_sampler::release_after_fork(false);
-}
-
-/// In a forked child: it starts clean. No open scope, no cell log, no history, no reference
-/// into the parent's namespace, no sampler thread it would wait for, no store connection or
-/// server that belongs to the parent. Threads and sockets of the parent are forgotten, never
-/// joined or closed, since they don't exist here or aren't ours.
-#[pyfunction]
-pub(super) fn after_fork_in_child() {
-    fork::release();
-    peak_sampler::release_after_fork(true);
-    *registry() = Registry::default();
-    scope::forget_in_child();
+/// In a forked child: the stores, the run token and the agreements are the parent's; they are
+/// forgotten, never closed, since their sockets aren't this process's.
+pub(super) fn forget_in_child() {
     lock(&UNREACHABLE).take();
     for opened in [lock(&NAMED).take(), lock(&HOSTED).take()].into_iter().flatten() {
         std::mem::forget(opened.store);

@@ -6,6 +6,7 @@ mod cell;
 mod holders;
 mod oom;
 mod params;
+mod rank;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -16,6 +17,7 @@ pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, OomDiagnosis, OtherProcess};
 pub use params::{Param, Params};
+pub use rank::{hostname, RankIdentity};
 pub use snapshot::snapshot_grid;
 
 use crate::grid::{prefixed, Grid};
@@ -112,7 +114,7 @@ pub struct Report {
     pub monitor: Vec<Sample>,
     /// rank, local_rank, world_size and hostname, as top-level keys, in a rank of a distributed run.
     #[serde(flatten)]
-    pub rank: crate::ranks::RankIdentity,
+    pub rank: RankIdentity,
     /// Descendant processes still holding GPU memory when the scope finished: never ended by gpuexp.
     #[serde(default)]
     pub child_processes: Vec<crate::snapshot::children::ChildProcess>,

@@ -11,7 +11,6 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use serde::{Deserialize, Serialize};
 
-use super::nvml;
 use crate::units::bytes;
 
 /// A descendant holding memory on a GPU.
@@ -87,28 +86,6 @@ pub fn held_by_descendants(processes: &[ProcessInfo]) -> u64 {
             UsedGpuMemory::Unavailable => 0,
         })
         .sum()
-}
-
-/// Every descendant holding memory on these GPUs (torch index, UUID), with its command line.
-pub fn still_holding<'a>(gpus: impl IntoIterator<Item = (u32, &'a str)>) -> Vec<ChildProcess> {
-    let mut found = Vec::new();
-    for (torch_index, uuid) in gpus {
-        let Ok(device) = nvml::open(uuid) else { continue };
-        let Ok(processes) = device.running_compute_processes() else { continue };
-        for process in processes.into_iter().filter(|p| is_descendant(p.pid)) {
-            let used = match process.used_gpu_memory {
-                UsedGpuMemory::Used(bytes) => Some(bytes),
-                UsedGpuMemory::Unavailable => None,
-            };
-            found.push(ChildProcess {
-                pid: process.pid,
-                command: nvml::process_command(process.pid),
-                torch_index,
-                used,
-            });
-        }
-    }
-    found
 }
 
 /// The lines a report shows for them: each named, and how to end it.

@@ -252,6 +252,16 @@ mod imp {
     }
 }
 
+/// The command line of a process, as far as this namespace can see it ("?" otherwise).
+pub(crate) fn process_command(pid: u32) -> String {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(raw) if !raw.is_empty() => {
+            String::from_utf8_lossy(&raw).split('\0').filter(|a| !a.is_empty()).collect::<Vec<_>>().join(" ")
+        }
+        _ => "?".into(),
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -302,7 +302,7 @@ impl Listed {
                 .map(|p| ProcessStatus {
                     pid: p.pid,
                     user: process_user(p.pid),
-                    command: process_command(p.pid),
+                    command: super::host::process_command(p.pid),
                     used: match p.used_gpu_memory {
                         UsedGpuMemory::Used(bytes) => Some(bytes),
                         UsedGpuMemory::Unavailable => None,
@@ -319,16 +319,6 @@ impl Listed {
             activity: activity(&self.device),
             processes,
         })
-    }
-}
-
-/// The command line of a process, as far as this namespace can see it ("?" otherwise).
-pub(crate) fn process_command(pid: u32) -> String {
-    match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(raw) if !raw.is_empty() => {
-            String::from_utf8_lossy(&raw).split('\0').filter(|a| !a.is_empty()).collect::<Vec<_>>().join(" ")
-        }
-        _ => "?".into(),
     }
 }
 
@@ -374,4 +364,26 @@ pub fn read(device: &Device, pids: &[u32]) -> Result<NvmlReading> {
         process,
         children,
     })
+}
+
+/// Every descendant holding memory on these GPUs (torch index, UUID), with its command line.
+pub fn still_holding<'a>(gpus: impl IntoIterator<Item = (u32, &'a str)>) -> Vec<super::children::ChildProcess> {
+    let mut found = Vec::new();
+    for (torch_index, uuid) in gpus {
+        let Ok(device) = open(uuid) else { continue };
+        let Ok(processes) = device.running_compute_processes() else { continue };
+        for process in processes.into_iter().filter(|p| super::children::is_descendant(p.pid)) {
+            let used = match process.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => Some(bytes),
+                UsedGpuMemory::Unavailable => None,
+            };
+            found.push(super::children::ChildProcess {
+                pid: process.pid,
+                command: super::host::process_command(process.pid),
+                torch_index,
+                used,
+            });
+        }
+    }
+    found
 }
