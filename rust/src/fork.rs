@@ -1,6 +1,6 @@
-//! Forking while gpuexp's background threads read NVML. A fork copies only the thread that
-//! calls it: a lock that another thread held inside NVML at that instant stays held forever in
-//! the child, whose first NVML call would then hang. So the background readers (the sampler,
+//! Forking while gpuexp's background threads read NVML or the host. A fork copies only the
+//! thread that calls it: a lock that another thread held inside NVML (or sysinfo) at that
+//! instant stays held forever in the child, whose first such read would then hang. So the background readers (the sampler,
 //! a timeline) hold [`reading`] around each round of reads, and the forking thread takes it
 //! before the fork ([`hold`]) and lets go after it, in the parent and in the child ([`release`]).
 

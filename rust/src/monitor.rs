@@ -228,11 +228,17 @@ fn record(
     let devices: Vec<_> = uuids.iter().map(|uuid| nvml::open(uuid).ok()).collect();
     let pids = own_pids();
     let started = Instant::now();
-    host::cpu_percent(); // the first reading only starts the measurement
+    {
+        let _fork_waits = crate::fork::reading();
+        host::cpu_percent(); // the first reading only starts the measurement
+    }
     let mut next = started;
     while !stop.load(Ordering::Relaxed) {
-        let reading = host::read();
+        // The host reads lock sysinfo's state: a fork in the middle of one would leave the
+        // child's first host read waiting forever, so they are gated as NVML's are.
         let fork_waits = crate::fork::reading();
+        let reading = host::read();
+        let cpu_percent = host::cpu_percent();
         let gpus: Vec<GpuSample> = uuids
             .iter()
             .zip(&devices)
@@ -255,7 +261,7 @@ fn record(
         let sample = Sample {
             t: started.elapsed().as_secs_f64(),
             time: now(),
-            cpu_percent: host::cpu_percent(),
+            cpu_percent,
             rss: reading.rss,
             available: reading.available,
             gpus,
