@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyType};
+use pyo3::types::{PyCFunction, PyDict, PyList, PyModule, PyType};
 
 /// Real tensors swapped for fake ones, until `restore`.
 pub(super) struct Fakes<'py> {
@@ -27,6 +27,15 @@ pub(super) struct Fakes<'py> {
     fastpath_was: Option<bool>,
     /// An attention module in eval mode was swapped: at inference the fast path would have run.
     pub(super) fastpath_skipped: bool,
+    /// Fake tensors' probe of the GPU context, replaced while the step runs: see [`Fakes::quiet_context_probe`].
+    context_probe: Option<ContextProbe<'py>>,
+}
+
+/// `torch._subclasses.fake_tensor`'s function and the name it was found under.
+struct ContextProbe<'py> {
+    module: Bound<'py, PyAny>,
+    name: &'static str,
+    original: Bound<'py, PyAny>,
 }
 
 pub(super) struct SwappedOptimizer<'py> {
@@ -62,8 +71,10 @@ impl<'py> Fakes<'py> {
             optimizers: Vec::new(),
             fastpath_was: None,
             fastpath_skipped: false,
+            context_probe: None,
         };
-        if let Err(error) = fakes.swap_owners(owners).and_then(|()| fakes.turn_fastpath_off()) {
+        let swapped = fakes.swap_owners(owners).and_then(|()| fakes.turn_fastpath_off());
+        if let Err(error) = swapped.and_then(|()| fakes.quiet_context_probe(&fake_tensor)) {
             fakes.restore()?;
             return Err(error);
         }
@@ -106,6 +117,32 @@ impl<'py> Fakes<'py> {
             self.fastpath_was = Some(mha.call_method0("get_fastpath_enabled")?.extract()?);
             mha.call_method1("set_fastpath_enabled", (false,))?;
         }
+        Ok(())
+    }
+
+    /// The first fake tensor on a GPU makes torch allocate a real one-element tensor there, once
+    /// per device, so that CUDA is initialised before a backward. Where CUDA already has a
+    /// context on that device (the model is there), that allocation only moves torch's peak:
+    /// it is skipped, so an estimate allocates nothing at all. Elsewhere torch's probe runs.
+    fn quiet_context_probe(&mut self, fake_tensor: &Bound<'py, PyModule>) -> PyResult<()> {
+        let Some(name) =
+            ["init_gpu_context", "init_cuda_context"].into_iter().find(|n| fake_tensor.hasattr(*n).unwrap_or(false))
+        else {
+            return Ok(());
+        };
+        let original = fake_tensor.getattr(name)?;
+        let cuda = self.torch.getattr("cuda")?.unbind();
+        let probe = original.clone().unbind();
+        let quiet = PyCFunction::new_closure(self.py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
+            let py = args.py();
+            let device = args.get_item(0)?;
+            if has_context(cuda.bind(py), &device).unwrap_or(false) {
+                return Ok(py.None());
+            }
+            Ok(probe.bind(py).call1((device,))?.unbind())
+        })?;
+        fake_tensor.setattr(name, quiet)?;
+        self.context_probe = Some(ContextProbe { module: fake_tensor.clone().into_any(), name, original });
         Ok(())
     }
 
@@ -240,6 +277,11 @@ impl<'py> Fakes<'py> {
     /// call twice.
     pub(super) fn restore(&mut self) -> PyResult<()> {
         let mut first_error = None;
+        if let Some(probe) = self.context_probe.take() {
+            if let Err(error) = probe.module.setattr(probe.name, probe.original) {
+                first_error.get_or_insert(error);
+            }
+        }
         if let (Some(was), Some(mha)) = (self.fastpath_was.take(), self.mha()) {
             if let Err(error) = mha.call_method1("set_fastpath_enabled", (was,)) {
                 first_error.get_or_insert(error);
@@ -263,6 +305,17 @@ impl<'py> Fakes<'py> {
         }
         first_error.map_or(Ok(()), Err)
     }
+}
+
+/// Whether CUDA is initialised and has a context on `device` (a `torch.device` of type cuda).
+fn has_context(cuda: &Bound<PyAny>, device: &Bound<PyAny>) -> PyResult<bool> {
+    if device.getattr("type")?.extract::<String>()? != "cuda" || !cuda.call_method0("is_initialized")?.is_truthy()? {
+        return Ok(false);
+    }
+    let index = device.getattr("index")?;
+    let index: i64 = if index.is_none() { cuda.call_method0("current_device")?.extract()? } else { index.extract()? };
+    let c = cuda.py().import("torch")?.getattr("_C")?;
+    c.call_method1("_cuda_hasPrimaryContext", (index,))?.is_truthy()
 }
 
 impl Drop for Fakes<'_> {
