@@ -245,7 +245,11 @@ class CellView:
         return [Block(**b) for b in driver.execute_script(BLOCKS_JS, self.output)]
 
     def errors(self):
-        return [e.text for e in self.find('[data-mime-type="application/vnd.jupyter.error"]')]
+        """The tracebacks the cell shows. JupyterLab renders an error output under the stderr
+        MIME type, beside stderr streams (warnings), so the traceback's own header tells them apart."""
+        shown = self.find('[data-mime-type="application/vnd.jupyter.stderr"], '
+                          '[data-mime-type="application/vnd.jupyter.error"]')
+        return [e.text for e in shown if "Traceback (most recent call last)" in e.text]
 
     def __repr__(self):
         return f"<CellView {self.prompt()}\n{self.text}>"

@@ -90,9 +90,12 @@ def test_quickstart_shows_the_report_and_the_cell_log_as_tables(lab, chrome, scr
 
 @pytest.mark.parametrize("theme", [LIGHT, DARK])
 def test_report_and_cell_log_are_readable_in_the_theme(lab, chrome, theme):
-    page = chrome.open(lab, lab.write_notebook("theme.ipynb", SMALL_EXPERIMENT), theme=theme)
-    cells = page.run_all()
-    assert not [c for c in cells if c.errors()]
+    # The last cell fails, to show that the harness sees an error where there is one.
+    failing = "raise ValueError('seen by the harness')"
+    page = chrome.open(lab, lab.write_notebook("theme.ipynb", [*SMALL_EXPERIMENT, failing]), theme=theme)
+    *cells, failed = page.run_all()
+    assert not [c for c in cells if c.errors()], [c.errors() for c in cells]
+    assert "ValueError: seen by the harness" in only(failed.errors(), "traceback")
     page.rest_pointer()  # a hovered row takes another background
 
     texts = [e for c in cells for e in c.find(
