@@ -6,10 +6,10 @@ VENV   := .venv
 BIN    := $(abspath $(VENV))/bin
 PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-installed
-# An abi3 wheel for CPython 3.9+ on glibc 2.17 and newer (manylinux2014): zig links it against
-# glibc 2.17's symbols. maturin takes --zig only on its command line (pyproject.toml's
-# [tool.maturin] has no such key), so the flags live here.
-WHEEL  := --release --zig --compatibility manylinux2014
+# An abi3 wheel for CPython 3.9+ on glibc 2.17 and newer (manylinux2014): pyproject.toml's
+# [tool.maturin] sets the tag and links through zig (rust/zig-linker), so a plain
+# `maturin build --release` and `pip install .` give it too.
+WHEEL  := --release
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 

@@ -2,6 +2,8 @@
 # Checks a gpuexp wheel as users get it: the platform tag auditwheel finds for it, then, for each
 # CPython from 3.9 to 3.13 (pyenv's, or python3.X on PATH), a pip install into a throwaway venv
 # and an import, which needs neither torch nor an NVIDIA driver (NVML is opened at run time).
+# Last, what `pip install .` builds from the source tree, in its own build environment: zig
+# links it too, so auditwheel finds the same platform tag for it.
 # Usage: tests/wheel_check.sh dist/gpuexp-*.whl   (make wheel-check builds the wheel first)
 set -euo pipefail
 
@@ -10,11 +12,15 @@ wheel=${1:?usage: tests/wheel_check.sh dist/gpuexp-*.whl}
 command -v auditwheel >/dev/null || { echo "auditwheel is missing: pip install auditwheel" >&2; exit 1; }
 
 echo "wheel: $(basename "$wheel")"
-# auditwheel's verdict is the sentence naming the tag; its wrapped lines are joined back first.
-verdict=$(auditwheel show "$wheel" | tr '\n' ' ' | grep -o 'is consistent with the following platform tag: "[^"]*"' || true)
-echo "auditwheel: ${verdict:-no platform tag found}"
 tag=manylinux_2_17_$(uname -m)
-[[ $verdict == *"$tag"* ]] || { echo "expected $tag" >&2; exit 1; }
+# auditwheel's verdict is the sentence naming the tag; its wrapped lines are joined back first.
+audit() {
+    local verdict
+    verdict=$(auditwheel show "$1" | tr '\n' ' ' | grep -o 'is consistent with the following platform tag: "[^"]*"' || true)
+    echo "auditwheel: ${verdict:-no platform tag found}"
+    [[ $verdict == *"$tag"* ]] || { echo "expected $tag" >&2; exit 1; }
+}
+audit "$wheel"
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
@@ -54,4 +60,11 @@ EOF
     fi
 done
 echo "imported on $checked of 5 CPython versions"
+
+source_venv=$scratch/from-source
+python3 -m venv "$source_venv"
+"$source_venv/bin/python" -m pip wheel -q --no-deps -w "$scratch/built" "$(dirname "$0")/.."
+built=$(ls "$scratch"/built/gpuexp-*.whl)
+echo "pip install . builds: $(basename "$built")"
+audit "$built"
 exit $failed
