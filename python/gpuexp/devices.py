@@ -1,4 +1,6 @@
-"""GPUs as the user names them (``0``, ``'cuda:1'``, ``torch.device('cuda', 1)``), as torch indices."""
+"""GPUs as the user names them (``0``, ``'cuda:1'``, ``'cuda'``, ``torch.device('cuda', 1)``), as torch indices."""
+
+import sys
 
 
 def device_indices(devices, argument="devices"):
@@ -29,8 +31,20 @@ def _device_index(device):
         return device if device >= 0 else None
     if isinstance(device, str):
         text = device.strip().lower()
+        if text == "cuda":
+            return _current_cuda_index()
         text = text[len("cuda:"):] if text.startswith("cuda:") else text
         return int(text) if text.isdigit() else None
     if getattr(device, "type", None) == "cuda":
-        return device.index or 0
+        return _current_cuda_index() if device.index is None else device.index
     return None
+
+
+def _current_cuda_index():
+    """What torch means by a bare 'cuda': its current device, once it has initialised CUDA
+    (asking earlier would initialise it); before that, the first GPU."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return cuda.current_device()
+    return 0

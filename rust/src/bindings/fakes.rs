@@ -73,8 +73,10 @@ impl<'py> Fakes<'py> {
             fastpath_skipped: false,
             context_probe: None,
         };
-        let swapped = fakes.swap_owners(owners).and_then(|()| fakes.turn_fastpath_off());
-        if let Err(error) = swapped.and_then(|()| fakes.quiet_context_probe(&fake_tensor)) {
+        // The probe is quieted first: making the first fakes, of the parameters, calls it.
+        let quieted = fakes.quiet_context_probe(&fake_tensor);
+        let swapped = quieted.and_then(|()| fakes.swap_owners(owners)).and_then(|()| fakes.turn_fastpath_off());
+        if let Err(error) = swapped {
             fakes.restore()?;
             return Err(error);
         }
@@ -133,13 +135,13 @@ impl<'py> Fakes<'py> {
         let original = fake_tensor.getattr(name)?;
         let cuda = self.torch.getattr("cuda")?.unbind();
         let probe = original.clone().unbind();
-        let quiet = PyCFunction::new_closure(self.py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
+        let quiet = PyCFunction::new_closure(self.py, None, None, move |args, kwargs| -> PyResult<Py<PyAny>> {
             let py = args.py();
-            let device = args.get_item(0)?;
-            if has_context(cuda.bind(py), &device).unwrap_or(false) {
+            let device = args.get_item(0).ok();
+            if device.is_some_and(|device| has_context(cuda.bind(py), &device).unwrap_or(false)) {
                 return Ok(py.None());
             }
-            Ok(probe.bind(py).call1((device,))?.unbind())
+            Ok(probe.bind(py).call(args, kwargs)?.unbind())
         })?;
         fake_tensor.setattr(name, quiet)?;
         self.context_probe = Some(ContextProbe { module: fake_tensor.clone().into_any(), name, original });
