@@ -27,7 +27,9 @@ use crate::units;
 /// What an open scope holds on the Python side.
 struct Held {
     /// None outside any namespace (a function body in a script): nothing to delete there.
-    baseline: Option<Baseline>,
+    /// Shared, so that `keep()` reads it with `HELD` unlocked: reading runs Python code, which
+    /// may finish another scope (a `__del__`), and that takes `HELD`.
+    baseline: Option<Arc<Baseline>>,
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
     buffers: HashSet<Buffer>,
@@ -95,69 +97,63 @@ pub(super) fn open_scope(
     params: Option<Bound<PyDict>>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
     let params = params.as_ref().map(params_from).transpose()?;
-    let held = interrupts::hold(py);
-    let opened = open(py, name, gpu, devices, adapter, owner, cell_log, limit, monitor_s, handles, in_use, params);
-    let interrupted = held.release(py);
+    let interrupt = interrupts::hold(py);
+    // A closure, so that every error path still gives the held interrupt back below.
+    let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
+        // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
+        // head would still hold.
+        let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
+        let mut replaced = Vec::new();
+        for id in replaced_ids {
+            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
+        }
+        let selection = selection(gpu, devices);
+        if let GpuSelection::Only(wanted) = &selection {
+            check_devices(py, wanted)?;
+        }
+        // Pins are made before the start snapshot so their own memory is not charged to the scope.
+        let scope_held = Held {
+            baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref()).map(Arc::new)).transpose()?,
+            buffers: match &adapter {
+                Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
+                _ => HashSet::new(),
+            },
+            limited: match limit {
+                Some(limit) => apply_limit(py, &selection, limit)?,
+                None => Vec::new(),
+            },
+            monitor: match monitor_s {
+                Some(seconds) => Some(monitor::Monitor::start(units::interval_of_seconds(seconds)?, None, gpu)?),
+                None => None,
+            },
+        };
+        ranks::prepare_publishing(py);
+        let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
+        let (id, title) = {
+            let mut registry = registry();
+            let name = registry.name_or_default(name);
+            let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
+            let title = format!("{name} · started");
+            let id = registry.open(Opening {
+                name,
+                kind,
+                selection,
+                start: start.clone(),
+                cell_log,
+                limit,
+                handles,
+                params,
+            });
+            (id, title)
+        };
+        reset_counters(&torch, &start);
+        held().insert(id, scope_held);
+        Ok((id, SnapshotPy { snapshot: start, title }, replaced))
+    };
+    let opened = open();
+    let interrupted = interrupt.release(py);
     let (id, start, replaced) = opened?;
     Ok((id, start, replaced, interrupted))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn open(
-    py: Python,
-    name: Option<String>,
-    gpu: bool,
-    devices: Option<Vec<u32>>,
-    adapter: Option<Bound<PyAny>>,
-    owner: Option<Bound<PyAny>>,
-    cell_log: bool,
-    limit: Option<u64>,
-    monitor_s: Option<f64>,
-    handles: BTreeSet<String>,
-    in_use: BTreeSet<String>,
-    params: Option<Params>,
-) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
-    // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
-    // head would still hold.
-    let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
-    let mut replaced = Vec::new();
-    for id in replaced_ids {
-        replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
-    }
-    let selection = selection(gpu, devices);
-    if let GpuSelection::Only(wanted) = &selection {
-        check_devices(py, wanted)?;
-    }
-    // Pins are made before the start snapshot so their own memory is not charged to the scope.
-    let scope_held = Held {
-        baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref())).transpose()?,
-        buffers: match &adapter {
-            Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
-            _ => HashSet::new(),
-        },
-        limited: match limit {
-            Some(limit) => apply_limit(py, &selection, limit)?,
-            None => Vec::new(),
-        },
-        monitor: match monitor_s {
-            Some(seconds) => Some(monitor::Monitor::start(units::interval_of_seconds(seconds)?, None, gpu)?),
-            None => None,
-        },
-    };
-    ranks::prepare_publishing(py);
-    let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
-    let (id, title) = {
-        let mut registry = registry();
-        let name = registry.name_or_default(name);
-        let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
-        let title = format!("{name} · started");
-        let id =
-            registry.open(Opening { name, kind, selection, start: start.clone(), cell_log, limit, handles, params });
-        (id, title)
-    };
-    reset_counters(&torch, &start);
-    held().insert(id, scope_held);
-    Ok((id, SnapshotPy { snapshot: start, title }, replaced))
 }
 
 /// `params={"bs": 64, "opt": "adam"}`: names with numbers, text or booleans, in the given order.
@@ -207,17 +203,18 @@ pub(super) fn is_open(id: ScopeId) -> bool {
 /// Protects names from deletion; each must exist now.
 #[pyfunction]
 pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
-    let adapter_and_created = {
+    let baseline = {
         let held = held();
         let Some(scope_held) = held.get(&id) else {
             return Err(PyValueError::new_err(
                 "keep(): this experiment has already finished; nothing more will be deleted.",
             ));
         };
-        match &scope_held.baseline {
-            Some(baseline) => Some((baseline.adapter(py), baseline.created(py)?)),
-            None => None,
-        }
+        scope_held.baseline.clone()
+    };
+    let adapter_and_created = match baseline {
+        Some(baseline) => Some((baseline.adapter(py), baseline.created(py)?)),
+        None => None,
     };
     let (existing, created): (HashSet<String>, Vec<String>) = match adapter_and_created {
         Some((adapter, created)) => (user_names(&adapter)?.into_iter().map(|(n, _)| n).collect(), created),
