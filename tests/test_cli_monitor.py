@@ -220,3 +220,28 @@ def test_an_experiment_with_a_timeline_plots_it(kernel, tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
     untimed = kernel.run("gpuexp.CPUExperiment('plain').finish().plot()", expect_error=True)
     assert "monitor=True" in untimed.error
+
+
+def _in_forked_child(monitor, queue):
+    count = len(monitor.samples())  # the samples' lock is never inherited held
+    monitor.stop()  # the parent's thread is not here: it is let go, never joined
+    queue.put((count, monitor._native is None))
+
+
+def test_a_forked_child_of_a_running_monitor_reads_and_stops_it_without_hanging():
+    import multiprocessing
+
+    import gpuexp
+
+    forked = multiprocessing.get_context("fork")
+    with gpuexp.Monitor("1ms") as mon:
+        time.sleep(0.05)
+        for _ in range(20):  # forks at different moments of the thread's rounds
+            queue = forked.Queue()
+            child = forked.Process(target=_in_forked_child, args=(mon, queue))
+            child.start()
+            count, stopped = queue.get(timeout=20)
+            child.join(20)
+            assert child.exitcode == 0 and count > 0 and stopped
+        assert mon._native.running, "the parent's monitor kept recording"
+    assert len(mon.samples()) > 20

@@ -126,6 +126,9 @@ impl Sink {
 pub struct Monitor {
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
+    /// The process whose thread records: a forked child holds a copy of this monitor but
+    /// not the thread, which it must never join.
+    pid: u32,
     samples: Arc<Mutex<Vec<Sample>>>,
     failure: Arc<Mutex<Option<String>>>,
 }
@@ -186,7 +189,7 @@ impl Monitor {
             .name("gpuexp-monitor".into())
             .spawn(move || record(interval, sink, uuids, &thread_stop, &thread_samples, &thread_failure))
             .map_err(|e| Error::Io(format!("the monitor thread could not start: {e}")))?;
-        Ok(Monitor { stop, handle: Some(handle), samples, failure })
+        Ok(Monitor { stop, handle: Some(handle), pid: std::process::id(), samples, failure })
     }
 
     pub fn samples(&self) -> Vec<Sample> {
@@ -199,15 +202,18 @@ impl Monitor {
     }
 
     pub fn is_running(&self) -> bool {
-        self.handle.as_ref().is_some_and(|h| !h.is_finished())
+        self.pid == std::process::id() && self.handle.as_ref().is_some_and(|h| !h.is_finished())
     }
 
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(handle) = self.handle.take() {
-            handle.thread().unpark();
-            let _ = handle.join();
+        let Some(handle) = self.handle.take() else { return };
+        if self.pid != std::process::id() {
+            std::mem::forget(handle);
+            return;
         }
+        handle.thread().unpark();
+        let _ = handle.join();
     }
 }
 
@@ -257,7 +263,6 @@ fn record(
                 }
             })
             .collect();
-        drop(fork_waits);
         let sample = Sample {
             t: started.elapsed().as_secs_f64(),
             time: now(),
@@ -273,6 +278,8 @@ fn record(
             }
         }
         lock(samples).push(sample);
+        // Released only now: a fork copies the samples' and failure's locks too.
+        drop(fork_waits);
         // Sleep to the next tick, not for a whole interval after this one's work.
         next += interval;
         let wait = next.saturating_duration_since(Instant::now());
