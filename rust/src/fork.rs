@@ -1,8 +1,9 @@
 //! Forking while gpuexp's background threads read NVML or the host. A fork copies only the
 //! thread that calls it: a lock that another thread held inside NVML (or sysinfo) at that
-//! instant stays held forever in the child, whose first such read would then hang. So the background readers (the sampler,
-//! a timeline) hold [`reading`] around each round of reads, and the forking thread takes it
-//! before the fork ([`hold`]) and lets go after it, in the parent and in the child ([`release`]).
+//! instant stays held forever in the child, whose first such read would then hang. So the
+//! background readers (the sampler, a timeline) hold [`reading`] around each round of reads,
+//! and the forking thread takes it before the fork ([`hold`]) and lets go after it, in the
+//! parent and in the child ([`release`]).
 
 use std::cell::RefCell;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};

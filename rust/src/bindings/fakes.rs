@@ -126,19 +126,28 @@ impl<'py> Fakes<'py> {
     /// per device, so that CUDA is initialised before a backward. Where CUDA already has a
     /// context on that device (the model is there), that allocation only moves torch's peak:
     /// it is skipped, so an estimate allocates nothing at all. Elsewhere torch's probe runs.
+    /// The probe is called for every fake tensor made, so the devices are looked up once, here.
     fn quiet_context_probe(&mut self, fake_tensor: &Bound<'py, PyModule>) -> PyResult<()> {
-        let Some(name) =
-            ["init_gpu_context", "init_cuda_context"].into_iter().find(|n| fake_tensor.hasattr(*n).unwrap_or(false))
-        else {
-            return Ok(());
-        };
+        let cuda = self.torch.getattr("cuda")?;
+        let names = ["init_gpu_context", "init_cuda_context"];
+        let Some(name) = names.into_iter().find(|n| fake_tensor.hasattr(*n).unwrap_or(false)) else { return Ok(()) };
+        // Asked only once CUDA is initialised: asking before would initialise it.
+        let (mut with_context, mut current) = (Vec::new(), 0);
+        if cuda.call_method0("is_initialized")?.is_truthy()? {
+            let has_context = self.torch.getattr("_C")?.getattr("_cuda_hasPrimaryContext")?;
+            for index in 0..cuda.call_method0("device_count")?.extract::<i64>()? {
+                if has_context.call1((index,))?.is_truthy()? {
+                    with_context.push(index);
+                }
+            }
+            current = cuda.call_method0("current_device")?.extract()?;
+        }
         let original = fake_tensor.getattr(name)?;
-        let cuda = self.torch.getattr("cuda")?.unbind();
         let probe = original.clone().unbind();
         let quiet = PyCFunction::new_closure(self.py, None, None, move |args, kwargs| -> PyResult<Py<PyAny>> {
             let py = args.py();
-            let device = args.get_item(0).ok();
-            if device.is_some_and(|device| has_context(cuda.bind(py), &device).unwrap_or(false)) {
+            let index = args.get_item(0).ok().and_then(|device| cuda_index(&device, current));
+            if index.is_some_and(|index| with_context.contains(&index)) {
                 return Ok(py.None());
             }
             Ok(probe.bind(py).call(args, kwargs)?.unbind())
@@ -309,15 +318,17 @@ impl<'py> Fakes<'py> {
     }
 }
 
-/// Whether CUDA is initialised and has a context on `device` (a `torch.device` of type cuda).
-fn has_context(cuda: &Bound<PyAny>, device: &Bound<PyAny>) -> PyResult<bool> {
-    if device.getattr("type")?.extract::<String>()? != "cuda" || !cuda.call_method0("is_initialized")?.is_truthy()? {
-        return Ok(false);
+/// The index of a `torch.device` of type cuda, `current` where it names none; None for other types.
+fn cuda_index(device: &Bound<PyAny>, current: i64) -> Option<i64> {
+    if device.getattr("type").ok()?.extract::<String>().ok()? != "cuda" {
+        return None;
     }
-    let index = device.getattr("index")?;
-    let index: i64 = if index.is_none() { cuda.call_method0("current_device")?.extract()? } else { index.extract()? };
-    let c = cuda.py().import("torch")?.getattr("_C")?;
-    c.call_method1("_cuda_hasPrimaryContext", (index,))?.is_truthy()
+    let index = device.getattr("index").ok()?;
+    if index.is_none() {
+        Some(current)
+    } else {
+        index.extract().ok()
+    }
 }
 
 impl Drop for Fakes<'_> {
