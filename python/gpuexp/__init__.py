@@ -82,9 +82,9 @@ def holders(device=None, min_bytes=1 << 20):
     it: ``cache[0]``, ``Out[12]``, ``model.encoder.layers.3.weight``, ``opt.state[...]['exp_avg']``,
     a closure cell, a module global ``mymod.CACHE``, a frame of the stored traceback.
 
-    device: a GPU (``0``, ``'cuda:1'``, a ``torch.device``) or ``'cpu'`` for host memory (CPU
-        tensors and numpy arrays). By default, torch's current GPU once CUDA is initialised,
-        else the host. Each storage counts once, however many tensors view it.
+    device: a GPU (``0``, ``'cuda:1'``, ``'cuda'`` for torch's current one, a ``torch.device``)
+        or ``'cpu'`` for host memory (CPU tensors and numpy arrays). By default, torch's current
+        GPU once CUDA is initialised, else the host. Each storage counts once, however many tensors view it.
     min_bytes: the smallest holder worth listing (1 MiB).
 
     Also shows what no reachable Python object accounts for: tensors only C++ holds, memory
