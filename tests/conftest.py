@@ -88,3 +88,13 @@ def join(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
 """
+
+
+def load_rank_code(kernel, tmp_path, rank_code):
+    """Writes the ranks' code as tmp_path/rank_code.py (their reports go in tmp_path/out) and
+    imports it in the kernel, with torch.multiprocessing as mp and gpuexp."""
+    (tmp_path / "rank_code.py").write_text(rank_code)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    kernel.run(f"import json, os, stat, sys, time\nsys.path.insert(0, {str(tmp_path)!r})\n"
+               "import torch, torch.multiprocessing as mp\nimport gpuexp\nimport rank_code")
+    return kernel

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import RANK_PRELUDE
+from conftest import RANK_PRELUDE, load_rank_code
 
 pytestmark = pytest.mark.gpu
 
@@ -46,21 +46,9 @@ def hold(ready, release):
     release.wait(120)
 '''
 
-SETUP = """\
-import json, os, sys, time
-sys.path.insert(0, {dir!r})
-import torch, torch.multiprocessing as mp
-import gpuexp
-import rank_code
-"""
-
-
 @pytest.fixture
 def kernel_with_ranks(kernel, tmp_path):
-    (tmp_path / "rank_code.py").write_text(RANK_CODE)
-    (tmp_path / "out").mkdir()
-    kernel.run(SETUP.format(dir=str(tmp_path)))
-    return kernel
+    return load_rank_code(kernel, tmp_path, RANK_CODE)
 
 
 # Spawn only: on an H100, a rank forked from the kernel saw no GPU ("Visible GPUs: []"), and torch

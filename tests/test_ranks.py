@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import RANK_PRELUDE, SAMPLER_RUNNING
+from conftest import RANK_PRELUDE, SAMPLER_RUNNING, load_rank_code
 
 MiB = 1 << 20
 
@@ -51,26 +51,9 @@ def flaky(rank, world, port):
     print("RANK0", json.dumps({"missing": gathered.missing, "s": time.perf_counter() - started}), flush=True)
 '''
 
-SETUP = """\
-import json, os, stat, sys, time
-sys.path.insert(0, {dir!r})
-import torch, torch.multiprocessing as mp
-import gpuexp
-import rank_code
-"""
-
-
 @pytest.fixture
 def rank_kernel(make_kernel, tmp_path):
-    (tmp_path / "rank_code.py").write_text(RANK_CODE)
-    (tmp_path / "out").mkdir()
-
-    def start(**env):
-        kernel = make_kernel(**env)
-        kernel.run(SETUP.format(dir=str(tmp_path)))
-        return kernel
-
-    return start
+    return lambda **env: load_rank_code(make_kernel(**env), tmp_path, RANK_CODE)
 
 
 def read_outputs(tmp_path, world):
