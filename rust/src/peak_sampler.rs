@@ -89,23 +89,35 @@ pub fn set_interval(interval: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Whether the sampler already is as `sources` need it (running over exactly them at the
+/// current interval, or not running for none), so that `ensure` would do nothing: a caller
+/// can then skip releasing the GIL for it.
+pub fn is_as_needed(sources: &Sources) -> bool {
+    unchanged(current(&running()), sources)
+}
+
+fn unchanged(run: Option<&Running>, sources: &Sources) -> bool {
+    match run {
+        Some(run) => run.sources == *sources && run.interval == interval(),
+        None => sources.is_empty(),
+    }
+}
+
 /// Runs the sampler over exactly these sources: starts it, restarts it when the sources or
 /// the interval changed, stops it when there is nothing to sample. Returns whether a thread
 /// was started; it has then opened its devices and taken a first sample. The lock is held
 /// throughout, so that two callers never both start a thread; joining under it is safe
 /// because the thread never takes it.
 pub fn ensure(sources: Sources) -> bool {
-    let interval = interval();
     let mut running = running();
-    if let Some(run) = current(&running) {
-        if run.sources == sources && run.interval == interval {
-            return false;
-        }
+    if unchanged(current(&running), &sources) {
+        return false;
     }
     stop_locked(&mut running);
     if sources.is_empty() {
         return false;
     }
+    let interval = interval();
     let peaks = Arc::new(Peaks {
         host: AtomicU64::new(host::read_rss()),
         gpus: sources

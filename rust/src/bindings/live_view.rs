@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 
 use super::registry::registry;
-use super::snapshot::take_cell_snapshot;
+use super::snapshot::take_live_snapshot;
 use crate::live_view::schedule::Schedule;
 use crate::live_view::LiveView;
 
@@ -30,7 +30,7 @@ pub(super) fn live_view(py: Python, window: u64, width: usize) -> Option<(String
         return None;
     }
     let selection = registry().open_cell_selection()?;
-    let (now, _) = take_cell_snapshot(py, &selection);
+    let (now, _) = take_live_snapshot(py, &selection);
     let mut registry = registry();
     let record = registry.running_cell(window, &now)?;
     let view = LiveView::build(&record, &now, |index| registry.limit_on(index), registry.cell_log_all_gpus);

@@ -7,27 +7,45 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::report::SnapshotPy;
 use super::torch::PyTorch;
+use crate::error::Result;
 use crate::peak_sampler;
-use crate::snapshot::{host, nvml, GpuSelection, NvmlSource, Snapshot};
+use crate::snapshot::nvml::{self, NvmlReading};
+use crate::snapshot::{host, GpuIdent, GpuSelection, HostReading, NvmlSource, Snapshot};
 
 pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    snapshot_from(py, selection, &|_, device, pids| nvml::read(device, pids))
+    snapshot_from(py, host::read(), selection, &|_, device, pids| nvml::read(device, pids))
 }
 
-/// A snapshot for the per-cell log: NVML figures from the sampler's latest sample (at most
-/// two intervals old) where it has one, since reading the driver again after every cell
-/// would cost more than the rest of the cell log.
+/// A snapshot for the per-cell log: this process's host memory only (a cell's record shows
+/// nothing else), and NVML figures from the sampler's latest sample (at most two intervals old)
+/// where it has one, since reading the driver again after every cell would cost more than the
+/// rest of the cell log.
 pub(super) fn take_cell_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
-    snapshot_from(py, selection, &|ident, device, pids| match peak_sampler::latest(&ident.uuid) {
+    snapshot_from(py, host::read_process(), selection, &sampled_nvml)
+}
+
+/// A running cell's live view: as for the cell log, but with the system's memory, which its
+/// RAM bar is drawn against.
+pub(super) fn take_live_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    snapshot_from(py, host::read(), selection, &sampled_nvml)
+}
+
+fn sampled_nvml(ident: &GpuIdent, device: &nvml_wrapper::Device<'static>, pids: &[u32]) -> Result<NvmlReading> {
+    match peak_sampler::latest(&ident.uuid) {
         Some(reading) => Ok(reading),
         None => nvml::read(device, pids),
-    })
+    }
 }
 
 /// A snapshot with its NVML figures from `read_nvml`, and peaks raised to what the sampler saw.
-fn snapshot_from<'py>(py: Python<'py>, selection: &GpuSelection, read_nvml: &NvmlSource) -> (Snapshot, PyTorch<'py>) {
+fn snapshot_from<'py>(
+    py: Python<'py>,
+    host: HostReading,
+    selection: &GpuSelection,
+    read_nvml: &NvmlSource,
+) -> (Snapshot, PyTorch<'py>) {
     let torch = PyTorch::find(py);
-    let mut snapshot = Snapshot::take(selection, &torch, read_nvml);
+    let mut snapshot = Snapshot::take(host, selection, &torch, read_nvml);
     peak_sampler::apply(&mut snapshot);
     (snapshot, torch)
 }
@@ -60,8 +78,13 @@ pub(super) fn update_sampler(py: Python, opening: Option<&Snapshot>) -> bool {
         };
         peak_sampler::Sources { host: needed && !host::peak_reset_supported(), gpus }
     };
-    // Joining with the GIL held would be safe too (the sampler never takes it), but other
-    // Python threads need not wait for the join.
+    // Most cells find the sampler as they need it. Releasing the GIL for nothing is not free in
+    // a kernel: ipykernel's IO thread takes it and the cell waits for it back (measured: +0.2 ms
+    // per trivial cell). Joining with the GIL held would be safe too (the sampler never takes
+    // it), but other Python threads need not wait for a join.
+    if peak_sampler::is_as_needed(&sources) {
+        return false;
+    }
     py.detach(|| peak_sampler::ensure(sources))
 }
 

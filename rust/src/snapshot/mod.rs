@@ -71,10 +71,16 @@ pub fn now() -> f64 {
 }
 
 impl Snapshot {
-    /// A snapshot whose NVML figures come from `read_nvml`: usually the driver, but the per-cell
-    /// log takes the sampler's latest sample instead of asking it again.
-    pub fn take(selection: &GpuSelection, torch: &dyn TorchProbe, read_nvml: &NvmlSource) -> Snapshot {
-        let mut snapshot = Snapshot { taken_at: now(), host: host::read(), gpus: Vec::new(), notes: Vec::new() };
+    /// A snapshot of `host` and the selected GPUs, whose NVML figures come from `read_nvml`:
+    /// usually the driver, but the per-cell log takes the sampler's latest sample instead of
+    /// asking it again.
+    pub fn take(
+        host: HostReading,
+        selection: &GpuSelection,
+        torch: &dyn TorchProbe,
+        read_nvml: &NvmlSource,
+    ) -> Snapshot {
+        let mut snapshot = Snapshot { taken_at: now(), host, gpus: Vec::new(), notes: Vec::new() };
         if *selection == GpuSelection::None {
             return snapshot;
         }
