@@ -45,12 +45,11 @@ pub enum Role {
     FromEstimate,
     /// A seeded search's trial at the size a measured peak corrects to.
     Corrected,
+    /// The bisected edge less the margin, run before it is the answer.
+    HeldBack,
 }
 
 impl Role {
-    pub const ALL: [Role; 6] =
-        [Role::Probe, Role::LinearityCheck, Role::Verify, Role::Bisect, Role::FromEstimate, Role::Corrected];
-
     /// The word shown in tables and passed to the Python driver.
     pub fn label(self) -> &'static str {
         match self {
@@ -60,6 +59,7 @@ impl Role {
             Role::Bisect => "bisect",
             Role::FromEstimate => "estimate",
             Role::Corrected => "corrected",
+            Role::HeldBack => "held back",
         }
     }
 }
@@ -367,11 +367,19 @@ impl Search {
     /// A bisected size ran only at the edge, where fragmentation under a cap decides from one
     /// run to the next (a small conv net ran two steps at 312 under 4 GiB, then failed on a
     /// third), so `margin` of it is held back, as the budget holds it back for a prediction.
+    /// The held-back size runs before it is the answer: memory need not grow monotonically
+    /// with the batch (under 4 GiB on an H100, a small transformer ran at 678, 689 and 694 but
+    /// ran out at 680, where other kernels were picked), so only a size that ran is known to
+    /// fit. One that fails is a new edge, and the search goes on below it.
     fn finish_bisected(&mut self, good: u64, bad: u64) -> Next {
         let margin = self.settings.margin;
-        self.finish(format!("bisected: {good} fits, {bad} does not; {:.0}% held back", margin * 100.0));
         let held_back = self.round((good as f64 * (1.0 - margin)).floor() as u64);
+        if held_back > 0 && held_back != good && !self.trials.iter().any(|t| t.batch == held_back) {
+            return Next::Try(held_back, Role::HeldBack);
+        }
+        self.finish(format!("bisected: {good} fits, {bad} does not; {:.0}% held back", margin * 100.0));
         if held_back > 0 {
+            // Tried, so it fit: a failure there would have been the edge instead of `bad`.
             self.batch_size = Some(held_back);
         }
         Next::Done
