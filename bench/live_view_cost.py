@@ -117,6 +117,15 @@ def probed(kernel, seconds):
     return value["stolen"] / value["s"], out.live_views
 
 
+def paired(kernel, i, measure):
+    """One on/off pair, alternating which goes first: {"on": measure(), "off": measure()}."""
+    run = {}
+    for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        kernel.run(ON if state == "on" else OFF)
+        run[state] = measure()
+    return run
+
+
 def significantly_above(ratios, target):
     """Whether the median slowdown less two standard errors (of a median: 1.2533 σ/√n) is over target."""
     if len(ratios) < 2:
@@ -164,18 +173,16 @@ def main(argv=None):
         seconds = {w: {"on": [], "off": []} for w in codes}
         stolen = {"on": [], "off": [], "cost": []}
         for i in range(args.pairs):
-            run = {}
-            for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                kernel.run(ON if state == "on" else OFF)
-                run[state] = probed(kernel, args.seconds)
+            run = paired(kernel, i, lambda: probed(kernel, args.seconds))
+            for state in ("on", "off"):
                 stolen[state].append(run[state][0])
             stolen["cost"].append(run["on"][0] - run["off"][0])
             drawings[PROBE].append(run["on"][1])
+            if run["off"][1]:
+                raise KernelFailed(f"the live view was drawn with it off ({PROBE})")
             for workload, code in codes.items():
-                run = {}
-                for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                    kernel.run(ON if state == "on" else OFF)
-                    run[state] = timed(kernel, code)
+                run = paired(kernel, i, lambda code=code: timed(kernel, code))
+                for state in ("on", "off"):
                     seconds[workload][state].append(run[state][0])
                 ratios[workload].append(run["on"][0] / run["off"][0])
                 drawings[workload].append(run["on"][1])
