@@ -26,7 +26,11 @@ Method: all kernels stay alive and configurations are interleaved in rounds, the
 each round, so that drift falls on all of them alike. (a) times N cells of `pass` from the
 client (execute request sent -> the kernel's idle status for it, every output received) and
 compares medians; (b) times each workload with time.perf_counter() inside the cell, R times
-per configuration after one warm-up run, and compares medians. IPython's history is kept in
+per configuration after one warm-up run, and compares medians. gpuexp's (b) verdict compares
+its own kernel with the log off and on, and fails a workload only when its median slowdown
+less two standard errors is over 2%: on a machine whose runs differ by tens of percent, a
+median alone would pass or fail by chance. Each table gives the two standard errors, so a
+reader sees what the machine could resolve. IPython's history is kept in
 memory (`--HistoryManager.hist_file=:memory:`) and IPYTHONDIR is a fresh directory, so that
 four kernels don't write one SQLite file after every cell, and no user profile loads anything.
 
@@ -52,6 +56,7 @@ import tempfile
 import time
 
 from machine import cpu_model
+from spread import median_error, significantly_above
 
 TARGET_ADDED_MS = 0.1
 TARGET_SLOWDOWN = 0.02
@@ -382,7 +387,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (N=30 cells, R=2 repeats)")
-    parser.add_argument("--cells", "-n", type=int, help="trivial cells per configuration (default 300)")
+    parser.add_argument("--cells", "-n", type=int, help="trivial cells per configuration (default 1000)")
     parser.add_argument("--repeats", "-r", type=int, help="timed runs of each workload per configuration (default 5)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated configurations to run (default: all of {', '.join(CONFIGS)}); "
@@ -398,7 +403,7 @@ def parse_args(argv=None):
                         help="log-off/log-on pairs of each workload in gpuexp's own kernel, "
                              "the (b) verdict (default 9)")
     args = parser.parse_args(argv)
-    args.cells = args.cells if args.cells is not None else (30 if args.quick else 300)
+    args.cells = args.cells if args.cells is not None else (30 if args.quick else 1000)
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     args.warmup = 3 if args.quick else 10
     args.paired = min(args.paired, 2) if args.quick else args.paired
@@ -641,7 +646,9 @@ def summarize(configs, workload_meta):
                 row["added_ms"] = (median - base_cell) * 1e3
                 if c is not base and len(c.cell_s) == len(base.cell_s):
                     # the same round's baseline cell, so that drift between rounds cancels
-                    row["paired_added_ms"] = statistics.median(x - y for x, y in zip(c.cell_s, base.cell_s)) * 1e3
+                    paired = [x - y for x, y in zip(c.cell_s, base.cell_s)]
+                    row["paired_added_ms"] = statistics.median(paired) * 1e3
+                    row["paired_added_error_ms"] = median_error(paired) * 1e3
         summary["trivial_cell"][c.name] = row
     for w in workload_meta["workloads"]:
         base_w = statistics.median(base.workload_s[w]) if base.ok and base.workload_s[w] else None
@@ -657,8 +664,11 @@ def summarize(configs, workload_meta):
                     row["ratio"] = median / base_w
                     row["slowdown_pct"] = (median / base_w - 1) * 100
                 if c.paired_ratios[w]:
+                    slowdowns = [r - 1 for r in c.paired_ratios[w]]
                     row["paired_ratios"] = c.paired_ratios[w]
-                    row["paired_slowdown_pct"] = (statistics.median(c.paired_ratios[w]) - 1) * 100
+                    row["paired_slowdown_pct"] = statistics.median(slowdowns) * 100
+                    row["paired_slowdown_error_pct"] = median_error(slowdowns) * 100
+                    row["paired_significantly_above_target"] = significantly_above(slowdowns, TARGET_SLOWDOWN)
             rows[c.name] = row
         summary["workloads"][w] = rows
     return summary
@@ -673,9 +683,10 @@ def verdicts(summary, gpuexp_names):
         out[name] = {"trivial_cell": trivial, "workloads": {}}
         for w, rows in summary["workloads"].items():
             row = rows.get(name, {})
-            # The same-kernel comparison when there is one: see measure_paired.
+            # The same-kernel comparison when there is one (see measure_paired): a workload fails
+            # when its slowdown is over the target by more than this machine's noise can explain.
             if "paired_slowdown_pct" in row:
-                out[name]["workloads"][w] = row["paired_slowdown_pct"] <= TARGET_SLOWDOWN * 100
+                out[name]["workloads"][w] = not row["paired_significantly_above_target"]
             else:
                 out[name]["workloads"][w] = None if "ratio" not in row else row["ratio"] <= 1 + TARGET_SLOWDOWN
     return out
@@ -711,12 +722,13 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
 
     print(f"## (a) Trivial cell (`pass`), client-side wall time per cell: "
           f"target ≤ {TARGET_ADDED_MS} ms added by gpuexp\n")
-    print("| configuration | median ms/cell | p25–p75 ms | added vs none (ms) | paired Δ (ms) | verdict |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| configuration | median ms/cell | p25–p75 ms | added vs none (ms) | paired Δ (ms) | ± 2 SE (ms) "
+          "| verdict |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name in names:
         row = summary["trivial_cell"][name]
         if not row["status"] == "ok":
-            print(f"| {name} | {row['status']} | | | | |")
+            print(f"| {name} | {row['status']} | | | | | |")
             continue
         if name == "none":
             word = "baseline"
@@ -729,10 +741,13 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
         print(f"| {name} | {fmt(row.get('median_ms'), '.3f')} "
               f"| {fmt(row.get('p25_ms'), '.3f')}–{fmt(row.get('p75_ms'), '.3f')}"
               f" | {'—' if name == 'none' else fmt(row.get('added_ms'), '+.3f')}"
-              f" | {'—' if name == 'none' else fmt(row.get('paired_added_ms'), '+.3f')} | {word} |")
+              f" | {'—' if name == 'none' else fmt(row.get('paired_added_ms'), '+.3f')}"
+              f" | {'—' if name == 'none' else fmt(2 * row.get('paired_added_error_ms', float('nan')), '.3f')}"
+              f" | {word} |")
     print()
     print("added = its median − none's median; paired Δ = the median over rounds of its cell − none's "
-          "cell in the same round (the verdict: drift between rounds cancels).\n")
+          "cell in the same round (the verdict: drift between rounds cancels); ± 2 SE = two standard "
+          "errors of that median, from the middle half's spread.\n")
 
     print(f"## (b) Workloads inside a cell, median seconds (perf_counter in the cell): "
           f"target ≤ {TARGET_SLOWDOWN:.0%} slowdown with gpuexp\n")
@@ -778,14 +793,17 @@ def print_report(configs, summary, verdict, meta, machine, parts, args):
     paired = summary["workloads"]
     if any("paired_slowdown_pct" in rows.get("gpuexp", {}) for rows in paired.values()):
         print("gpuexp's verdict: the same workload in gpuexp's own kernel with `%gpuexp log off` and `on`, "
-              "alternating, median of the on/off ratios (separate kernels differ by more than the target):\n")
-        print("| workload | pairs | slowdown (log on vs off, same kernel) | range | verdict |")
-        print("|---|---:|---:|---:|---|")
+              "alternating, median of the on/off ratios (separate kernels differ by more than the target). "
+              "A workload fails when its slowdown less two standard errors is over the target; where two "
+              "standard errors are larger than the target, this machine is too noisy to resolve it:\n")
+        print("| workload | pairs | slowdown (log on vs off, same kernel) | ± 2 SE | range | verdict |")
+        print("|---|---:|---:|---:|---:|---|")
         for w, rows in paired.items():
             row = rows.get("gpuexp", {})
             if "paired_slowdown_pct" in row:
                 ratios = row["paired_ratios"]
                 print(f"| {w} | {len(ratios)} | {row['paired_slowdown_pct']:+.2f}% | "
+                      f"{2 * row['paired_slowdown_error_pct']:.2f}% | "
                       f"{(min(ratios) - 1) * 100:+.1f}% … {(max(ratios) - 1) * 100:+.1f}% | "
                       f"{verdict_word(verdict['gpuexp']['workloads'].get(w))} |")
         print()

@@ -48,6 +48,26 @@ def test_a_1_gib_bytearray_peaks_at_1_gib_within_1_percent(kernel):
     assert abs(peak - (1 << 30)) <= 0.01 * (1 << 30), peak
 
 
+def test_a_cell_starts_where_the_last_one_ended_unless_gpuexp_read_memory_in_between(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    kernel.run('exp = CPUExperiment("freed after its cell")')
+    kernel.run("x = bytearray(64 << 20)")
+    # The teardown deletes x once the cell's window has closed: its 64 MiB are no cell's.
+    kernel.run("del exp")
+    assert "gpuexp · cell" not in kernel.run("y = 1").text
+    # Memory moved between two cells by other code (here a timer thread) is the next cell's.
+    kernel.run("held = []\nthreading.Timer(0.2, lambda: held.append(bytearray(32 << 20))).start()")
+    time.sleep(1.0)
+    assert kernel.value("len(held)") == 1
+    consumed = kernel.value("gpuexp.cells()[-1].to_dict()['host']['consumed']")
+    assert 31 * MiB <= consumed <= 34 * MiB, consumed
+    # Cells run while the log was off are no logged cell's either.
+    kernel.run("%gpuexp log off")
+    kernel.run("unlogged = bytearray(48 << 20)")
+    kernel.run("%gpuexp log on")
+    assert "gpuexp · cell" not in kernel.run("z = 1").text
+
+
 def test_cell_log_false_and_log_off_print_nothing(kernel):
     kernel.run(SETUP)
     kernel.run('exp = CPUExperiment("quiet", cell_log=False)')

@@ -31,30 +31,36 @@ def _before_cell(info=None):
 
 
 def _after_cell(result=None):
-    ip = shell()
-    if ip is None:
-        return
-    namespace = ShellNamespace(ip)
+    # Most cells end here with nothing to rescue, show or finish: that path does the least.
     error = getattr(result, "error_in_exec", None)
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
-    diagnosis = _core.rescue_oom(error, namespace) if error is not None else None
-    if diagnosis is not None:
-        show(diagnosis)
+    if error is not None and shell() is not None:
+        diagnosis = _core.rescue_oom(error, ShellNamespace(shell()))
+        if diagnosis is not None:
+            show(diagnosis)
     # The block shows only when something moved (the core decides), in place of the live view.
     record, live_view = live.end_cell(getattr(result, "execution_count", None) or 0)
-    # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
-    live.replace(live_view, record if _core.cell_log_active() else None)
-    for experiment in tracked().values():
+    if record is not None or live_view is not None:
+        # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
+        live.replace(live_view, record if _core.cell_log_active() else None)
+    experiments = tracked()
+    if experiments and shell() is not None:
+        _finish_unbound(experiments.values(), ShellNamespace(shell()))
+    raise_held_interrupt(result)
+
+
+def _finish_unbound(experiments, namespace):
+    """Finishes the experiments whose every name the user deleted or rebound (``del exp``);
+    hidden references (Out, _) don't count."""
+    for experiment in experiments:
         bound = set(_core.bound_names(namespace, experiment))
         if experiment._handles and not bound:
-            # The user deleted or rebound every name of it; hidden references (Out, _) don't count.
             try:
                 experiment.finish()
             except KeyboardInterrupt as error:
                 hold_interrupt(error)
         elif bound:
             experiment._handles = bound
-    raise_held_interrupt(ip, result)
 
 
 # ---- magics --------------------------------------------------------------------------------

@@ -248,11 +248,12 @@ def hold_interrupt(error):
         threading.Timer(0.001, _thread.interrupt_main).start()
 
 
-def raise_held_interrupt(ip, result):
+def raise_held_interrupt(result):
     """Makes an interrupt held during the cell its error (the cell-end event calls this)."""
     global _held_interrupt
     error, _held_interrupt = _held_interrupt, None
-    if error is None or result is None or not result.success:
+    ip = shell() if error is not None else None
+    if ip is None or result is None or not result.success:
         return
     result.error_in_exec = error
     ip.showtraceback((type(error), error, error.__traceback__))

@@ -6,7 +6,29 @@
 //! parent and in the child ([`release`]).
 
 use std::cell::RefCell;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// This process's PID, cached: state kept per process (open files, the sampler, the store)
+/// checks it several times a cell, and each `getpid` is a system call. A fork's child forgets it.
+pub fn pid() -> u32 {
+    static FORGET_IN_CHILDREN: Once = Once::new();
+    static PID: AtomicU32 = AtomicU32::new(0);
+    extern "C" fn forget() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    let cached = PID.load(Ordering::Relaxed);
+    if cached != 0 {
+        return cached;
+    }
+    // SAFETY: registers a handler that only stores to an atomic, which is async-signal-safe.
+    FORGET_IN_CHILDREN.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(forget));
+    });
+    let pid = std::process::id();
+    PID.store(pid, Ordering::Relaxed);
+    pid
+}
 
 /// Readers share it (the sampler and a timeline never wait for each other); a fork excludes them.
 static GATE: RwLock<()> = RwLock::new(());
@@ -39,6 +61,22 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
+
+    #[test]
+    fn a_forked_child_has_its_own_pid() {
+        let parent = pid();
+        assert_eq!(parent, std::process::id());
+        // SAFETY: the child only reads its PID and leaves with _exit.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let right = pid() == std::process::id() && pid() != parent;
+            unsafe { libc::_exit(if right { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child saw its parent's PID");
+        assert_eq!(pid(), parent);
+    }
 
     #[test]
     fn a_reader_waits_while_a_fork_holds_the_gate() {

@@ -189,7 +189,7 @@ impl Monitor {
             .name("gpuexp-monitor".into())
             .spawn(move || record(interval, sink, uuids, &thread_stop, &thread_samples, &thread_failure))
             .map_err(|e| Error::Io(format!("the monitor thread could not start: {e}")))?;
-        Ok(Monitor { stop, handle: Some(handle), pid: std::process::id(), samples, failure })
+        Ok(Monitor { stop, handle: Some(handle), pid: crate::fork::pid(), samples, failure })
     }
 
     pub fn samples(&self) -> Vec<Sample> {
@@ -202,13 +202,13 @@ impl Monitor {
     }
 
     pub fn is_running(&self) -> bool {
-        self.pid == std::process::id() && self.handle.as_ref().is_some_and(|h| !h.is_finished())
+        self.pid == crate::fork::pid() && self.handle.as_ref().is_some_and(|h| !h.is_finished())
     }
 
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         let Some(handle) = self.handle.take() else { return };
-        if self.pid != std::process::id() {
+        if self.pid != crate::fork::pid() {
             std::mem::forget(handle);
             return;
         }

@@ -64,7 +64,7 @@ fn running() -> MutexGuard<'static, Option<Running>> {
 }
 
 fn current(running: &Option<Running>) -> Option<&Running> {
-    running.as_ref().filter(|r| r.pid == std::process::id())
+    running.as_ref().filter(|r| r.pid == crate::fork::pid())
 }
 
 pub fn interval() -> Duration {
@@ -143,7 +143,7 @@ pub fn ensure(sources: Sources) -> bool {
     // Without a thread, peaks fall back to what the snapshots see: worse, but no reason to fail a scope.
     let Ok(handle) = spawned else { return false };
     let _ = set_up.recv();
-    *running = Some(Running { pid: std::process::id(), sources, interval, stop, handle, peaks });
+    *running = Some(Running { pid: crate::fork::pid(), sources, interval, stop, handle, peaks });
     true
 }
 
@@ -183,7 +183,7 @@ pub fn stop() {
 
 fn stop_locked(running: &mut Option<Running>) {
     let Some(run) = running.take() else { return };
-    if run.pid != std::process::id() {
+    if run.pid != crate::fork::pid() {
         return;
     }
     run.stop.store(true, Ordering::Relaxed);

@@ -6,7 +6,9 @@ use pyo3::prelude::*;
 use super::live_view::schedule;
 use super::registry::registry;
 use super::report::CellRecordPy;
-use super::snapshot::{opening_snapshot, reset_counters, take_cell_snapshot, take_snapshot, update_sampler};
+use super::snapshot::{
+    opening_snapshot, other_readings, reset_counters, take_cell_snapshot, take_snapshot, update_sampler,
+};
 use crate::snapshot::GpuSelection;
 
 #[pyfunction]
@@ -23,19 +25,25 @@ pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
         let mut registry = registry();
         registry.standalone_log = on;
         registry.cell_log_every_cell = on && every_cell;
+        registry.forget_cell_end();
     }
     if !on {
         update_sampler(py, None);
     }
 }
 
-/// Opens the window of a cell about to run (the `pre_run_cell` event).
+/// Opens the window of a cell about to run (the `pre_run_cell` event): where the previous
+/// logged cell ended when nothing came in between, so that a cell reads memory once, at its end.
 #[pyfunction]
 pub(super) fn begin_cell(py: Python) {
     let selection = registry().cell_selection();
-    let (start, torch) = opening_snapshot(py, &selection, take_cell_snapshot);
-    let window = registry().begin_cell(start.clone());
-    reset_counters(&torch, &start);
+    let carried = registry().begin_cell_where_last_ended(&selection, other_readings());
+    let window = carried.unwrap_or_else(|| {
+        let (start, torch) = opening_snapshot(py, &selection, take_cell_snapshot);
+        let window = registry().begin_cell(start.clone());
+        reset_counters(&torch, &start);
+        window
+    });
     schedule().cell_began(window);
 }
 
@@ -46,12 +54,20 @@ pub(super) fn begin_cell(py: Python) {
 pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy>, Option<u64>) {
     let drawn = schedule().cell_ended();
     let Some(selection) = registry().open_cell_selection() else { return (None, drawn) };
-    let (end, _) = take_cell_snapshot(py, &selection);
-    let shown = {
+    let (end, torch) = take_cell_snapshot(py, &selection);
+    let (shown, next_selection) = {
         let mut registry = registry();
         let record = registry.end_cell(execution_count, &end);
-        record.filter(|r| registry.shows(r)).map(|record| CellRecordPy { record, all_gpus: registry.cell_log_all_gpus })
+        let shown = record
+            .filter(|r| registry.shows(r))
+            .map(|record| CellRecordPy { record, all_gpus: registry.cell_log_all_gpus });
+        (shown, registry.cell_log_active().then(|| registry.cell_selection()))
     };
+    if let Some(next_selection) = next_selection {
+        // The end's peaks are in every open window now: the next cell's window starts here.
+        reset_counters(&torch, &end);
+        registry().keep_cell_end(end, next_selection, other_readings());
+    }
     update_sampler(py, None);
     (shown, drawn)
 }

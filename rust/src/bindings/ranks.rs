@@ -135,7 +135,7 @@ fn lock<T>(mutex: &'static Mutex<T>) -> MutexGuard<'static, T> {
 }
 
 fn current<'py>(py: Python<'py>, opened: &'static Mutex<Option<Opened>>, address: &str) -> Option<Bound<'py, PyAny>> {
-    let pid = std::process::id();
+    let pid = crate::fork::pid();
     let opened = lock(opened);
     opened.as_ref().filter(|o| o.pid == pid && o.address == address).map(|o| o.store.bind(py).clone())
 }
@@ -153,7 +153,7 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
             "{STORE_ENV} names {label}: gathering across ranks needs torch.distributed (import torch first)"
         )));
     };
-    let pid = std::process::id();
+    let pid = crate::fork::pid();
     if let Some((_, _, why)) = lock(&UNREACHABLE).as_ref().filter(|(p, a, _)| *p == pid && *a == label) {
         return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
     }
@@ -217,7 +217,7 @@ fn run_token(py: Python, group: Option<&(Bound<PyAny>, u32, u32)>) -> PyResult<O
         return Ok(run.map(|r| format!("{r}.{restart}")));
     };
     let store = group_store(dist)?;
-    let pid = std::process::id();
+    let pid = crate::fork::pid();
     let mut cached = lock(&RUN);
     if let Some((owner, claimed_in, token)) = cached.as_ref() {
         if *owner == pid && claimed_in.bind(py).is(&store) {
@@ -355,7 +355,7 @@ pub(super) fn remove_kernel_ranks_store() {
 #[pyo3(signature = (address="127.0.0.1", port=0))]
 pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult<String> {
     let mut hosted = lock(&HOSTED);
-    if let Some(opened) = hosted.as_ref().filter(|o| o.pid == std::process::id()) {
+    if let Some(opened) = hosted.as_ref().filter(|o| o.pid == crate::fork::pid()) {
         return Ok(opened.address.clone());
     }
     let dist = distributed(py).ok_or_else(|| {
@@ -377,7 +377,7 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
     kwargs.set_item("master_listen_fd", std::os::fd::IntoRawFd::into_raw_fd(listener))?;
     let store = dist.getattr("TCPStore")?.call((connect.as_str(), local.port(), py.None(), true), Some(&kwargs))?;
     let url = StoreAddress::Tcp { host: advertised, port: local.port() }.to_string();
-    *hosted = Some(Opened { pid: std::process::id(), address: url.clone(), store: store.unbind() });
+    *hosted = Some(Opened { pid: crate::fork::pid(), address: url.clone(), store: store.unbind() });
     Ok(url)
 }
 

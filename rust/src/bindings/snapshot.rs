@@ -1,6 +1,8 @@
 //! Snapshots as the bindings take them: torch read through Python, NVML either fresh or from
 //! the sampler's latest sample, peaks folded in; and the sampler kept running over what is needed.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -12,7 +14,16 @@ use crate::peak_sampler;
 use crate::snapshot::nvml::{self, NvmlReading};
 use crate::snapshot::{host, GpuIdent, GpuSelection, HostReading, NvmlSource, Snapshot};
 
+/// Readings taken outside the cell log. Each means gpuexp is doing something (opening a
+/// scope, tearing one down, showing a snapshot), so the next cell reads its own start.
+static OTHER_READINGS: AtomicU64 = AtomicU64::new(0);
+
+pub(super) fn other_readings() -> u64 {
+    OTHER_READINGS.load(Ordering::Relaxed)
+}
+
 pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+    OTHER_READINGS.fetch_add(1, Ordering::Relaxed);
     snapshot_from(py, host::read(), selection, &|_, device, pids| nvml::read(device, pids))
 }
 
@@ -52,7 +63,7 @@ fn snapshot_from<'py>(
 
 /// Starts new peak windows: what the counters saw was just folded into the open windows.
 pub(super) fn reset_counters(torch: &PyTorch, snapshot: &Snapshot) {
-    host::reset_peak();
+    host::reset_peak(&snapshot.host);
     torch.reset_peaks(snapshot);
     peak_sampler::reset(snapshot);
 }

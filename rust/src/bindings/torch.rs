@@ -4,7 +4,10 @@
 use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString};
 
 use crate::snapshot::{GpuSelection, Snapshot, TorchProbe, TorchStats};
 use crate::teardown::Step;
@@ -18,43 +21,67 @@ pub(super) struct PyTorch<'py> {
 
 impl<'py> PyTorch<'py> {
     pub(super) fn find(py: Python<'py>) -> PyTorch<'py> {
-        let torch =
-            py.import("sys").and_then(|sys| sys.getattr("modules")).and_then(|modules| modules.get_item("torch")).ok();
+        // Every cell of the cell log starts here, so the names are interned and sys.modules is
+        // looked up once: building them anew each time cost more than the lookups.
+        static SYS_MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+        let modules = SYS_MODULES.get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+            let modules = py.import(intern!(py, "sys"))?.getattr(intern!(py, "modules"))?;
+            Ok(modules.cast_into::<PyDict>()?.unbind())
+        });
+        let torch = modules.ok().and_then(|modules| modules.bind(py).get_item(intern!(py, "torch")).ok().flatten());
         // `is_initialized` only reads a flag: it creates no CUDA context.
         let cuda_initialised = torch
             .as_ref()
-            .and_then(|t| t.getattr("cuda").ok()?.call_method0("is_initialized").ok()?.extract::<bool>().ok())
+            .and_then(|t| {
+                let cuda = t.getattr(intern!(py, "cuda")).ok()?;
+                cuda.call_method0(intern!(py, "is_initialized")).ok()?.extract::<bool>().ok()
+            })
             .unwrap_or(false);
         PyTorch { torch, cuda_initialised }
     }
 
     pub(super) fn cuda(&self) -> Option<Bound<'py, PyAny>> {
-        self.cuda_initialised.then(|| self.torch.as_ref()?.getattr("cuda").ok()).flatten()
+        let torch = self.torch.as_ref().filter(|_| self.cuda_initialised)?;
+        torch.getattr(intern!(torch.py(), "cuda")).ok()
+    }
+
+    fn c_module(&self) -> Option<Bound<'py, PyAny>> {
+        let torch = self.torch.as_ref()?;
+        torch.getattr(intern!(torch.py(), "_C")).ok()
     }
 
     pub(super) fn read_stats(&self, index: u32) -> PyResult<TorchStats> {
         let torch = self.torch.as_ref().expect("called only when imported");
+        let py = torch.py();
         // The nested dict straight from C++; `torch.cuda.memory_stats` flattens it in Python, which costs more than the rest of a snapshot.
-        let nested = torch.getattr("_C")?.call_method1("_cuda_memoryStats", (index,));
+        let nested = torch.getattr(intern!(py, "_C"))?.call_method1(intern!(py, "_cuda_memoryStats"), (index,));
         let Ok(stats) = nested else { return flat_stats(torch, index) };
-        let get = |group: &str, field: &str| -> PyResult<u64> {
-            stats.get_item(group)?.get_item("all")?.get_item(field)?.extract()
-        };
+        let all = |group: &Bound<'py, PyString>| stats.get_item(group)?.get_item(intern!(py, "all"));
+        let (allocated, reserved) = (all(intern!(py, "allocated_bytes"))?, all(intern!(py, "reserved_bytes"))?);
+        let (current, peak) = (intern!(py, "current"), intern!(py, "peak"));
         Ok(TorchStats {
-            allocated: get("allocated_bytes", "current")?,
-            reserved: get("reserved_bytes", "current")?,
-            peak_allocated: get("allocated_bytes", "peak")?,
-            peak_reserved: get("reserved_bytes", "peak")?,
-            num_ooms: stats.get_item("num_ooms")?.extract()?,
+            allocated: allocated.get_item(current)?.extract()?,
+            reserved: reserved.get_item(current)?.extract()?,
+            peak_allocated: allocated.get_item(peak)?.extract()?,
+            peak_reserved: reserved.get_item(peak)?.extract()?,
+            num_ooms: stats.get_item(intern!(py, "num_ooms"))?.extract()?,
         })
     }
 
-    /// Resets torch's peak counters on the devices a snapshot covered. The C function, not
-    /// `torch.cuda.reset_peak_memory_stats`, which gpuexp wraps to notice the user's resets.
+    /// Resets torch's peak counters on the devices a snapshot covered, only where a peak gpuexp
+    /// reads is above its current figure: elsewhere the reset would change nothing it reads.
+    /// The C function, not `torch.cuda.reset_peak_memory_stats`, which gpuexp wraps to notice
+    /// the user's resets.
     pub(super) fn reset_peaks(&self, snapshot: &Snapshot) {
-        let Some(c) = self.cuda().and_then(|_| self.torch.as_ref()?.getattr("_C").ok()) else { return };
-        for gpu in snapshot.gpus.iter().filter(|g| g.torch.is_some()) {
-            let _ = c.call_method1("_cuda_resetPeakMemoryStats", (gpu.torch_index,));
+        let at_peak = |t: &TorchStats| t.peak_allocated <= t.allocated && t.peak_reserved <= t.reserved;
+        let mut above_peak = snapshot.gpus.iter().filter(|g| g.torch.is_some_and(|t| !at_peak(&t))).peekable();
+        if above_peak.peek().is_none() {
+            return;
+        }
+        let Some(c) = self.c_module().filter(|_| self.cuda_initialised) else { return };
+        let reset = intern!(c.py(), "_cuda_resetPeakMemoryStats");
+        for gpu in above_peak {
+            let _ = c.call_method1(reset, (gpu.torch_index,));
         }
     }
 }
@@ -81,7 +108,7 @@ impl TorchProbe for PyTorch<'_> {
         // Torch's devices are fixed once CUDA is initialised, so they are read once per process.
         static UUIDS: Mutex<Option<(u32, Vec<String>)>> = Mutex::new(None);
         let cuda = self.cuda()?;
-        let pid = std::process::id();
+        let pid = crate::fork::pid();
         let mut cached = UUIDS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some((owner, uuids)) = cached.as_ref() {
             if *owner == pid {

@@ -103,7 +103,7 @@ fn private_base() -> Result<PathBuf> {
 /// This kernel's store directory for its ranks (mode 0700), made on first call; the
 /// directories of kernels that are gone are removed on the way.
 pub fn kernel_store_dir() -> Result<PathBuf> {
-    let pid = std::process::id();
+    let pid = crate::fork::pid();
     let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((owner, dir)) = made.as_ref() {
         if *owner == pid {
@@ -129,7 +129,7 @@ pub fn kernel_store_dir() -> Result<PathBuf> {
 pub fn remove_kernel_store_dir() {
     let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((owner, dir)) = made.take() {
-        if owner == std::process::id() {
+        if owner == crate::fork::pid() {
             let _ = fs::remove_dir_all(dir);
         }
     }

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
-use crate::units::{bytes, rfc3339, signed_bytes};
+use crate::units::{bytes, signed_bytes};
 
 /// One figure over one cell: how it moved, and how high it went above where the cell began.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -54,7 +54,9 @@ impl CellGpu {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CellRecord {
     pub execution_count: u64,
-    pub started_at: String,
+    /// Seconds since the Unix epoch; formatted only when written out, not for every cell.
+    #[serde(serialize_with = "crate::units::serialize_rfc3339")]
+    pub started_at: f64,
     pub wall_s: f64,
     pub host: CellMetric,
     pub gpus: Vec<CellGpu>,
@@ -105,7 +107,7 @@ impl CellRecord {
             .collect();
         CellRecord {
             execution_count,
-            started_at: rfc3339(start.taken_at),
+            started_at: start.taken_at,
             wall_s: end.taken_at - start.taken_at,
             host: metric(Gauge::HostRss, &|s| Some(s.host.rss)).expect("host RSS is always read"),
             gpus,

@@ -99,6 +99,15 @@ pub struct OpenCell {
     pub notes: Vec<String>,
 }
 
+/// Where the last logged cell ended, the counters reset there: the next cell starts from it
+/// instead of reading memory again, unless gpuexp read it in between (`mark` tells).
+#[derive(Clone, Debug)]
+struct CellEnd {
+    snapshot: Snapshot,
+    selection: GpuSelection,
+    mark: u64,
+}
+
 /// Where a scope stands when someone asks to finish it.
 pub enum Finishing {
     Finished(Arc<Report>),
@@ -115,6 +124,7 @@ pub struct Registry {
     finished: Vec<(ScopeId, Arc<Report>)>,
     pub peaks: PeakBook,
     cell: Option<OpenCell>,
+    last_cell_end: Option<CellEnd>,
     cells: Vec<Arc<CellRecord>>,
     /// `%gpuexp log on`: the cell log without an experiment.
     pub standalone_log: bool,
@@ -140,6 +150,7 @@ impl Default for Registry {
             finished: Vec::new(),
             peaks: PeakBook::default(),
             cell: None,
+            last_cell_end: None,
             cells: Vec::new(),
             standalone_log: false,
             cell_log_all_gpus: false,
@@ -311,6 +322,27 @@ impl Registry {
         self.peaks.open(window, &start);
         self.cell = Some(OpenCell { window, start, notes: Vec::new() });
         window
+    }
+
+    /// Keeps where a logged cell ended, the counters reset just after it, for a next cell that
+    /// asks for `selection`; `mark` counts gpuexp's other readings (see
+    /// [`Registry::begin_cell_where_last_ended`]).
+    pub fn keep_cell_end(&mut self, snapshot: Snapshot, selection: GpuSelection, mark: u64) {
+        self.last_cell_end = Some(CellEnd { snapshot, selection, mark });
+    }
+
+    pub fn forget_cell_end(&mut self) {
+        self.last_cell_end = None;
+    }
+
+    /// Opens the cell's window where the previous logged cell ended, when nothing came in
+    /// between that gpuexp knows of: the same `selection`, and `mark` unchanged, since every
+    /// other reading gpuexp takes (a scope opening, a teardown, a user's snapshot) moves it.
+    /// Memory that code between the two cells moved (a widget's callback, another extension's
+    /// hook) is the new cell's. Returns the window, or None when the caller must read memory.
+    pub fn begin_cell_where_last_ended(&mut self, selection: &GpuSelection, mark: u64) -> Option<u64> {
+        let end = self.last_cell_end.take().filter(|end| end.mark == mark && end.selection == *selection)?;
+        Some(self.begin_cell(Snapshot { taken_at: crate::snapshot::now(), ..end.snapshot }))
     }
 
     /// The running cell's figures so far (`now` against its start, with its peaks), for its

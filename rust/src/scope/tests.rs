@@ -399,6 +399,30 @@ fn a_block_shows_when_a_figure_moved_by_the_setting_or_every_cell_is_asked_for()
 }
 
 #[test]
+fn a_cell_starts_where_the_last_one_ended_while_nothing_came_in_between() {
+    let mut registry = Registry::default();
+    let all = GpuSelection::AllVisible;
+    registry.begin_cell(host(0.0, 100 * MIB, 100 * MIB));
+    let end = host(1.0, 120 * MIB, 130 * MIB);
+    registry.end_cell(1, &end).expect("a record");
+    registry.keep_cell_end(end, all.clone(), 7);
+    registry.begin_cell_where_last_ended(&all, 7).expect("nothing came in between");
+    let record = registry.end_cell(2, &host(2.0, 125 * MIB, 125 * MIB)).expect("a record");
+    assert_eq!((record.host.start, record.host.consumed), (120 * MIB, (5 * MIB) as i64));
+    assert!(record.wall_s < 1.0, "the cell's time starts when it begins, not where the last one ended");
+    assert!(registry.begin_cell_where_last_ended(&all, 7).is_none(), "an end starts one cell only");
+
+    let kept = |registry: &mut Registry| registry.keep_cell_end(host(3.0, 0, 0), GpuSelection::AllVisible, 7);
+    kept(&mut registry);
+    assert!(registry.begin_cell_where_last_ended(&all, 8).is_none(), "gpuexp read memory in between");
+    kept(&mut registry);
+    assert!(registry.begin_cell_where_last_ended(&GpuSelection::None, 7).is_none(), "the cell asks for less");
+    kept(&mut registry);
+    registry.forget_cell_end();
+    assert!(registry.begin_cell_where_last_ended(&all, 7).is_none(), "the log was switched");
+}
+
+#[test]
 fn the_limit_on_a_gpu_is_the_innermost_scope_over_it_that_has_one() {
     let mut registry = Registry::default();
     let start = host(0.0, 0, 0);

@@ -56,7 +56,7 @@ fn descends_from(pid: u32, ancestor: u32) -> bool {
 
 /// Whether a process is this process's descendant, cached for [`VERDICT_TTL`].
 pub fn is_descendant(pid: u32) -> bool {
-    let own = std::process::id();
+    let own = crate::fork::pid();
     if pid == own {
         return false;
     }

@@ -42,9 +42,10 @@ pub fn read_rss() -> u64 {
     imp::read_rss()
 }
 
-/// Resets the kernel's peak RSS (VmHWM) to the current RSS; false where that does not work.
-pub fn reset_peak() -> bool {
-    peak_reset_supported() && imp::write_clear_refs()
+/// Resets the kernel's peak RSS (VmHWM) to the current RSS, `last` being the reading the new
+/// window starts at; false where that does not work.
+pub fn reset_peak(last: &HostReading) -> bool {
+    peak_reset_supported() && imp::reset_peak(last)
 }
 
 /// Whether `reset_peak()` works here (probes once, cached).
@@ -78,6 +79,7 @@ mod imp {
     use std::fs::{File, OpenOptions};
     use std::os::unix::fs::FileExt;
     use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::OnceLock;
     use std::thread::LocalKey;
 
@@ -106,7 +108,7 @@ mod imp {
         open: fn(&str) -> std::io::Result<File>,
         f: impl FnOnce(&File) -> std::io::Result<T>,
     ) -> Option<T> {
-        let pid = std::process::id();
+        let pid = crate::fork::pid();
         key.try_with(|cell| {
             let mut slot = cell.try_borrow_mut().ok()?;
             if slot.as_ref().is_none_or(|(owner, _)| *owner != pid) {
@@ -134,12 +136,62 @@ mod imp {
         line.map_or(0, |rest| parse_u64(rest).saturating_mul(1024))
     }
 
-    /// (VmRSS, VmHWM) from one read, so the peak is never below the RSS it is shown with.
+    /// (RSS, peak RSS), the peak never below the RSS it is shown with. Where the last reset
+    /// found getrusage's peak trustworthy, statm and getrusage: two cheap reads instead of
+    /// /proc/self/status, which the kernel formats in full for every read (most of a cell
+    /// log's cost was that one file).
     pub fn process_memory() -> (u64, u64) {
+        if RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == crate::fork::pid() {
+            let rss = read_rss();
+            return (rss, rusage_peak().max(rss));
+        }
         let mut buf = [0u8; 4096];
         let len = read_self(&STATUS, "/proc/self/status", &mut buf);
         let text = &buf[..len];
         (kb_field(text, b"VmRSS:"), kb_field(text, b"VmHWM:"))
+    }
+
+    /// getrusage's peak is the larger of VmHWM and a floor that every exiting thread raises to
+    /// the VmHWM of its time, which no reset lowers. A window may use it while the floor is no
+    /// higher than the RSS the window starts at: the floor then never shows as a rise. Just
+    /// after a reset that holds when getrusage's peak is no higher than the RSS read after it.
+    /// When the window that just ended used getrusage and ended at its peak (`last`), it holds
+    /// with no check, its exiting threads having raised the floor no higher than that; and
+    /// VmHWM already is the RSS, so there is nothing to reset either (most cells end so).
+    /// Otherwise status is read instead.
+    pub fn reset_peak(last: &super::HostReading) -> bool {
+        let pid = crate::fork::pid();
+        let trusted = RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == pid;
+        if trusted && last.peak_rss <= last.rss {
+            return true;
+        }
+        if !write_clear_refs() {
+            return false;
+        }
+        let peak = rusage_peak();
+        let trusted = peak > 0 && peak <= read_rss();
+        RUSAGE_PEAK_TRUSTED_BY.store(if trusted { pid } else { 0 }, Ordering::Relaxed);
+        true
+    }
+
+    /// The process whose last reset found getrusage's peak trustworthy (0: none); a forked
+    /// child reads status until its own reset.
+    static RUSAGE_PEAK_TRUSTED_BY: AtomicU32 = AtomicU32::new(0);
+
+    #[cfg(test)]
+    pub fn rusage_peak_trusted() -> bool {
+        RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == crate::fork::pid()
+    }
+
+    pub(super) fn rusage_peak() -> u64 {
+        let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage fills the struct it is given, and RUSAGE_SELF is always valid.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+            return 0;
+        }
+        // SAFETY: zero-initialised, then filled by a successful call.
+        let kib = unsafe { usage.assume_init() }.ru_maxrss;
+        u64::try_from(kib).unwrap_or(0).saturating_mul(1024)
     }
 
     pub fn read_rss() -> u64 {
@@ -151,7 +203,7 @@ mod imp {
         resident.saturating_mul(u64::try_from(page).unwrap_or(0))
     }
 
-    pub fn write_clear_refs() -> bool {
+    fn write_clear_refs() -> bool {
         let open = |path: &str| OpenOptions::new().write(true).open(path);
         with_self(&CLEAR_REFS, "/proc/self/clear_refs", open, |file| file.write_at(b"5", 0)) == Some(1)
     }
@@ -258,7 +310,7 @@ mod imp {
         (available, None)
     }
 
-    pub fn write_clear_refs() -> bool {
+    pub fn reset_peak(_last: &super::HostReading) -> bool {
         false
     }
 
@@ -313,12 +365,50 @@ pub(crate) mod tests {
         drop(std::hint::black_box(block));
         let supported = peak_reset_supported();
         println!("peak_reset_supported: {supported}");
-        assert_eq!(reset_peak(), supported);
+        assert_eq!(reset_peak(&read()), supported);
         let after = read();
         assert!(after.rss < during.rss - 150 * MIB, "{after:?}");
         if supported {
             assert!(after.peak_rss < after.rss + 8 * MIB, "{after:?}");
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn after_a_reset_the_cheap_peak_is_vmhwm() {
+        let _guard = serial();
+        if !peak_reset_supported() {
+            return;
+        }
+        let vmhwm = || {
+            let status = std::fs::read_to_string("/proc/self/status").unwrap();
+            let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+            line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+        };
+        let reading = || {
+            let (rss, peak_rss) = imp::process_memory();
+            HostReading { rss, peak_rss, ..HostReading::default() }
+        };
+        // Exited test threads may have left getrusage's floor above the RSS: rise above it first.
+        let lift = vec![1u8; imp::rusage_peak().saturating_sub(read_rss()) as usize + 16 * MIB as usize];
+        assert!(reset_peak(&HostReading { peak_rss: u64::MAX, ..HostReading::default() }));
+        assert!(imp::rusage_peak_trusted(), "the reset should trust getrusage with the RSS above its floor");
+        let start = read_rss();
+        drop(std::hint::black_box(vec![1u8; 100 * MIB as usize]));
+        let spiked = reading();
+        let exact = vmhwm();
+        assert!(spiked.peak_rss >= start + 90 * MIB && spiked.peak_rss >= spiked.rss, "{spiked:?} from {start}");
+        assert!(spiked.peak_rss.abs_diff(exact) < MIB, "cheap peak {spiked:?} vs VmHWM {exact}");
+        // After a window that ended at its peak, no check is needed: getrusage stays trusted.
+        assert!(reset_peak(&spiked));
+        let steady = reading();
+        assert!(reset_peak(&HostReading { peak_rss: steady.rss, ..steady }));
+        assert!(imp::rusage_peak_trusted());
+        drop(std::hint::black_box(lift));
+        // After a fall the reset checks again; whichever way that goes, the peak is VmHWM's.
+        assert!(reset_peak(&reading()));
+        let after = reading();
+        assert!(after.peak_rss >= after.rss && after.peak_rss.abs_diff(vmhwm()) < MIB, "after the drop: {after:?}");
     }
 
     #[test]

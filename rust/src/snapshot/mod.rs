@@ -170,7 +170,7 @@ fn no_gpu_note() -> String {
 /// process: a forked child reads its own.
 pub(crate) fn own_pids() -> Vec<u32> {
     static CACHE: Mutex<Option<(u32, Vec<u32>)>> = Mutex::new(None);
-    let pid = std::process::id();
+    let pid = crate::fork::pid();
     let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     match cache.as_ref() {
         Some((owner, pids)) if *owner == pid => pids.clone(),
