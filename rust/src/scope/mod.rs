@@ -23,8 +23,14 @@ impl PeakBook {
         let gauges = snapshot.gauges();
         for peaks in self.windows.values_mut() {
             for (gauge, _, peak) in &gauges {
-                let seen = peaks.entry(gauge.clone()).or_insert(0);
-                *seen = (*seen).max(*peak);
+                // Looked up before inserting: a window already has most gauges, and cloning the
+                // key for `entry` on every snapshot would allocate for nothing.
+                match peaks.get_mut(gauge) {
+                    Some(seen) => *seen = (*seen).max(*peak),
+                    None => {
+                        peaks.insert(gauge.clone(), *peak);
+                    }
+                }
             }
         }
     }

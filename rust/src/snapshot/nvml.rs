@@ -120,9 +120,11 @@ pub fn with_visible<R>(
 ) -> Result<R> {
     static CACHE: Mutex<Option<VisibleSet>> = Mutex::new(None);
     let nvml = library()?;
+    // Torch's UUIDs, once it has them, decide alone: the environment is read only before.
+    let env = |name: &str| if torch_uuids.is_none() { std::env::var(name).ok() } else { None };
     let key = VisibilityKey {
-        cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
-        device_order: std::env::var("CUDA_DEVICE_ORDER").ok(),
+        cuda_visible_devices: env("CUDA_VISIBLE_DEVICES"),
+        device_order: env("CUDA_DEVICE_ORDER"),
         torch_uuids,
     };
     let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
