@@ -68,6 +68,17 @@ def test_a_cell_starts_where_the_last_one_ended_unless_gpuexp_read_memory_in_bet
     assert "gpuexp · cell" not in kernel.run("z = 1").text
 
 
+def test_unload_ext_removes_the_hooks_and_load_ext_brings_them_back(kernel):
+    kernel.run(SETUP + "%gpuexp log on")
+    assert "gpuexp · cell" in kernel.run("a = bytearray(8 << 20)").text
+    kernel.run("%unload_ext gpuexp")
+    assert "gpuexp · cell" not in kernel.run("b = bytearray(8 << 20)").text
+    assert "`%gpuexp` not found" in kernel.run("%gpuexp log on", expect_error=True).text, "the magic is gone"
+    assert kernel.value("gpuexp._core.cell_log_active()") is False
+    kernel.run("%load_ext gpuexp\n%gpuexp log on")
+    assert "gpuexp · cell" in kernel.run("c = bytearray(8 << 20)").text
+
+
 def test_cell_log_false_and_log_off_print_nothing(kernel):
     kernel.run(SETUP)
     kernel.run('exp = CPUExperiment("quiet", cell_log=False)')

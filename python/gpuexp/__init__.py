@@ -243,6 +243,12 @@ def load_ipython_extension(ip):
     extension.register(ip)
 
 
+def unload_ipython_extension(ip):
+    """``%unload_ext gpuexp``: no more cell events or ``%gpuexp`` magics, and the cell log off.
+    Open experiments stay open: finish them with ``exp.finish()``."""
+    extension.unregister(ip)
+
+
 # The sampler thread is joined before the interpreter goes (a kernel shutting down or restarting).
 atexit.register(_core.shutdown)
 # In a notebook, importing gpuexp is enough for `%gpuexp` and for noticing `del exp`.

@@ -18,6 +18,24 @@ def register(ip):
     ip.events.register("post_run_cell", _after_cell)
     ip.register_magics(_magics())
     _registered.add(id(ip))
+    # Registered by an import, not `%load_ext`: IPython should still know, so that
+    # `%unload_ext gpuexp` works and `%load_ext gpuexp` has nothing to do.
+    loaded = getattr(getattr(ip, "extension_manager", None), "loaded", None)
+    if isinstance(loaded, set):
+        loaded.add(__package__)
+
+
+def unregister(ip):
+    """Stops listening to the shell's cell events, removes the ``%gpuexp`` magics and turns the
+    standalone cell log off."""
+    if ip is None or id(ip) not in _registered:
+        return
+    ip.events.unregister("pre_run_cell", _before_cell)
+    ip.events.unregister("post_run_cell", _after_cell)
+    for kind in ("line", "cell"):
+        ip.magics_manager.magics[kind].pop("gpuexp", None)
+    _core.set_standalone_log(False)
+    _registered.discard(id(ip))
 
 
 # ---- cell events ---------------------------------------------------------------------------
