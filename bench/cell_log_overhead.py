@@ -404,9 +404,9 @@ def parse_args(argv=None):
                         help=f"add a reference configuration {FLOOR_CONFIG!r}: a post_run_cell hook that only displays "
                              "an object as large as gpuexp's record, i.e. what any displayed per-cell output costs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one cell may take (default 600)")
-    parser.add_argument("--paired", type=int, default=9,
+    parser.add_argument("--paired", type=int, default=21,
                         help="log-off/log-on pairs of each workload in gpuexp's own kernel, "
-                             "the (b) verdict (default 9)")
+                             "the (b) verdict (default 21)")
     args = parser.parse_args(argv)
     args.cells = args.cells if args.cells is not None else (30 if args.quick else 1000)
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)

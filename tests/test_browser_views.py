@@ -33,12 +33,17 @@ def test_a_long_cell_shows_a_live_view_that_updates_then_its_block(lab, chrome, 
     page.hide_left_sidebar()
     assert not page.run_cell(0).errors()
     cell = page.run_cell(1, wait=False)
-    # Mid-cell: the live view is on the page, between the lines the cell printed.
-    page.wait_for(lambda: len(live_titles(cell.html)) == 1 and "step 3" in cell.text, what="the live view")
+    drawn = set()  # every title the view showed, from its first drawing on
+
+    def mid_cell():  # the live view is on the page, between the lines the cell printed
+        titles = live_titles(cell.html)
+        drawn.update(titles)
+        return len(titles) == 1 and "step 3" in cell.text
+
+    page.wait_for(mid_cell, what="the live view")
     shot = page.screenshot(screenshots / "jupyterlab-live.png", cell.element, block="center")
     assert png_size(shot) == (1400, 900)
-    seen = page.watch(cell)
-    drawn = {title for _, html in seen for title in live_titles(html)}
+    drawn.update(title for _, html in page.watch(cell) for title in live_titles(html))
     assert len(drawn) >= 3, f"the live view was drawn {len(drawn)} times: {sorted(drawn)}"  # shown, then updated twice
     bars = [b for b in cell.html_blocks() if b.title and LIVE_TITLE.fullmatch(b.title)]
     assert not bars, "the live view is gone once the cell has ended"
