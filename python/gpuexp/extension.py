@@ -52,8 +52,8 @@ def _after_cell(result=None):
     # Most cells end here with nothing to rescue, show or finish: that path does the least.
     error = getattr(result, "error_in_exec", None)
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
-    if error is not None and shell() is not None:
-        diagnosis = _core.rescue_oom(error, ShellNamespace(shell()))
+    if error is not None and (ip := shell()) is not None:
+        diagnosis = _core.rescue_oom(error, ShellNamespace(ip))
         if diagnosis is not None:
             show(diagnosis)
     # The block shows only when something moved (the core decides), in place of the live view.
@@ -62,8 +62,8 @@ def _after_cell(result=None):
         # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
         live.replace(live_view, record if _core.cell_log_active() else None)
     experiments = tracked()
-    if experiments and shell() is not None:
-        _finish_unbound(experiments.values(), ShellNamespace(shell()))
+    if experiments and (ip := shell()) is not None:
+        _finish_unbound(experiments.values(), ShellNamespace(ip))
     raise_held_interrupt(result)
 
 
