@@ -136,9 +136,7 @@ def estimate(step, batch_size, *, device=None, limit=None, steps=1):
 def _holder_memory(device):
     """A torch index for a GPU, None for the host."""
     if device is None:
-        torch = sys.modules.get("torch")
-        cuda = getattr(torch, "cuda", None)
-        return cuda.current_device() if cuda is not None and cuda.is_initialized() else None
+        return _core.default_device()
     if isinstance(device, str) and device.strip().lower() in ("cpu", "host"):
         return None
     indices = device_indices(device, argument="device")

@@ -87,6 +87,8 @@ pub struct GpuFigures {
     pub process_used: Option<u64>,
     pub device_used: u64,
     pub others: Vec<OtherProcess>,
+    /// In a rank: how much the residual grew across its NCCL communicator's creation.
+    pub nccl_grown: Option<u64>,
 }
 
 /// What was read on the device being explained.
@@ -152,6 +154,8 @@ pub struct Explanation {
     pub torch_reserved: Option<u64>,
     /// The part of torch's cache in blocks that are partly in use (inactive split blocks).
     pub torch_cache_fragmented: Option<u64>,
+    /// NCCL's part of `not_torch`, where it was measured (see `ranks::NcclShare`).
+    pub not_torch_nccl: Option<u64>,
     /// What the categories add up to: NVML's figure for this process, or the host's RSS.
     pub process_used: Option<u64>,
     pub device_used: Option<u64>,
@@ -199,6 +203,7 @@ impl Explanation {
             torch_allocated: None,
             torch_reserved: None,
             torch_cache_fragmented: None,
+            not_torch_nccl: None,
             process_used: None,
             device_used: None,
             other_processes: Vec::new(),
@@ -264,6 +269,7 @@ impl Explanation {
                             &mut notes,
                         );
                         explanation.categories.not_torch = Some(not_torch);
+                        explanation.not_torch_nccl = gpu.nccl_grown.map(|grown| grown.min(not_torch));
                         explanation.process_used = Some(process);
                         let others: u64 = gpu.others.iter().filter_map(|p| p.bytes).sum();
                         explanation.unattributed = Some(residual(
@@ -346,6 +352,9 @@ impl Explanation {
                 c.not_torch,
                 "the residual: CUDA context and kernels, cuBLAS/cuDNN/NCCL, other libraries",
             ));
+            if self.not_torch_nccl.is_some() {
+                rows.push(row("  of which NCCL", self.not_torch_nccl, "grew as the group's communicator was made"));
+            }
             rows.push(row("= NVML this process", self.process_used, ""));
             for process in &self.other_processes {
                 rows.push(row(&format!("other process {}", process.pid), process.bytes, "another compute process"));
@@ -422,7 +431,23 @@ mod tests {
             process_used,
             device_used: 4000 * MIB,
             others: vec![OtherProcess { pid: 4242, bytes: Some(1000 * MIB) }],
+            nccl_grown: None,
         }
+    }
+
+    #[test]
+    fn nccl_s_measured_share_is_a_part_of_not_torch_never_more() {
+        let nccl = |grown| GpuFigures { nccl_grown: Some(grown), ..gpu(Some(2500 * MIB), 1500 * MIB) };
+        let explained = Explanation::new("cuda:1", Reading::Gpu(nccl(300 * MIB)), found());
+        assert_eq!(explained.categories.not_torch, Some(1000 * MIB));
+        assert_eq!(explained.not_torch_nccl, Some(300 * MIB));
+        assert_eq!(explained.categories.total(), 2500 * MIB, "a part of the residual, not another summand");
+        let row = text_cells(&explained.grid().to_text()).into_iter().find(|r| r[0].contains("of which NCCL"));
+        assert_eq!(row.expect("an NCCL row")[1], bytes(300 * MIB));
+        let capped = Explanation::new("cuda:1", Reading::Gpu(nccl(5000 * MIB)), found());
+        assert_eq!(capped.not_torch_nccl, Some(1000 * MIB));
+        let unmeasured = Explanation::new("cuda:1", Reading::Gpu(gpu(Some(2500 * MIB), 1500 * MIB)), found());
+        assert!(!unmeasured.grid().to_text().contains("NCCL ") && unmeasured.not_torch_nccl.is_none());
     }
 
     #[test]

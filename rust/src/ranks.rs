@@ -20,6 +20,8 @@
 //! | `agree/<run>/<call>/read/<rank>` | that the rank has read every answer |
 
 mod agree;
+mod device;
+mod nccl;
 mod store;
 mod table;
 
@@ -29,6 +31,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 pub use agree::{agree, Agreement};
+pub use device::{rank_device, Because, DeviceClues};
+pub use nccl::NcclShare;
 pub use store::{kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 

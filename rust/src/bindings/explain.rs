@@ -9,6 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::holders::{hunt_roots, roles_of, sum_roles, survey, Buffer, Memory};
+use super::rank_gpu;
 use super::report::json_to_python;
 use super::snapshot::take_snapshot;
 use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading};
@@ -50,6 +51,7 @@ fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
         process_used: gpu.process_used,
         device_used: gpu.device_used,
         others,
+        nccl_grown: rank_gpu::nccl_share(index),
     })
 }
 

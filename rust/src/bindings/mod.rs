@@ -20,6 +20,7 @@ mod live_view;
 mod monitor;
 mod namespace;
 mod oom;
+mod rank_gpu;
 mod ranks;
 mod registry;
 mod scope;
@@ -57,6 +58,8 @@ mod core_module {
     use super::namespace::bound_names;
     #[pymodule_export]
     use super::oom::rescue_oom;
+    #[pymodule_export]
+    use super::rank_gpu::default_device;
     #[pymodule_export]
     use super::ranks::{
         gather_ranks, host_ranks_store, kernel_ranks_store, last_publish_s, note_scope_error,

@@ -34,7 +34,7 @@ fn distributed(py: Python) -> Option<Bound<PyAny>> {
 }
 
 /// The initialised default process group: torch.distributed, rank and world size.
-fn process_group(py: Python) -> Option<(Bound<PyAny>, u32, u32)> {
+pub(super) fn process_group(py: Python) -> Option<(Bound<PyAny>, u32, u32)> {
     let dist = distributed(py)?;
     if !dist.call_method0("is_initialized").ok()?.extract::<bool>().ok()? {
         return None;
@@ -249,7 +249,7 @@ fn group_target<'py>(group: Option<&(Bound<'py, PyAny>, u32, u32)>) -> PyResult<
     group.map(|(dist, _, _)| Ok((group_store(dist)?, "the process group's store".to_string()))).transpose()
 }
 
-fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity {
+pub(super) fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity {
     RankIdentity::detect(group.map(|(_, r, w)| (*r, *w)), |name| std::env::var(name).ok())
 }
 

@@ -12,6 +12,7 @@ use pyo3::types::{PyBool, PyDict, PyString};
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::interrupts;
 use super::namespace::{user_names, Baseline, Judged};
+use super::rank_gpu;
 use super::ranks;
 use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
@@ -107,7 +108,10 @@ pub(super) fn open_scope(
         for id in replaced_ids {
             replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
         }
-        let selection = selection(gpu, devices);
+        // A rank covers its own GPU unless `devices=` names others: on a node of 8, the other
+        // seven would be idle rows in every rank's report and in `ranks()`.
+        let own = if gpu && devices.is_none() { rank_gpu::own_gpu(py) } else { None };
+        let selection = selection(gpu, devices.or_else(|| own.map(|(index, _)| vec![index])));
         if let GpuSelection::Only(wanted) = &selection {
             check_devices(py, wanted)?;
         }
@@ -128,7 +132,12 @@ pub(super) fn open_scope(
             },
         };
         ranks::prepare_publishing(py);
-        let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
+        let (mut start, torch) = opening_snapshot(py, &selection, take_snapshot);
+        if let Some((index, because)) = own {
+            start
+                .notes
+                .push(format!("a rank: covers cuda:{index} only, {}; devices= names others", because.describe()));
+        }
         let (id, title) = {
             let mut registry = registry();
             let name = registry.name_or_default(name);

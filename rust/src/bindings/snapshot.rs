@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::rank_gpu;
 use super::registry::registry;
 use super::report::SnapshotPy;
 use super::torch::PyTorch;
@@ -24,7 +25,9 @@ pub(super) fn other_readings() -> u64 {
 
 pub(super) fn take_snapshot<'py>(py: Python<'py>, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
     OTHER_READINGS.fetch_add(1, Ordering::Relaxed);
-    snapshot_from(py, host::read(), selection, &|_, device, pids| nvml::read(device, pids))
+    let (snapshot, torch) = snapshot_from(py, host::read(), selection, &|_, device, pids| nvml::read(device, pids));
+    rank_gpu::observe_nccl(py, &snapshot);
+    (snapshot, torch)
 }
 
 /// A snapshot for the per-cell log: this process's host memory only (a cell's record shows
