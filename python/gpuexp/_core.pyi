@@ -68,20 +68,29 @@ class _Table:
 
 @final
 class Metric:
+    """One figure of a report (host RSS, torch allocated, NVML process, ...), in bytes."""
+
     @property
-    def start(self) -> int: ...
+    def start(self) -> int:
+        """When the scope opened."""
     @property
-    def before_teardown(self) -> int: ...
+    def before_teardown(self) -> int:
+        """Just before the teardown deleted anything (now, while the scope is open)."""
     @property
-    def end(self) -> int | None: ...
+    def end(self) -> int | None:
+        """After the teardown; None while the scope is open."""
     @property
-    def peak(self) -> int: ...
+    def peak(self) -> int:
+        """The highest it went during the scope."""
     @property
-    def consumed(self) -> int: ...
+    def consumed(self) -> int:
+        """before_teardown - start; can be negative."""
     @property
-    def reclaimed(self) -> int | None: ...
+    def reclaimed(self) -> int | None:
+        """before_teardown - end: what the teardown gave back; None while open."""
     @property
-    def reclaimed_share(self) -> float | None: ...
+    def reclaimed_share(self) -> float | None:
+        """reclaimed / consumed; None while open or when nothing was consumed."""
 
 @final
 class HostReport:
