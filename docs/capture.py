@@ -86,6 +86,8 @@ def machine():
         torch = "torch " + importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch = "no torch"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu += f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     return f"{gpu} · {platform.machine()} {os.cpu_count()} CPUs · Python {platform.python_version()} · {torch}"
 
 
