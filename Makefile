@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(abspath $(VENV))/bin
 PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-installed
+DOCS_DEPS := $(VENV)/.docs-deps-installed
 # An abi3 wheel for CPython 3.9+ on glibc 2.17 and newer (manylinux2014): pyproject.toml's
 # [tool.maturin] sets the tag and links through zig (rust/zig-linker), so a plain
 # `maturin build --release` and `pip install .` give it too.
@@ -13,7 +14,7 @@ WHEEL  := --release
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: all venv build demo lint rust-linters test test-rust test-python browser screenshots wheel-check gpu-wheel bench clean
+.PHONY: all venv build demo docs docs-captures lint rust-linters test test-rust test-python browser screenshots wheel-check gpu-wheel bench clean
 
 all: test
 
@@ -38,6 +39,23 @@ wheel-check: build
 
 demo: build
 	$(PY) notebooks/run.py notebooks/quickstart.ipynb
+
+# The documentation site (mkdocs.yml, docs/) into site/, in strict mode: a broken link, a missing
+# page or an API reference that doesn't resolve fails it. mkdocs-material for the pages,
+# mkdocstrings' Python handler for the reference: it reads the sources and _core.pyi statically,
+# so it needs neither the build nor the native module. mkdocs stays below 2, which these plugins
+# don't support.
+$(DOCS_DEPS): $(DEPS)
+	$(PY) -m pip install -q "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2"
+	touch $@
+
+docs: $(DOCS_DEPS)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Retakes the outputs the documentation shows that need no GPU (docs/capture.py --gpu on a GPU
+# machine retakes the others), and the README's example.
+docs-captures: build
+	$(PY) docs/capture.py --cpu --readme
 
 # rustfmt and clippy come with rustup's default profile; a minimal one gets them added here.
 rust-linters:
@@ -68,11 +86,11 @@ browser:
 		echo "no chromedriver: the browser tests will skip (sudo apt-get install chromium chromium-driver)"; \
 	fi
 
-# Retakes the README's JupyterLab screenshots (docs/jupyterlab-*.png).
+# Retakes the documentation's JupyterLab screenshots (docs/jupyterlab-*.png).
 screenshots: build browser
 	GPUEXP_SCREENSHOTS=docs $(PY) -m pytest -q -m browser tests
 
-test: lint test-rust test-python
+test: lint test-rust test-python docs
 
 # The wheel for the GPU machine (see ../shared/gpu/README.md): .whl/ travels with `carry`.
 gpu-wheel: $(DEPS)
@@ -84,4 +102,4 @@ bench: build
 	$(PY) bench/snapshot_cost.py
 
 clean:
-	rm -rf $(VENV) dist target
+	rm -rf $(VENV) dist target site

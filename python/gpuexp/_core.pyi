@@ -68,38 +68,56 @@ class _Table:
 
 @final
 class Metric:
+    """One figure of a report (host RSS, torch allocated, NVML process, ...), in bytes."""
+
     @property
-    def start(self) -> int: ...
+    def start(self) -> int:
+        """When the scope opened."""
     @property
-    def before_teardown(self) -> int: ...
+    def before_teardown(self) -> int:
+        """Just before the teardown deleted anything (now, while the scope is open)."""
     @property
-    def end(self) -> int | None: ...
+    def end(self) -> int | None:
+        """After the teardown; None while the scope is open."""
     @property
-    def peak(self) -> int: ...
+    def peak(self) -> int:
+        """The highest it went during the scope."""
     @property
-    def consumed(self) -> int: ...
+    def consumed(self) -> int:
+        """before_teardown - start; can be negative."""
     @property
-    def reclaimed(self) -> int | None: ...
+    def reclaimed(self) -> int | None:
+        """before_teardown - end: what the teardown gave back; None while open."""
     @property
-    def reclaimed_share(self) -> float | None: ...
+    def reclaimed_share(self) -> float | None:
+        """reclaimed / consumed; None while open or when nothing was consumed."""
 
 @final
 class HostReport:
+    """The host's figures in a report."""
+
     @property
-    def rss(self) -> Metric: ...
+    def rss(self) -> Metric:
+        """This process's resident memory."""
     @property
-    def available(self) -> int: ...
+    def available(self) -> int:
+        """What the host can still give, capped by the cgroup's headroom where a limit applies."""
     @property
     def total(self) -> int: ...
     @property
-    def cgroup_limit(self) -> int | None: ...
+    def cgroup_limit(self) -> int | None:
+        """The cgroup's memory limit; None where there is none."""
 
 @final
 class GpuReport:
+    """One GPU's figures in a report."""
+
     @property
-    def torch_index(self) -> int: ...
+    def torch_index(self) -> int:
+        """N in ``cuda:N``."""
     @property
-    def nvml_index(self) -> int: ...
+    def nvml_index(self) -> int:
+        """The GPU's index in NVML's order (nvidia-smi's)."""
     @property
     def uuid(self) -> str: ...
     @property
@@ -107,44 +125,62 @@ class GpuReport:
     @property
     def total(self) -> int: ...
     @property
-    def torch_allocated(self) -> Metric | None: ...
+    def torch_allocated(self) -> Metric | None:
+        """None when torch was never imported."""
     @property
     def torch_reserved(self) -> Metric | None: ...
     @property
-    def process_used(self) -> Metric | None: ...
+    def process_used(self) -> Metric | None:
+        """NVML's figure for this process; None where the driver doesn't list it."""
     @property
-    def device_used(self) -> Metric | None: ...
+    def device_used(self) -> Metric | None:
+        """NVML's figure for the device; None if NVML could not read it."""
     @property
-    def num_ooms(self) -> int | None: ...
+    def num_ooms(self) -> int | None:
+        """The CUDA out-of-memory errors torch counted during the scope."""
 
 @final
 class Report(_Table):
+    """What an experiment found (``exp.data``, ``exp.finish()``, ``gpuexp.history()``): its figures,
+    what its teardown did, and its notes. Sizes are in bytes."""
+
     @property
     def name(self) -> str: ...
     @property
-    def finished(self) -> bool: ...
+    def finished(self) -> bool:
+        """False while the scope is open."""
     @property
-    def started_at(self) -> str: ...
+    def started_at(self) -> str:
+        """When the scope opened, RFC 3339 UTC."""
     @property
-    def finished_at(self) -> str | None: ...
+    def finished_at(self) -> str | None:
+        """When it finished; None while open."""
     @property
     def duration_s(self) -> float: ...
     @property
-    def deleted(self) -> list[str]: ...
+    def deleted(self) -> list[str]:
+        """The names the teardown deleted."""
     @property
-    def rebound(self) -> list[str]: ...
+    def rebound(self) -> list[str]:
+        """Names from before the scope that it rebound to other objects (deleted too)."""
     @property
-    def kept(self) -> list[str]: ...
+    def kept(self) -> list[str]:
+        """Names left alone: modules, ``keep()``, names the constructor cell still uses."""
     @property
-    def cleared(self) -> list[str]: ...
+    def cleared(self) -> list[str]:
+        """IPython's references the teardown dropped: ``Out[n]``, ``_``, the last exception, ..."""
     @property
-    def notes(self) -> list[str]: ...
+    def notes(self) -> list[str]:
+        """What the table alone would not say: a figure missing and why, memory still held, ..."""
     @property
-    def host(self) -> HostReport: ...
+    def host(self) -> HostReport:
+        """Host RSS and memory."""
     @property
-    def gpus(self) -> list[GpuReport]: ...
+    def gpus(self) -> list[GpuReport]:
+        """One per GPU the experiment covers."""
     @property
-    def rank(self) -> int | None: ...
+    def rank(self) -> int | None:
+        """In a rank of a distributed run, its rank; None outside one (so for the three below)."""
     @property
     def local_rank(self) -> int | None: ...
     @property
@@ -159,6 +195,8 @@ class Report(_Table):
 
 @final
 class CellRecord(_Table):
+    """One cell of the cell log (``exp.cells``, ``gpuexp.cells()``)."""
+
     @property
     def execution_count(self) -> int: ...
     @property
@@ -168,19 +206,26 @@ class CellRecord(_Table):
 
 @final
 class Holders(_Table):
+    """What holds memory, largest first (``gpuexp.holders()``)."""
+
     @property
     def paths(self) -> list[str]: ...
     def __len__(self) -> int: ...
 
 @final
 class OomDiagnosis(_Table):
+    """What the OOM rescue shows after a CUDA out-of-memory error."""
+
     @property
-    def requested(self) -> int | None: ...
+    def requested(self) -> int | None:
+        """What the failed allocation asked for; None where torch's message doesn't say."""
     @property
     def hints(self) -> list[str]: ...
 
 @final
 class Snapshot(_Table):
+    """One reading of the host and every visible GPU (``gpuexp.snapshot()``)."""
+
     @property
     def notes(self) -> list[str]: ...
     @property

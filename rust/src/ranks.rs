@@ -296,7 +296,7 @@ fn nothing_published<S: RankStore>(store: &mut S, name: Option<&str>, timeout: D
     format!(
         "no rank published {what} to {where_} within {:.1} s.{known} A rank publishes when its experiment \
          finishes, once torch.distributed is initialised or RANK and WORLD_SIZE are set; ranks started \
-         outside this kernel find it through {STORE_ENV} (see the README, \"Across ranks\").",
+         outside this kernel find it through {STORE_ENV} (see docs/ranks.md).",
         timeout.as_secs_f64()
     )
 }

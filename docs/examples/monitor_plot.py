@@ -1,6 +1,6 @@
-"""Makes docs/monitor-gpu.png, the README's timeline: a few seconds of training under gpuexp.Monitor.
+"""Makes docs/monitor-gpu.png, the monitor page's timeline: a few seconds of training under gpuexp.Monitor.
 
-    python docs/monitor_plot.py docs/monitor-gpu.png      # on a machine with a GPU and torch
+    python docs/examples/monitor_plot.py docs/monitor-gpu.png      # on a machine with a GPU and torch
 """
 
 import sys

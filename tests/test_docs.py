@@ -1,0 +1,71 @@
+"""The README and the documentation show only real outputs: each is a capture that
+docs/capture.py retakes from a notebook, script or command in the repository."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+INCLUDE = re.compile(r'^--8<-- "docs/captures/([\w-]+)\.txt"$', re.M)
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+# The first lines of what gpuexp prints: a report's title, or a table's top border.
+GPUEXP_OUTPUT = re.compile(r"^(gpuexp · |┌)", re.M)
+
+
+def capture_module():
+    spec = importlib.util.spec_from_file_location("capture", ROOT / "docs" / "capture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_starts_with_the_two_commands_and_stays_a_tour():
+    text = README.read_text(encoding="utf-8")
+    assert text.startswith("# gpuexp\n\n```\nmake demo\nmake test\n```\n")
+    assert len(text.splitlines()) <= 250
+
+
+def test_the_readme_example_is_its_capture_to_the_character():
+    capture = capture_module()
+    readme = README.read_text(encoding="utf-8")
+    blocks = list(capture.README_BLOCK.finditer(readme))
+    assert [block["name"] for block in blocks] == [capture.README_CAPTURE]
+    expected = (capture.CAPTURES_DIR / f"{capture.README_CAPTURE}.txt").read_text(encoding="utf-8")
+    assert blocks[0]["body"] == expected, "run `python docs/capture.py --readme`"
+    assert capture.readme_with_captures(readme) == readme
+
+
+def test_every_included_capture_exists_and_is_retaken_from_a_source_in_the_repo():
+    capture = capture_module()
+    included = {name for page in PAGES for name in INCLUDE.findall(page.read_text(encoding="utf-8"))}
+    assert included, "no page includes a capture"
+    files = {path.stem for path in capture.CAPTURES_DIR.glob("*.txt")}
+    assert included <= set(capture.CAPTURES), f"no recipe for {included - set(capture.CAPTURES)}"
+    assert files <= set(capture.CAPTURES), f"captures no recipe retakes: {files - set(capture.CAPTURES)}"
+    assert included <= files, f"included but never taken: {included - files}"
+    machines = json.loads(capture.MACHINES.read_text(encoding="utf-8"))
+    for name in included:
+        recipe = capture.CAPTURES[name]
+        assert machines[name]["by"] == recipe.source(), f"{name} was taken from something else"
+        if recipe.notebook:
+            notebook = nbformat.read(ROOT / recipe.notebook, as_version=4)
+            assert any("capture" in cell.metadata.get("tags", []) for cell in notebook.cells), recipe.notebook
+        else:
+            script = recipe.command.split()[1] if recipe.command.startswith("python ") else None
+            assert script is None or (ROOT / script).is_file(), recipe.command
+
+
+def test_no_page_shows_a_gpuexp_output_typed_by_hand():
+    for page in [README, *PAGES]:
+        text = page.read_text(encoding="utf-8")
+        if page == README:
+            text = capture_module().README_BLOCK.sub("", text)
+        for block in FENCE.findall(text):
+            if INCLUDE.search(block):
+                continue
+            assert not GPUEXP_OUTPUT.search(block), f"{page.name}: an output typed by hand:\n{block[:300]}"
