@@ -93,7 +93,8 @@ impl Phase {
             if frame.name.contains("backward") || file.contains("torch/autograd/") {
                 return Phase::Backward;
             }
-            if file.contains("torch/optim/") || frame.name == "step" || frame.name.contains("optimizer") {
+            // Not any `step`: a user's training step is one too.
+            if file.contains("/optim/") || frame.name.contains("optimizer") {
                 return Phase::OptimizerStep;
             }
         }
