@@ -33,6 +33,8 @@ pub mod snapshot;
 pub mod status;
 /// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
+/// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
+pub mod trace;
 /// Sizes and times as people read and write them.
 pub mod units;
 /// `gpuexp watch`: a refresh every interval, live, CSV or JSON lines.

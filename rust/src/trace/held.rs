@@ -1,0 +1,81 @@
+//! The sites of memory at two moments a report explains: the blocks still alive at the end of
+//! the trace (what a scope did not give back), and the live set when an allocation failed.
+
+use serde::Serialize;
+
+use super::parse::{Action, Snapshot};
+use super::peak::{site_table, SiteTable};
+use super::replay::{Block, Replay};
+use super::sites::{Attribution, Site};
+
+/// A block alive at the end of the trace, and where it was allocated.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HeldBlock {
+    pub addr: u64,
+    pub bytes: u64,
+    #[serde(flatten)]
+    pub site: Site,
+}
+
+/// The blocks alive at the end with their sites; only those at `addresses` when given (the
+/// storages the leak hunter found), in that order, skipping addresses the trace has no live
+/// block at.
+pub fn still_held(replay: &Replay, attribution: &Attribution, addresses: Option<&[u64]>) -> Vec<HeldBlock> {
+    let held = |block: &Block| HeldBlock {
+        addr: block.addr,
+        bytes: block.bytes,
+        site: attribution.site(attribution.key(replay, block), block.stack),
+    };
+    match addresses {
+        None => replay.live_at_end().map(held).collect(),
+        Some(addresses) => {
+            let live: std::collections::HashMap<u64, &Block> = replay.live_at_end().map(|b| (b.addr, b)).collect();
+            addresses.iter().filter_map(|addr| live.get(addr).map(|block| held(block))).collect()
+        }
+    }
+}
+
+/// An allocation that failed: where, and what was live then.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OomSites {
+    pub event: usize,
+    pub time_us: i64,
+    /// What was asked for.
+    pub requested: u64,
+    /// What CUDA had free.
+    pub device_free: u64,
+    /// The failed allocation's site.
+    pub site: Site,
+    /// The blocks live at that moment, by site.
+    pub live: SiteTable,
+}
+
+/// Every OOM in `replay`'s trace, in order.
+pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
+    let events = snapshot.device_traces.get(replay.device).map(Vec::as_slice).unwrap_or(&[]);
+    events
+        .iter()
+        .enumerate()
+        .filter(|(_, event)| event.action == Action::Oom)
+        .map(|(index, event)| {
+            // The failed allocation as a block that never lived, to ask for its site.
+            let failed = Block {
+                addr: event.addr,
+                bytes: event.size,
+                requested: event.size,
+                stack: event.stack,
+                alloc_event: Some(index),
+                free_event: Some(index),
+            };
+            let live: Vec<&Block> = replay.live_at(index).collect();
+            OomSites {
+                event: index,
+                time_us: event.time_us,
+                requested: event.size,
+                device_free: event.device_free,
+                site: attribution.site(attribution.key(replay, &failed), event.stack),
+                live: site_table(replay, attribution, &live, top),
+            }
+        })
+        .collect()
+}

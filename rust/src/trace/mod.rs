@@ -1,0 +1,29 @@
+//! Where in the code: torch's CUDA allocation history (`_record_memory_history` then
+//! `_snapshot`) read, replayed and grouped by the line of the user's code that allocated.
+//!
+//! - `parse`: the snapshot pickle into typed events with interned stacks;
+//! - `replay`: one device's `memory_allocated` after every event, its peak, the live blocks;
+//! - `sites`: a block's site (the innermost user frame, else its phase) and category;
+//! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
+//! - `diff`: why one trace peaks higher than another, site by site, against the params;
+//! - `timeline`: allocated over time stacked by the top sites, as data and as SVG;
+//! - `held`: the sites of blocks alive at the end (leaks) and at an OOM.
+
+pub mod diff;
+pub mod held;
+pub mod parse;
+pub mod peak;
+pub mod replay;
+pub mod sites;
+pub mod timeline;
+
+pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
+pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
+pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
+pub use replay::{replay, Block, Completeness, Peak, Replay};
+pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
+pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
+
+#[cfg(test)]
+mod tests;

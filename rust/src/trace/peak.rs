@@ -1,0 +1,230 @@
+//! The moment `memory_allocated` peaked, by site: the top sites with their bytes and share,
+//! the rest, and the same category split `estimate` uses.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::replay::{Block, Completeness, Peak, Replay};
+use super::sites::{Attribution, SiteKey};
+use crate::estimate::Category;
+use crate::grid::{escape, prefixed, Grid};
+use crate::units::bytes;
+
+/// How many sites a table shows before "the rest" when the caller does not say.
+pub const TOP_SITES: usize = 10;
+
+/// One site's blocks live at a moment.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SiteRow {
+    pub label: String,
+    pub source: Option<String>,
+    pub bytes: u64,
+    pub blocks: usize,
+    /// Of the total at that moment, 0 to 1.
+    pub share: f64,
+    /// The full stack of its largest block, innermost first.
+    pub stack: Vec<String>,
+}
+
+/// Everything past the top sites, together.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Rest {
+    pub sites: usize,
+    pub bytes: u64,
+    pub blocks: usize,
+    pub share: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CategoryRow {
+    /// `estimate`'s category label, or "before recording" where the frames cannot tell.
+    pub category: String,
+    pub bytes: u64,
+    pub share: f64,
+}
+
+/// The live blocks of one moment grouped by site.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SiteTable {
+    pub total: u64,
+    pub sites: Vec<SiteRow>,
+    pub rest: Rest,
+    pub categories: Vec<CategoryRow>,
+    /// Every site, largest first (`sites` and `rest` together), for diffs.
+    #[serde(skip)]
+    pub all: Vec<SiteRow>,
+}
+
+/// The live set at the peak of one device's trace, by site.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PeakSites {
+    pub device: usize,
+    pub peak: Peak,
+    #[serde(flatten)]
+    pub table: SiteTable,
+    pub completeness: Completeness,
+}
+
+/// Groups `blocks` by site: the top `top` sites, the rest, and the categories.
+pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block], top: usize) -> SiteTable {
+    let total: u64 = blocks.iter().map(|block| block.bytes).sum();
+    let share = |part: u64| if total == 0 { 0.0 } else { part as f64 / total as f64 };
+    // Per site: bytes, blocks, and its largest block's stack (the one most worth reading).
+    let mut by_site: HashMap<SiteKey, (u64, usize, &Block)> = HashMap::new();
+    let mut by_category: HashMap<Option<Category>, u64> = HashMap::new();
+    for &block in blocks {
+        let entry = by_site.entry(attribution.key(replay, block)).or_insert((0, 0, block));
+        entry.0 += block.bytes;
+        entry.1 += 1;
+        if block.bytes > entry.2.bytes {
+            entry.2 = block;
+        }
+        *by_category.entry(attribution.category(replay, block)).or_default() += block.bytes;
+    }
+    let mut all: Vec<SiteRow> = by_site
+        .into_iter()
+        .map(|(key, (site_bytes, count, largest))| {
+            let site = attribution.site(key, largest.stack);
+            SiteRow {
+                label: site.label,
+                source: site.source,
+                bytes: site_bytes,
+                blocks: count,
+                share: share(site_bytes),
+                stack: site.stack,
+            }
+        })
+        .collect();
+    all.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
+    let sites: Vec<SiteRow> = all.iter().take(top).cloned().collect();
+    let past = &all[sites.len()..];
+    let rest_bytes = past.iter().map(|row| row.bytes).sum();
+    let rest = Rest {
+        sites: past.len(),
+        bytes: rest_bytes,
+        blocks: past.iter().map(|row| row.blocks).sum(),
+        share: share(rest_bytes),
+    };
+    let mut categories: Vec<CategoryRow> = Category::ALL
+        .iter()
+        .map(|&category| Some(category))
+        .chain([None])
+        .filter_map(|category| {
+            let part = *by_category.get(&category)?;
+            let label = category.map_or("before recording", Category::label).to_string();
+            Some(CategoryRow { category: label, bytes: part, share: share(part) })
+        })
+        .collect();
+    categories.sort_by_key(|row| std::cmp::Reverse(row.bytes));
+    SiteTable { total, sites, rest, categories, all }
+}
+
+/// The peak of `replay`, by site.
+pub fn peak_sites(replay: &Replay, attribution: &Attribution, top: usize) -> PeakSites {
+    let live = replay.live_at_peak();
+    PeakSites {
+        device: replay.device,
+        peak: replay.peak,
+        table: site_table(replay, attribution, &live, top),
+        completeness: replay.completeness.clone(),
+    }
+}
+
+fn percent(share: f64) -> String {
+    format!("{:.0}%", share * 100.0)
+}
+
+impl SiteTable {
+    /// The sites as a table under `title`.
+    pub fn grid(&self, title: String, notes: Vec<String>) -> Grid {
+        let mut rows: Vec<Vec<String>> = self
+            .sites
+            .iter()
+            .map(|row| {
+                vec![
+                    row.label.clone(),
+                    row.source.clone().unwrap_or_default(),
+                    bytes(row.bytes),
+                    row.blocks.to_string(),
+                    percent(row.share),
+                ]
+            })
+            .collect();
+        if self.rest.sites > 0 {
+            rows.push(vec![
+                format!("the rest ({} sites)", self.rest.sites),
+                String::new(),
+                bytes(self.rest.bytes),
+                self.rest.blocks.to_string(),
+                percent(self.rest.share),
+            ]);
+        }
+        Grid {
+            title,
+            lines: Vec::new(),
+            header: ["site", "line", "bytes", "blocks", "share"].map(String::from).to_vec(),
+            rows,
+            notes,
+            compact: false,
+        }
+    }
+
+    /// The category split as a table.
+    pub fn category_grid(&self) -> Grid {
+        Grid {
+            title: "By category (from the frames; see docs/trace.md)".into(),
+            lines: Vec::new(),
+            header: ["category", "bytes", "share"].map(String::from).to_vec(),
+            rows: self
+                .categories
+                .iter()
+                .map(|row| vec![row.category.clone(), bytes(row.bytes), percent(row.share)])
+                .collect(),
+            notes: Vec::new(),
+            compact: false,
+        }
+    }
+
+    /// Each top site's stack, collapsible.
+    pub fn stacks_html(&self) -> String {
+        let mut out = String::from("<div class=\"gpuexp\">");
+        for row in &self.sites {
+            out.push_str(&format!(
+                "<details><summary>{} ({})</summary><pre>{}</pre></details>",
+                escape(&row.label),
+                bytes(row.bytes),
+                escape(&row.stack.join("\n"))
+            ));
+        }
+        out.push_str("</div>");
+        out
+    }
+}
+
+impl PeakSites {
+    fn title(&self) -> String {
+        format!("At the peak on GPU {}: {} allocated", self.device, bytes(self.peak.bytes))
+    }
+
+    fn notes(&self) -> Vec<String> {
+        prefixed("note", &self.completeness.unknown)
+    }
+
+    pub fn to_text(&self) -> String {
+        format!("{}\n\n{}", self.table.grid(self.title(), self.notes()).to_text(), self.table.category_grid().to_text())
+    }
+
+    pub fn to_html(&self) -> String {
+        format!(
+            "{}{}{}",
+            self.table.grid(self.title(), self.notes()).to_html(),
+            self.table.stacks_html(),
+            self.table.category_grid().to_html()
+        )
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("plain data serializes")
+    }
+}

@@ -1,0 +1,305 @@
+//! One device's trace walked in order: torch's `memory_allocated` after every event, the peak,
+//! and which blocks were alive at any moment.
+//!
+//! The counter moves as torch's does: up by the block's size at `alloc`, down at `free_requested`
+//! (a block still busy on another stream is no longer allocated). The trace records the size the
+//! caller asked for; the block's size is what the counter counts, so it is taken from the
+//! snapshot's segments where the block is still there, else inferred (see `BlockSizes`).
+//! Blocks allocated before recording began are reconstructed from their frees and from the
+//! segments, so the figures add up to torch's even when the ring buffer wrapped.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::parse::{Action, BlockState, Snapshot, StackId};
+
+/// One allocation's life in the trace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub addr: u64,
+    /// The block's size: what `memory_allocated` counts.
+    pub bytes: u64,
+    /// What the program asked for.
+    pub requested: u64,
+    /// The allocation's stack; for a block from before recording, the one the segments give, or 0.
+    pub stack: StackId,
+    /// The event that allocated it; None when that was before recording began.
+    pub alloc_event: Option<usize>,
+    /// The event that freed it (`free_requested`); None when alive at the end.
+    pub free_event: Option<usize>,
+}
+
+impl Block {
+    /// Alive just after event `event` (alive before recording counts as alive from the start).
+    pub fn alive_after(&self, event: usize) -> bool {
+        self.alloc_event.is_none_or(|a| a <= event) && self.free_event.is_none_or(|f| f > event)
+    }
+
+    pub fn before_recording(&self) -> bool {
+        self.alloc_event.is_none()
+    }
+}
+
+/// The highest `memory_allocated` reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Peak {
+    /// The event after which it was reached; None when it was before the first event.
+    pub event: Option<usize>,
+    pub bytes: u64,
+    pub time_us: i64,
+}
+
+/// How much of the program's history the trace holds, and what is unknown because of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Completeness {
+    pub events: usize,
+    /// The cap the recording ran with, when known.
+    pub max_entries: Option<usize>,
+    /// The ring buffer may have dropped its oldest events.
+    pub may_have_wrapped: bool,
+    /// Frees of blocks whose allocation is not in the trace.
+    pub unknown_frees: usize,
+    /// Blocks alive at the end per the segments whose allocation is not in the trace.
+    pub alive_from_before: usize,
+    /// Blocks whose size could not be read from the segments and was inferred.
+    pub inferred_sizes: usize,
+    /// What is unknown, in words, for the report.
+    pub unknown: Vec<String>,
+}
+
+/// A device's trace replayed.
+#[derive(Clone, Debug)]
+pub struct Replay {
+    pub device: usize,
+    /// Every allocation seen or reconstructed, in order of allocation (reconstructed first).
+    pub blocks: Vec<Block>,
+    /// `memory_allocated` before the first event: the blocks alive before recording.
+    pub baseline: u64,
+    /// `memory_allocated` just after each event.
+    pub allocated: Vec<u64>,
+    /// Each event's own stack, or the nearest earlier one with frames: where a frameless
+    /// allocation (autograd's engine thread) was made from.
+    pub context: Vec<StackId>,
+    pub time_us: Vec<i64>,
+    pub peak: Peak,
+    pub completeness: Completeness,
+}
+
+/// Walks `device`'s trace. `max_entries` is the cap the recording ran with, when known: a trace
+/// that long may have wrapped.
+pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) -> Replay {
+    let events = snapshot.device_traces.get(device).map(Vec::as_slice).unwrap_or(&[]);
+    let segment_blocks: HashMap<u64, &super::parse::SegmentBlock> = snapshot
+        .segments
+        .iter()
+        .filter(|segment| segment.device == device)
+        .flat_map(|segment| &segment.blocks)
+        .map(|block| (block.address, block))
+        .collect();
+    let mut sizes = BlockSizes::default();
+    let mut blocks: Vec<Block> = Vec::new();
+    let mut live: HashMap<u64, usize> = HashMap::new();
+    let mut before: Vec<Block> = Vec::new();
+    let mut deltas: Vec<i64> = Vec::with_capacity(events.len());
+    let mut context = Vec::with_capacity(events.len());
+    let mut completeness = Completeness { events: events.len(), max_entries, ..Completeness::default() };
+    let mut last_stack = 0;
+    for (index, event) in events.iter().enumerate() {
+        if !snapshot.stacks.is_bare(event.stack) {
+            last_stack = event.stack;
+        }
+        context.push(last_stack);
+        let mut delta = 0i64;
+        match event.action {
+            Action::Alloc => {
+                let bytes = sizes.alloc(event.addr, event.size);
+                if let Some(previous) = live.insert(event.addr, blocks.len()) {
+                    // An address handed out twice without a free: the free was not recorded.
+                    blocks[previous].free_event = Some(index);
+                    delta -= blocks[previous].bytes as i64;
+                }
+                blocks.push(Block {
+                    addr: event.addr,
+                    bytes,
+                    requested: event.size,
+                    stack: event.stack,
+                    alloc_event: Some(index),
+                    free_event: None,
+                });
+                delta += bytes as i64;
+            }
+            Action::FreeRequested => match live.remove(&event.addr) {
+                Some(block) => {
+                    blocks[block].free_event = Some(index);
+                    sizes.freed(event.addr, blocks[block].bytes);
+                    delta -= blocks[block].bytes as i64;
+                }
+                None => {
+                    let bytes = sizes.unknown(event.size);
+                    completeness.unknown_frees += 1;
+                    completeness.inferred_sizes += 1;
+                    before.push(Block {
+                        addr: event.addr,
+                        bytes,
+                        requested: event.size,
+                        stack: 0,
+                        alloc_event: None,
+                        free_event: Some(index),
+                    });
+                    delta -= bytes as i64;
+                }
+            },
+            Action::SegmentAlloc | Action::SegmentMap => sizes.segment(event.addr, event.size),
+            _ => {}
+        }
+        deltas.push(delta);
+    }
+    // Blocks the segments hold that no recorded allocation explains were there all along.
+    let mut from_before: Vec<&super::parse::SegmentBlock> = segment_blocks
+        .values()
+        .filter(|block| block.state == BlockState::ActiveAllocated && !live.contains_key(&block.address))
+        .copied()
+        .collect();
+    from_before.sort_by_key(|block| block.address);
+    completeness.alive_from_before = from_before.len();
+    before.extend(from_before.iter().map(|block| Block {
+        addr: block.address,
+        bytes: block.size,
+        requested: block.requested_size,
+        stack: block.stack,
+        alloc_event: None,
+        free_event: None,
+    }));
+    // Blocks still alive take their exact size from the segments.
+    for &index in live.values() {
+        if let Some(segment_block) = segment_blocks.get(&blocks[index].addr) {
+            if segment_block.state == BlockState::ActiveAllocated && segment_block.size != blocks[index].bytes {
+                let correction = segment_block.size as i64 - blocks[index].bytes as i64;
+                deltas[blocks[index].alloc_event.expect("recorded")] += correction;
+                blocks[index].bytes = segment_block.size;
+            }
+        } else {
+            completeness.inferred_sizes += 1;
+        }
+    }
+    completeness.inferred_sizes += blocks.iter().filter(|b| b.free_event.is_some()).count();
+    let baseline: u64 = before.iter().map(|block| block.bytes).sum();
+    let mut allocated = Vec::with_capacity(events.len());
+    let mut now = baseline as i64;
+    let mut peak = Peak { event: None, bytes: baseline, time_us: events.first().map_or(0, |e| e.time_us) };
+    for (index, delta) in deltas.iter().enumerate() {
+        now += delta;
+        let bytes = now.max(0) as u64;
+        allocated.push(bytes);
+        if bytes > peak.bytes {
+            peak = Peak { event: Some(index), bytes, time_us: events[index].time_us };
+        }
+    }
+    completeness.may_have_wrapped =
+        completeness.unknown_frees > 0 || max_entries.is_some_and(|cap| events.len() >= cap);
+    completeness.unknown = unknown_in_words(&completeness);
+    before.append(&mut blocks);
+    Replay {
+        device,
+        blocks: before,
+        baseline,
+        allocated,
+        context,
+        time_us: events.iter().map(|event| event.time_us).collect(),
+        peak,
+        completeness,
+    }
+}
+
+fn unknown_in_words(completeness: &Completeness) -> Vec<String> {
+    let mut unknown = Vec::new();
+    if completeness.may_have_wrapped {
+        unknown.push(format!(
+            "the trace may have wrapped ({} events{}): what happened before its first event is not in it",
+            completeness.events,
+            completeness.max_entries.map_or(String::new(), |cap| format!(", cap {cap}"))
+        ));
+    }
+    if completeness.unknown_frees > 0 {
+        unknown.push(format!(
+            "{} blocks freed in the trace were allocated before it began: their sites are unknown \
+             and their sizes inferred from the size asked for",
+            completeness.unknown_frees
+        ));
+    }
+    if completeness.alive_from_before > 0 {
+        unknown.push(format!(
+            "{} blocks alive throughout were allocated before the trace began",
+            completeness.alive_from_before
+        ));
+    }
+    unknown
+}
+
+impl Replay {
+    /// The blocks alive just after event `event`.
+    pub fn live_at(&self, event: usize) -> impl Iterator<Item = &Block> + '_ {
+        self.blocks.iter().filter(move |block| block.alive_after(event))
+    }
+
+    /// The blocks alive at the peak (before the first event when that was the peak).
+    pub fn live_at_peak(&self) -> Vec<&Block> {
+        match self.peak.event {
+            Some(event) => self.live_at(event).collect(),
+            None => self.blocks.iter().filter(|block| block.before_recording()).collect(),
+        }
+    }
+
+    /// The blocks alive at the end of the trace.
+    pub fn live_at_end(&self) -> impl Iterator<Item = &Block> + '_ {
+        self.blocks.iter().filter(|block| block.free_event.is_none())
+    }
+
+    /// `memory_allocated` just after event `event` (the baseline for an empty trace).
+    pub fn allocated_at(&self, event: usize) -> u64 {
+        self.allocated.get(event).copied().unwrap_or(self.baseline)
+    }
+}
+
+/// A block's size from the size asked for. Torch's trace records the request; the counter
+/// counts the block: the request rounded up to 512 bytes, or the whole free block it was cut
+/// from when too little would be left over to split off (1 MiB for the large pool). The
+/// extents last seen at each address (a segment just made, a block just freed) tell which.
+#[derive(Default)]
+struct BlockSizes {
+    extents: HashMap<u64, u64>,
+}
+
+const SMALL: u64 = 1 << 20;
+
+impl BlockSizes {
+    fn alloc(&mut self, addr: u64, requested: u64) -> u64 {
+        let rounded = round(requested);
+        let Some(extent) = self.extents.remove(&addr) else { return rounded };
+        let leftover = extent.checked_sub(rounded);
+        match leftover {
+            // The large pool splits only when more than 1 MiB would be left; the small pool
+            // splits any whole 512 bytes, and blocks are whole 512s.
+            Some(left) if rounded > SMALL && left <= SMALL => extent,
+            _ => rounded,
+        }
+    }
+
+    fn segment(&mut self, addr: u64, size: u64) {
+        self.extents.insert(addr, size);
+    }
+
+    fn freed(&mut self, addr: u64, bytes: u64) {
+        self.extents.insert(addr, bytes);
+    }
+
+    fn unknown(&self, requested: u64) -> u64 {
+        round(requested)
+    }
+}
+
+/// The caching allocator's rounding: whole 512-byte units, at least one.
+fn round(requested: u64) -> u64 {
+    requested.div_ceil(512).max(1) * 512
+}

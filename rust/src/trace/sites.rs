@@ -1,0 +1,232 @@
+//! Where a block was allocated: the innermost frame in the user's own code (a notebook cell's
+//! line, a `file:line` of theirs), or, for a block with no such frame, the phase it was made in.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::parse::{FrameRef, StackId, Stacks};
+use super::replay::{Block, Replay};
+use crate::estimate::Category;
+
+/// Which frames are the user's: any whose filename does not contain one of `skip`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiteRule {
+    pub skip: Vec<String>,
+}
+
+impl Default for SiteRule {
+    /// Torch, installed packages, the standard library, frozen modules, and gpuexp itself.
+    fn default() -> SiteRule {
+        SiteRule {
+            skip: ["/torch/", "site-packages/", "dist-packages/", "<frozen", "/lib/python3", "/gpuexp/"]
+                .map(String::from)
+                .to_vec(),
+        }
+    }
+}
+
+impl SiteRule {
+    /// `skip` plus more fragments (the bindings add gpuexp's and the standard library's real paths).
+    pub fn with(mut self, fragments: impl IntoIterator<Item = String>) -> SiteRule {
+        self.skip.extend(fragments);
+        self
+    }
+
+    pub fn is_user(&self, filename: &str) -> bool {
+        let normal = filename.replace('\\', "/");
+        !filename.is_empty() && !self.skip.iter().any(|fragment| normal.contains(fragment.as_str()))
+    }
+
+    /// The innermost frame of `stack` in the user's code.
+    pub fn user_frame<'a>(&self, stacks: &'a Stacks, stack: StackId) -> Option<FrameRef<'a>> {
+        stacks.frames(stack).find(|frame| self.is_user(frame.filename))
+    }
+}
+
+/// How a (filename, line) reads in a report. The bindings implement it with IPython's cell
+/// names and linecache; `PlainNamer` serves tests and snapshot files.
+pub trait SiteNamer {
+    /// `In [12], line 4`, or `train.py:41`.
+    fn label(&self, filename: &str, line: u32) -> String;
+    /// The line's source, trimmed: `scores = q @ k.transpose(-2, -1)`.
+    fn source(&self, filename: &str, line: u32) -> Option<String>;
+}
+
+/// `file:line` with the line read from the file when it is there (each file read once).
+#[derive(Default)]
+pub struct PlainNamer {
+    files: RefCell<HashMap<String, Option<Vec<String>>>>,
+}
+
+impl SiteNamer for PlainNamer {
+    fn label(&self, filename: &str, line: u32) -> String {
+        format!("{filename}:{line}")
+    }
+
+    fn source(&self, filename: &str, line: u32) -> Option<String> {
+        let mut files = self.files.borrow_mut();
+        let lines = files.entry(filename.to_string()).or_insert_with(|| {
+            std::fs::read_to_string(filename).ok().map(|text| text.lines().map(str::to_string).collect())
+        });
+        let text = lines.as_ref()?.get((line as usize).checked_sub(1)?)?.trim();
+        (!text.is_empty()).then(|| text.to_string())
+    }
+}
+
+/// Which part of a training step an allocation without a user frame was made in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Forward,
+    Backward,
+    OptimizerStep,
+}
+
+impl Phase {
+    /// The phase a stack shows: autograd's backward or an optimizer's step anywhere in it.
+    /// Frames say nothing of the forward pass, so anything else is `Forward`.
+    pub fn of(stacks: &Stacks, stack: StackId) -> Phase {
+        for frame in stacks.frames(stack) {
+            let file = frame.filename.replace('\\', "/");
+            if frame.name.contains("backward") || file.contains("torch/autograd/") {
+                return Phase::Backward;
+            }
+            // Not any `step`: a user's training step is one too.
+            if file.contains("/optim/") || frame.name.contains("optimizer") {
+                return Phase::OptimizerStep;
+            }
+        }
+        Phase::Forward
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::OptimizerStep => "optimizer step",
+        }
+    }
+}
+
+/// What a block's site is, by identity (strings are the snapshot's interned ids).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SiteKey {
+    /// A line of the user's code.
+    Line { filename: u32, line: u32 },
+    /// No user frame: the phase, and the user's line that started it when one is known
+    /// (`opt.step()` at In [7], line 5).
+    Phase { phase: Phase, from: Option<(u32, u32)> },
+    /// Allocated before recording began and freed in it: nothing is known of where.
+    BeforeRecording,
+    /// No frame at all and no phase to go by.
+    NoFrame,
+}
+
+/// A site as a report shows it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Site {
+    pub label: String,
+    /// The line's source, when the namer could read it.
+    pub source: Option<String>,
+    /// The first block's full stack, innermost first: `file:line in name`.
+    pub stack: Vec<String>,
+}
+
+/// Blocks to sites, with the rule, the namer and the snapshot's strings.
+pub struct Attribution<'a> {
+    pub stacks: &'a Stacks,
+    pub rule: &'a SiteRule,
+    pub namer: &'a dyn SiteNamer,
+}
+
+impl Attribution<'_> {
+    fn line_key(&self, stack: StackId) -> Option<(u32, u32)> {
+        let frame = self.rule.user_frame(self.stacks, stack)?;
+        Some((frame.file, frame.line))
+    }
+
+    /// The site of `block` in `replay`.
+    pub fn key(&self, replay: &Replay, block: &Block) -> SiteKey {
+        if let Some((filename, line)) = self.line_key(block.stack) {
+            return SiteKey::Line { filename, line };
+        }
+        // Without its own user frame, a block goes by the stack it was made under: its own
+        // (torch's frames inside opt.step()), else the last one recorded before it (autograd's
+        // engine thread records none).
+        let context = match block.alloc_event {
+            Some(_) if !self.stacks.is_bare(block.stack) => block.stack,
+            Some(event) => replay.context[event],
+            None if self.stacks.is_bare(block.stack) => return SiteKey::BeforeRecording,
+            None => block.stack,
+        };
+        if self.stacks.is_bare(context) {
+            return SiteKey::NoFrame;
+        }
+        SiteKey::Phase { phase: Phase::of(self.stacks, context), from: self.line_key(context) }
+    }
+
+    /// How `key` reads; `stack` is one of its blocks' stacks.
+    pub fn site(&self, key: SiteKey, stack: StackId) -> Site {
+        let stack_lines = self
+            .stacks
+            .frames(stack)
+            .map(|frame| format!("{}:{} in {}", frame.filename, frame.line, frame.name))
+            .collect();
+        let (label, source) = match key {
+            SiteKey::Line { filename, line } => {
+                let file = self.stacks.string(filename);
+                (self.namer.label(file, line), self.namer.source(file, line))
+            }
+            SiteKey::Phase { phase, from: Some((filename, line)) } => {
+                let file = self.stacks.string(filename);
+                let at = self.namer.label(file, line);
+                match self.namer.source(file, line) {
+                    Some(source) => (format!("{}, `{source}` at {at}", phase.label()), None),
+                    None => (format!("{} at {at}", phase.label()), None),
+                }
+            }
+            SiteKey::Phase { phase, from: None } => (phase.label().to_string(), None),
+            SiteKey::BeforeRecording => ("(allocated before recording)".to_string(), None),
+            SiteKey::NoFrame => ("(no Python frame)".to_string(), None),
+        };
+        Site { label, source, stack: stack_lines }
+    }
+
+    /// What a block is to training, where the frames tell (see docs/trace.md): None for a block
+    /// from before recording.
+    ///
+    /// - made under `Module.to`/`cuda`/`_apply` or `torch/nn/init.py`: parameters;
+    /// - made in an optimizer's step: optimizer state when never freed in the trace, else temporaries;
+    /// - made in backward: gradients when never freed in the trace, else temporaries;
+    /// - made in forward: activations when still alive at the end or freed in backward, else
+    ///   temporaries.
+    pub fn category(&self, replay: &Replay, block: &Block) -> Option<Category> {
+        let event = block.alloc_event?;
+        let context = if self.stacks.is_bare(block.stack) { replay.context[event] } else { block.stack };
+        let is_parameter = self.stacks.frames(context).any(|frame| {
+            let file = frame.filename.replace('\\', "/");
+            file.contains("torch/nn/init.py")
+                || (file.contains("torch/nn/modules/module.py") && ["_apply", "to", "cuda"].contains(&frame.name))
+        });
+        if is_parameter {
+            return Some(Category::Parameters);
+        }
+        let kept = block.free_event.is_none();
+        Some(match Phase::of(self.stacks, context) {
+            Phase::OptimizerStep if kept => Category::OptimizerState,
+            Phase::Backward if kept => Category::Gradients,
+            Phase::Forward if kept => Category::Activations,
+            Phase::Forward => {
+                let freed_in = Phase::of(self.stacks, replay.context[block.free_event.expect("freed")]);
+                if freed_in == Phase::Backward {
+                    Category::Activations
+                } else {
+                    Category::Temporaries
+                }
+            }
+            Phase::OptimizerStep | Phase::Backward => Category::Temporaries,
+        })
+    }
+}
