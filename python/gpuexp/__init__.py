@@ -6,6 +6,7 @@ process) and torch's allocator.
 """
 
 import atexit
+import os
 import sys
 
 from . import _core, extension, ipython
@@ -20,7 +21,10 @@ from ._core import (
     NoEstimate,
     NvmlUnavailable,
     Report,
+    SiteDiff,
     Snapshot,
+    Timeline,
+    Trace,
 )
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
@@ -43,10 +47,14 @@ __all__ = [
     "NoEstimate",
     "NvmlUnavailable",
     "Report",
+    "SiteDiff",
     "Snapshot",
+    "Timeline",
+    "Trace",
     "cells",
     "compare",
     "config",
+    "load_snapshot",
     "estimate",
     "explain",
     "find_batch_size",
@@ -189,7 +197,7 @@ _UNCHANGED = _Unchanged()
 
 
 def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-           live_view_after_s=_UNCHANGED):
+           live_view_after_s=_UNCHANGED, trace=None):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
@@ -202,7 +210,11 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         shows every cell's.
     live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
         None or False: no live view.
+    trace: every GPU experiment records where in the code it allocates, as
+        ``GPUExperiment(..., trace=True)`` does (default False).
     """
+    if trace is not None and not isinstance(trace, bool):
+        raise TypeError(f"trace must be True or False, e.g. gpuexp.config(trace=True); got {trace!r}")
     if sample_interval_ms is not None and (
         isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))
     ):
@@ -223,8 +235,18 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         )
     return _core.config(
         sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue,
-        cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s,
+        cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s, trace=trace,
     )
+
+
+def load_snapshot(path):
+    """Reads any torch memory snapshot (``torch.cuda.memory._dump_snapshot``, a cluster job's OOM
+    dump, memory_viz's and Mosaic's files) and replays it: the same peak by source line, diff and
+    timeline as ``GPUExperiment(..., trace=True)`` gives. The pickle is read without running any
+    code from it. Returns a ``Trace``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_snapshot takes a file's path, e.g. load_snapshot('snapshot.pickle'); got {path!r}")
+    return _core.load_snapshot(path)
 
 
 def _bytes(value, name):

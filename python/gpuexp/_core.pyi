@@ -42,6 +42,7 @@ class _Settings(TypedDict):
     oom_rescue: bool
     cell_log_min_change: int
     live_view_after_s: float | None
+    trace: bool
     host_peak: Literal["exact", "sampled"]
 
 class _Progress(Protocol):
@@ -192,6 +193,44 @@ class Report(_Table):
         """Descendants still holding GPU memory at finish: pid, command, torch_index, used."""
     def plot(self, path: _Path | None = None) -> Any:
         """The timeline of ``monitor=True`` as a matplotlib figure."""
+    @property
+    def trace(self) -> Trace | None:
+        """With ``trace=True``: where in the code each GPU peaked; None otherwise."""
+    def diff(self, other: Report | Trace) -> SiteDiff:
+        """Why this experiment peaks higher than ``other``, by site, sorted by growth."""
+    def plot_timeline(self) -> Timeline:
+        """Torch allocated over the experiment, stacked by its top sites (``trace=True``)."""
+    def save_snapshot(self, path: _Path) -> None:
+        """Torch's snapshot of the experiment (``trace=True``), for memory_viz and Mosaic."""
+
+@final
+class Trace:
+    """Each GPU's live memory at its peak, grouped by the line of code that allocated it."""
+
+    def to_json(self) -> str: ...
+    def to_dict(self) -> list[dict[str, Any]]: ...
+    def _repr_html_(self) -> str: ...
+    def diff(self, other: Report | Trace) -> SiteDiff:
+        """Why this trace peaks higher than ``other``'s, by site."""
+    def plot_timeline(self) -> Timeline: ...
+    def save_snapshot(self, path: _Path) -> None:
+        """Torch's snapshot pickle, written atomically."""
+
+@final
+class SiteDiff:
+    """The difference in peak between two traces, attributed to sites."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+    def _repr_html_(self) -> str: ...
+
+@final
+class Timeline:
+    """Allocated over time stacked by the top sites: inline SVG in Jupyter."""
+
+    def to_dict(self) -> list[dict[str, Any]]: ...
+    def _repr_html_(self) -> str: ...
+    def figure(self, path: _Path | None = None) -> Any:
+        """The same as a matplotlib Figure, saved to ``path`` when given."""
 
 @final
 class CellRecord(_Table):
@@ -303,6 +342,7 @@ def open_scope(
     handles: Iterable[str] = ...,
     in_use: Iterable[str] = ...,
     params: dict[str, int | float | bool | str] | None = None,
+    trace: bool | None = None,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
     """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
 def scope_name(id: _ScopeId) -> str: ...
@@ -337,6 +377,7 @@ def config(
     oom_rescue: bool | None = None,
     cell_log_min_change: int | None = None,
     live_view_after_s: float | Literal[False] | None = None,
+    trace: bool | None = None,
 ) -> _Settings:
     """``live_view_after_s``: seconds, False for no live view, None to leave it."""
 def shutdown() -> None: ...
@@ -432,6 +473,7 @@ class Ranks(_Table):
     def to_pandas(self) -> Any: ...
 
 def default_device() -> int | None: ...
+def load_snapshot(path: _Path) -> Trace: ...
 def ranks(name: str | None = None, timeout: float = 10.0) -> Ranks: ...
 def note_scope_error(id: _ScopeId, error: BaseException) -> None: ...
 def last_publish_s() -> tuple[float, float] | None:

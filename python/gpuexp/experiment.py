@@ -20,15 +20,22 @@ class GPUExperiment:
     the experiment rebound them. While it is open, a cell where memory moved is followed by a
     compact memory block, and a long cell shows its memory live (``cell_log=False`` turns both
     off). ``params={"bs": 64}`` says what the experiment varied, for ``gpuexp.compare()``; by
-    default it is read from the name (``"bs=64,lr=3e-4"``).
+    default it is read from the name (``"bs=64,lr=3e-4"``). ``trace=True`` records torch's CUDA
+    allocation history while it is open, and the report then says where in the code each GPU
+    peaked (``report.trace``), where what is still held was allocated, and why it peaks higher
+    than another traced experiment (``report.diff(other)``); ``gpuexp.config(trace=True)`` turns
+    it on for every experiment.
     """
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
+                 trace=None):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
+        if trace is not None and not isinstance(trace, bool):
+            raise TypeError(f"trace must be True or False, e.g. GPUExperiment('bs=64', trace=True); got {trace!r}")
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         devices = device_indices(devices) if self._gpu else None
@@ -49,6 +56,7 @@ class GPUExperiment:
             handles=self._handles,
             in_use=ipython.names_bound_before(creator.f_lineno),
             params=params,
+            trace=trace if self._gpu else False,
         )
         for report in replaced:
             ipython.show(report)

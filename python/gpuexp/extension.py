@@ -88,7 +88,8 @@ USAGE = """\
 %gpuexp log on           a memory block after each cell where memory moved (gpuexp.config(cell_log_min_change=...))
 %gpuexp log all          a memory block after every cell
 %gpuexp log off          stop the cell log
-%%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report"""
+%%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report
+%%gpuexp --trace [name]  the same, and where in the code it peaked (GPUExperiment(trace=True))"""
 
 
 def _magics():
@@ -101,7 +102,9 @@ def _magics():
         @line_cell_magic
         def gpuexp(self, line, cell=None):
             if cell is not None:
-                return _run_as_experiment(self.shell, line.strip() or None, cell)
+                words = line.split()
+                name = " ".join(w for w in words if w != "--trace") or None
+                return _run_as_experiment(self.shell, name, cell, trace=True if "--trace" in words else None)
             words = line.split()
             if words == ["status"]:
                 show(_core.snapshot(True))
@@ -115,8 +118,8 @@ def _magics():
     return GpuexpMagics
 
 
-def _run_as_experiment(ip, name, cell):
-    experiment = GPUExperiment(name)
+def _run_as_experiment(ip, name, cell, trace=None):
+    experiment = GPUExperiment(name, trace=trace)
     try:
         ip.ex(ip.transform_cell(cell))
     finally:

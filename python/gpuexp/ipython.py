@@ -264,3 +264,22 @@ def forget_shell_after_fork():
     parent's notebook. The parent's experiments are gone from the core's registry already."""
     global _forked_from_shell
     _forked_from_shell = True
+
+
+def source_line(filename, line):
+    """How a person names a line of code an allocation came from, and its text:
+    ``("In [12], line 4", "scores = q @ k.transpose(-2, -1)")`` for a notebook cell (IPython's
+    compiler maps each cell's file to its execution count), ``(None, text)`` elsewhere."""
+    import linecache
+
+    label = None
+    ip = shell()
+    if ip is not None:
+        number = getattr(getattr(ip, "compile", None), "_filename_map", {}).get(filename)
+        if number is not None:
+            label = f"In [{number}], line {line}"
+    try:
+        text = linecache.getline(filename, line).strip()
+    except Exception:  # a loader that raises: the label stands alone
+        text = ""
+    return label, text

@@ -121,6 +121,7 @@ impl Record {
         let mut report = report.clone();
         report.cells.clear();
         report.monitor.clear();
+        report.trace.clear();
         for held in &mut report.holders {
             held.holders.truncate(PUBLISHED_HOLDERS);
         }

@@ -17,7 +17,7 @@ use crate::snapshot::host;
 /// `live_view_after_s` is seconds, or False for no live view (None leaves it as it is).
 #[pyfunction]
 #[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-                    live_view_after_s=None))]
+                    live_view_after_s=None, trace=None))]
 pub(super) fn config<'py>(
     py: Python<'py>,
     sample_interval_ms: Option<f64>,
@@ -25,6 +25,7 @@ pub(super) fn config<'py>(
     oom_rescue: Option<bool>,
     cell_log_min_change: Option<u64>,
     live_view_after_s: Option<Bound<'py, PyAny>>,
+    trace: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     if let Some(after) = live_view_after_s {
         schedule().set_after(live_view_after(&after)?);
@@ -47,11 +48,15 @@ pub(super) fn config<'py>(
     if let Some(min_change) = cell_log_min_change {
         registry.cell_log_min_change = min_change;
     }
+    if let Some(trace) = trace {
+        registry.trace_by_default = trace;
+    }
     let settings = PyDict::new(py);
     settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
     settings.set_item("oom_rescue", registry.oom_rescue)?;
     settings.set_item("cell_log_min_change", registry.cell_log_min_change)?;
+    settings.set_item("trace", registry.trace_by_default)?;
     settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     Ok(settings)

@@ -27,6 +27,8 @@ mod scope;
 mod snapshot;
 mod status;
 mod torch;
+mod trace;
+mod trace_recording;
 mod units;
 
 /// gpuexp's native core. The public API is the `gpuexp` package; see `_core.pyi` for types.
@@ -73,6 +75,8 @@ mod core_module {
     use super::snapshot::snapshot;
     #[pymodule_export]
     use super::status::{GpuStatusPy, WatchPy};
+    #[pymodule_export]
+    use super::trace::{load_snapshot, SiteDiffPy, TimelinePy, TracePy};
     #[pymodule_export]
     use super::units::{parse_interval, parse_size};
 }

@@ -185,7 +185,7 @@ impl ReportPy {
     }
 }
 
-shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.grid());
+shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.as_ref());
 
 #[pymethods]
 impl ReportPy {

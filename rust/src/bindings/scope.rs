@@ -18,6 +18,8 @@ use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
 use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
 use super::torch::{apply_limit, release, restore_limit};
+use super::trace;
+use super::trace_recording::{self, TraceWindow};
 use crate::monitor;
 use crate::report::{Details, Param, Params};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
@@ -38,6 +40,8 @@ struct Held {
     limited: Vec<(u32, f64)>,
     /// The scope's monitor (`monitor=True`), stopped at finish; its samples go in the report.
     monitor: Option<monitor::Monitor>,
+    /// The scope's share of torch's allocation history (`trace=True`), read at finish.
+    trace: Option<TraceWindow>,
 }
 
 static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -81,7 +85,7 @@ impl teardown::Release for Releaser<'_> {
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
 #[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None,
-                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), params=None))]
+                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), params=None, trace=None))]
 #[allow(clippy::too_many_arguments)] // one per keyword of GPUExperiment
 pub(super) fn open_scope(
     py: Python,
@@ -96,6 +100,7 @@ pub(super) fn open_scope(
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
     params: Option<Bound<PyDict>>,
+    trace: Option<bool>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
     let params = params.as_ref().map(params_from).transpose()?;
     let interrupt = interrupts::hold(py);
@@ -115,6 +120,13 @@ pub(super) fn open_scope(
         if let GpuSelection::Only(wanted) = &selection {
             check_devices(py, wanted)?;
         }
+        // Before the start snapshot: a trace may initialise CUDA, whose context is no scope's doing.
+        let trace =
+            (gpu && trace.unwrap_or_else(|| registry().trace_by_default)).then(|| trace_recording::open(py, None));
+        let (trace, trace_notes) = match trace {
+            Some((window, notes)) => (Some(window), notes),
+            None => (None, Vec::new()),
+        };
         // Pins are made before the start snapshot so their own memory is not charged to the scope.
         let scope_held = Held {
             baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref()).map(Arc::new)).transpose()?,
@@ -130,9 +142,11 @@ pub(super) fn open_scope(
                 Some(seconds) => Some(monitor::Monitor::start(units::interval_of_seconds(seconds)?, None, gpu)?),
                 None => None,
             },
+            trace,
         };
         ranks::prepare_publishing(py);
         let (mut start, torch) = opening_snapshot(py, &selection, take_snapshot);
+        start.notes.extend(trace_notes);
         if let Some((index, because)) = own {
             start
                 .notes
@@ -292,7 +306,11 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
         Ok(found) => report.holders = found,
         Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
     }
+    let trace = scope_held.as_mut().and_then(|h| h.trace.take());
     drop(scope_held);
+    if let Some(window) = trace {
+        trace::complete_report(py, window, &mut report);
+    }
     ranks::complete_report(py, id, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
     update_sampler(py, None);

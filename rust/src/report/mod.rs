@@ -10,6 +10,7 @@ mod rank;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+mod traced;
 
 use serde::{Deserialize, Serialize};
 
@@ -118,6 +119,10 @@ pub struct Report {
     /// Descendant processes still holding GPU memory when the scope finished: never ended by gpuexp.
     #[serde(default)]
     pub child_processes: Vec<crate::snapshot::children::ChildProcess>,
+    /// With `trace=True`: each GPU's peak by source line, its timeline, what the scope left held
+    /// and its OOMs (not published to other ranks).
+    #[serde(default, skip_deserializing, skip_serializing_if = "Vec::is_empty")]
+    pub trace: Vec<crate::trace::DeviceTrace>,
 }
 
 /// What a report holds beside its figures: what teardown did and what the scope recorded.
@@ -232,6 +237,7 @@ impl Report {
             monitor: details.monitor,
             rank: Default::default(),
             child_processes: Vec::new(),
+            trace: Vec::new(),
         }
     }
 
@@ -268,6 +274,7 @@ impl Report {
                 lines.push(format!("  that is {}", roles.summary()));
             }
         }
+        lines.extend(self.trace_lines());
         lines.extend(self.rank.line());
         lines.extend(crate::snapshot::children::still_holding_lines(&self.child_processes));
         let finished = self.finished;

@@ -142,6 +142,8 @@ pub struct Registry {
     pub cell_log_min_change: u64,
     /// `%gpuexp log all`: every cell's block shows, whatever moved.
     pub cell_log_every_cell: bool,
+    /// `gpuexp.config(trace=True)`: every GPU experiment records where in the code it allocates.
+    pub trace_by_default: bool,
 }
 
 /// The default of `cell_log_min_change`: less than this is the noise of running any cell.
@@ -161,6 +163,7 @@ impl Default for Registry {
             standalone_log: false,
             cell_log_all_gpus: false,
             oom_rescue: true,
+            trace_by_default: false,
             cell_log_min_change: CELL_LOG_MIN_CHANGE,
             cell_log_every_cell: false,
         }

@@ -13,7 +13,9 @@ pub mod diff;
 pub mod held;
 pub mod parse;
 pub mod peak;
+mod pickle;
 pub mod replay;
+pub mod scope;
 pub mod sites;
 pub mod timeline;
 
@@ -22,6 +24,7 @@ pub use held::{oom, still_held, HeldBlock, OomSites};
 pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, Replay};
+pub use scope::{peak_since, scope_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 

@@ -213,8 +213,10 @@ impl Snapshot {
     /// memory_viz and Mosaic write it). serde-pickle runs no code from the file.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot> {
         INTERNER.with(|cell| *cell.borrow_mut() = Some(Stacks::default()));
-        let raw: std::result::Result<RawSnapshot, _> =
-            serde_pickle::from_slice(bytes, serde_pickle::DeOptions::new().decode_strings());
+        // Read by `pickle` (torch shares frame objects between entries, which serde-pickle's own
+        // reader refuses), then typed by serde.
+        let raw: std::result::Result<RawSnapshot, String> =
+            super::pickle::read(bytes).and_then(|value| serde_pickle::from_value(value).map_err(|e| e.to_string()));
         let stacks = INTERNER.with(|cell| cell.borrow_mut().take()).unwrap_or_default();
         let raw = raw.map_err(|error| {
             Error::InvalidArgument(format!(

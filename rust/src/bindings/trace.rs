@@ -1,0 +1,330 @@
+//! Where in the code, from Python: a traced experiment's findings (`report.trace`), diffs of two
+//! of them, the timeline, and torch snapshot files written and read (`save_snapshot`,
+//! `gpuexp.load_snapshot`). The engine is `crate::trace`; only torch's snapshot and IPython's
+//! names for cells are reached through Python here.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+use super::report::{json_to_python, ReportPy};
+use super::trace_recording::{self, TraceWindow};
+use crate::report::{Params, Report};
+use crate::trace::{self, Attribution, DeviceTrace, SiteNamer, SiteRule, Snapshot};
+
+/// Names sites as a person reads them: a notebook cell's line as `In [12], line 4` (through
+/// `gpuexp.ipython.source_line`), a file's as `path:line` relative to the working directory.
+struct PyNamer<'py> {
+    source_line: Option<Bound<'py, PyAny>>,
+    cwd: Option<PathBuf>,
+    seen: RefCell<HashMap<(String, u32), (Option<String>, Option<String>)>>,
+}
+
+impl<'py> PyNamer<'py> {
+    fn new(py: Python<'py>) -> PyNamer<'py> {
+        let source_line = py.import("gpuexp.ipython").and_then(|m| m.getattr("source_line")).ok();
+        PyNamer { source_line, cwd: std::env::current_dir().ok(), seen: RefCell::default() }
+    }
+
+    fn lookup(&self, filename: &str, line: u32) -> (Option<String>, Option<String>) {
+        let key = (filename.to_string(), line);
+        if let Some(found) = self.seen.borrow().get(&key) {
+            return found.clone();
+        }
+        let found = self
+            .source_line
+            .as_ref()
+            .and_then(|f| f.call1((filename, line)).ok()?.extract::<(Option<String>, String)>().ok())
+            .map(|(label, text)| (label, (!text.is_empty()).then_some(text)))
+            .unwrap_or_default();
+        self.seen.borrow_mut().insert(key, found.clone());
+        found
+    }
+}
+
+impl SiteNamer for PyNamer<'_> {
+    fn label(&self, filename: &str, line: u32) -> String {
+        self.lookup(filename, line).0.unwrap_or_else(|| {
+            let path = std::path::Path::new(filename);
+            let shown = self.cwd.as_ref().and_then(|cwd| path.strip_prefix(cwd).ok()).unwrap_or(path);
+            format!("{}:{line}", shown.display())
+        })
+    }
+
+    fn source(&self, filename: &str, line: u32) -> Option<String> {
+        self.lookup(filename, line).1
+    }
+}
+
+/// Snapshot pickles of the latest traced reports, by report (name and start), for
+/// `save_snapshot`: each can be tens of MiB, so older reports give theirs up.
+static KEPT: Mutex<VecDeque<(String, Arc<Vec<u8>>)>> = Mutex::new(VecDeque::new());
+const KEPT_SNAPSHOTS: usize = 4;
+
+fn kept() -> std::sync::MutexGuard<'static, VecDeque<(String, Arc<Vec<u8>>)>> {
+    KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn report_key(report: &Report) -> String {
+    format!("{}\u{0}{}", report.name, report.started_at)
+}
+
+/// The core's findings for `devices` from a snapshot pickle, from `since_us` on.
+fn analyse(
+    py: Python,
+    pickle: &[u8],
+    devices: Option<&[u32]>,
+    max_entries: Option<u64>,
+    since_us: i64,
+) -> PyResult<Vec<DeviceTrace>> {
+    let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
+    let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
+    let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
+    Ok(trace::scope_traces(&snapshot, &devices, max_entries, since_us, &attribution))
+}
+
+/// Reads the trace of a finishing scope into its report; the recording then ends where this
+/// was its last traced scope.
+pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Report) {
+    if let Some(why) = &window.unavailable {
+        report.notes.push(why.clone());
+        return;
+    }
+    let devices: Vec<u32> = report.gpus.iter().map(|g| g.torch_index).collect();
+    let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
+        let traces = analyse(py, &pickle, Some(&devices), window.max_entries, window.opened_us)?;
+        Ok((pickle, traces))
+    });
+    match read {
+        Ok((pickle, traces)) => {
+            report.trace = traces;
+            let mut kept = kept();
+            kept.push_back((report_key(report), Arc::new(pickle)));
+            while kept.len() > KEPT_SNAPSHOTS {
+                kept.pop_front();
+            }
+        }
+        Err(e) => report.notes.push(format!("trace: reading torch's allocation history failed: {e}")),
+    }
+    if let Some(note) = trace_recording::close(py) {
+        report.notes.push(note);
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, so that a failure
+/// leaves any file already there as it was.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let directory = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+/// Where in the code one traced experiment (or a snapshot file) peaked: each GPU's live
+/// memory at its peak by source line. `str()` is the text tables; `_repr_html_` the HTML ones.
+#[pyclass(name = "Trace", module = "gpuexp", frozen)]
+pub(super) struct TracePy {
+    name: String,
+    params: Params,
+    devices: Vec<DeviceTrace>,
+    pickle: Option<Arc<Vec<u8>>>,
+}
+
+impl TracePy {
+    pub(super) fn of_report(report: &Report) -> Option<TracePy> {
+        (!report.trace.is_empty()).then(|| TracePy {
+            name: report.name.clone(),
+            params: report.params.clone(),
+            devices: report.trace.clone(),
+            pickle: kept().iter().find(|(key, _)| *key == report_key(report)).map(|(_, p)| p.clone()),
+        })
+    }
+}
+
+#[pymethods]
+impl TracePy {
+    fn __str__(&self) -> String {
+        self.devices.iter().map(|d| d.peak.to_text()).collect::<Vec<_>>().join("\n\n")
+    }
+
+    fn __repr__(&self) -> String {
+        self.__str__()
+    }
+
+    fn _repr_html_(&self) -> String {
+        self.devices.iter().map(|d| d.peak.to_html()).collect()
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&self.devices).expect("plain data serialises")
+    }
+
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.to_json())
+    }
+
+    /// Why this trace peaks higher (or lower) than `other`'s, by site, sorted by growth.
+    fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
+        let other = trace_of(other)?;
+        let (Some(mine), Some(theirs)) = (self.devices.first(), other.devices.first()) else {
+            return Err(PyValueError::new_err("a trace with no GPU can't be compared"));
+        };
+        let theirs = other.devices.iter().find(|d| d.torch_index == mine.torch_index).unwrap_or(theirs);
+        Ok(SiteDiffPy(trace::diff(&theirs.peak, &mine.peak, &other.params, &self.params)))
+    }
+
+    /// Allocated over time stacked by the top sites, the peak marked: inline SVG in Jupyter;
+    /// `.figure()` draws it with matplotlib.
+    fn plot_timeline(&self) -> TimelinePy {
+        TimelinePy { name: self.name.clone(), devices: self.devices.clone() }
+    }
+
+    /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open.
+    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+        let pickle = self.pickle.clone().ok_or_else(|| {
+            PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
+        })?;
+        py.detach(|| write_atomically(&path, &pickle))
+            .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
+    }
+}
+
+fn trace_of(value: &Bound<PyAny>) -> PyResult<TracePy> {
+    if let Ok(trace) = value.cast::<TracePy>() {
+        let t = trace.get();
+        return Ok(TracePy {
+            name: t.name.clone(),
+            params: t.params.clone(),
+            devices: t.devices.clone(),
+            pickle: t.pickle.clone(),
+        });
+    }
+    if let Ok(report) = value.cast::<ReportPy>() {
+        let report = report.get();
+        return TracePy::of_report(&report.0).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "experiment {:?} was not traced: open it with GPUExperiment(..., trace=True)",
+                report.0.name
+            ))
+        });
+    }
+    Err(PyValueError::new_err(format!(
+        "diff() takes a traced Report or a Trace (gpuexp.load_snapshot(path)); got {}",
+        value.get_type().name()?
+    )))
+}
+
+/// `b.diff(a)`: the difference in peak attributed to sites. `str()` is the table.
+#[pyclass(name = "SiteDiff", module = "gpuexp", frozen)]
+pub(super) struct SiteDiffPy(trace::SiteDiff);
+
+#[pymethods]
+impl SiteDiffPy {
+    fn __str__(&self) -> String {
+        self.0.to_text()
+    }
+    fn __repr__(&self) -> String {
+        self.0.to_text()
+    }
+    fn _repr_html_(&self) -> String {
+        self.0.to_html()
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_python(py, &self.0.to_json().to_string())
+    }
+}
+
+/// A traced experiment's timeline: inline SVG in Jupyter (no script, nothing fetched);
+/// `.figure()` is a matplotlib Figure of the same data.
+#[pyclass(name = "Timeline", module = "gpuexp", frozen)]
+pub(super) struct TimelinePy {
+    name: String,
+    devices: Vec<DeviceTrace>,
+}
+
+#[pymethods]
+impl TimelinePy {
+    fn _repr_html_(&self) -> String {
+        self.devices.iter().map(|d| d.timeline.to_svg()).collect()
+    }
+    fn __repr__(&self) -> String {
+        let peaks: Vec<String> = self
+            .devices
+            .iter()
+            .map(|d| format!("cuda:{} peak {}", d.torch_index, crate::units::bytes(d.peak.peak.bytes)))
+            .collect();
+        format!("<Timeline of {:?}: {}>", self.name, peaks.join(", "))
+    }
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let data: Vec<serde_json::Value> = self.devices.iter().map(|d| d.timeline.to_json()).collect();
+        json_to_python(py, &serde_json::Value::Array(data).to_string())
+    }
+    /// The timeline as a matplotlib Figure; saved to `path` when given.
+    #[pyo3(signature = (path=None))]
+    fn figure<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let data = self.to_dict(py)?;
+        py.import("gpuexp.timeline")?.call_method1("figure", (data, format!("gpuexp · {}", self.name), path))
+    }
+}
+
+/// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
+/// the same peak tables, diff and timeline as a traced experiment.
+#[pyfunction]
+pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
+    let pickle = py
+        .detach(|| std::fs::read(&path))
+        .map_err(|e| PyOSError::new_err(format!("load_snapshot({}): {e}", path.display())))?;
+    let devices = analyse(py, &pickle, None, None, i64::MIN)?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
+}
+
+#[pymethods]
+impl ReportPy {
+    /// With `trace=True`: where in the code each GPU peaked (None otherwise).
+    #[getter]
+    fn trace(&self) -> Option<TracePy> {
+        TracePy::of_report(&self.0)
+    }
+
+    /// Why this experiment peaks higher (or lower) than `other` (a traced Report or a Trace),
+    /// by site, sorted by growth, each site's growth related to the params that changed.
+    fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
+        self.traced()?.diff(other)
+    }
+
+    /// Torch allocated over the experiment, stacked by its top sites (`trace=True`).
+    fn plot_timeline(&self) -> PyResult<TimelinePy> {
+        Ok(self.traced()?.plot_timeline())
+    }
+
+    /// Writes the experiment's torch snapshot (`trace=True`) for memory_viz and Mosaic.
+    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+        self.traced()?.save_snapshot(py, path)
+    }
+}
+
+impl ReportPy {
+    fn traced(&self) -> PyResult<TracePy> {
+        TracePy::of_report(&self.0).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "experiment {:?} was not traced: open it with GPUExperiment(..., trace=True), or turn the trace on \
+                 for every experiment with gpuexp.config(trace=True)",
+                self.0.name
+            ))
+        })
+    }
+}

@@ -1,0 +1,65 @@
+//! How a traced report shows where in the code: lines under its table for what the scope left
+//! held and where it ran out of memory, and each GPU's peak by source line below it.
+
+use std::collections::BTreeMap;
+
+use super::Report;
+use crate::trace::DeviceTrace;
+use crate::units::bytes;
+
+/// Sites named in a line of the report's table.
+const SITES_IN_A_LINE: usize = 5;
+
+fn held_line(device: &DeviceTrace) -> Option<String> {
+    let mut by_site: BTreeMap<&str, u64> = BTreeMap::new();
+    for block in &device.still_held {
+        *by_site.entry(block.site.label.as_str()).or_default() += block.bytes;
+    }
+    let mut sites: Vec<(&str, u64)> = by_site.into_iter().collect();
+    sites.sort_by(|a, b| b.1.cmp(&a.1));
+    let named: Vec<String> =
+        sites.iter().take(SITES_IN_A_LINE).map(|(label, held)| format!("{label} ({})", bytes(*held))).collect();
+    (!named.is_empty())
+        .then(|| format!("still held on cuda:{}, allocated at: {}", device.torch_index, named.join(", ")))
+}
+
+impl Report {
+    /// Under the table: where what is still held was allocated, and each out-of-memory's line.
+    pub(super) fn trace_lines(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        for device in &self.trace {
+            lines.extend(held_line(device));
+            for oom in &device.ooms {
+                let source = oom.site.source.as_deref().map(|s| format!(" `{s}`")).unwrap_or_default();
+                let top = oom.live.sites.first().map(|s| format!("; most live at {} ({})", s.label, bytes(s.bytes)));
+                lines.push(format!(
+                    "out of memory on cuda:{} at {}{source}, asking {}{}",
+                    device.torch_index,
+                    oom.site.label,
+                    bytes(oom.requested),
+                    top.unwrap_or_default()
+                ));
+            }
+        }
+        lines
+    }
+
+    /// The report as text: its table, then each traced GPU's peak by source line.
+    pub fn to_text(&self) -> String {
+        let mut text = self.grid().to_text();
+        for device in &self.trace {
+            text.push_str("\n\n");
+            text.push_str(&device.peak.to_text());
+        }
+        text
+    }
+
+    /// The same as HTML, each site's stack collapsible.
+    pub fn to_html(&self) -> String {
+        let mut html = self.grid().to_html();
+        for device in &self.trace {
+            html.push_str(&device.peak.to_html());
+        }
+        html
+    }
+}

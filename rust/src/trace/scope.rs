@@ -1,0 +1,89 @@
+//! What a traced experiment found on each of its GPUs: its peak by site, the timeline, what it
+//! left held and where it ran out of memory. A recording shared with the user (or with an outer
+//! traced experiment) holds more than the scope: its window starts at the scope's opening.
+
+use std::collections::HashSet;
+
+use serde::Serialize;
+
+use super::held::{oom, still_held, HeldBlock, OomSites};
+use super::parse::Snapshot;
+use super::peak::{site_table, PeakSites, TOP_SITES};
+use super::replay::{replay, Peak, Replay};
+use super::sites::Attribution;
+use super::timeline::{timeline, Timeline};
+
+/// One GPU of a traced scope.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeviceTrace {
+    pub torch_index: u32,
+    pub peak: PeakSites,
+    pub timeline: Timeline,
+    /// Blocks the scope allocated that were still alive when it finished, largest first.
+    pub still_held: Vec<HeldBlock>,
+    pub ooms: Vec<OomSites>,
+}
+
+/// The highest allocated from the first event at or after `since_us` on (what was allocated
+/// when the window opened counts too).
+pub fn peak_since(replay: &Replay, since_us: i64) -> Peak {
+    let first = replay.time_us.iter().position(|&t| t >= since_us).unwrap_or(replay.time_us.len());
+    let opening = match first.checked_sub(1) {
+        Some(before) => Peak { event: Some(before), bytes: replay.allocated[before], time_us: since_us },
+        None => Peak { event: None, bytes: replay.baseline, time_us: since_us },
+    };
+    (first..replay.allocated.len()).fold(opening, |best, event| {
+        if replay.allocated[event] > best.bytes {
+            Peak { event: Some(event), bytes: replay.allocated[event], time_us: replay.time_us[event] }
+        } else {
+            best
+        }
+    })
+}
+
+/// Each of `devices` (torch indices) in `snapshot`, from `since_us` on.
+pub fn scope_traces(
+    snapshot: &Snapshot,
+    devices: &[u32],
+    max_entries: Option<usize>,
+    since_us: i64,
+    attribution: &Attribution,
+) -> Vec<DeviceTrace> {
+    devices
+        .iter()
+        .map(|&torch_index| {
+            let replayed = replay(snapshot, torch_index as usize, max_entries);
+            let peak = peak_since(&replayed, since_us);
+            let live: Vec<_> = match peak.event {
+                Some(event) => replayed.live_at(event).collect(),
+                None => replayed.blocks.iter().filter(|b| b.before_recording()).collect(),
+            };
+            let sites = PeakSites {
+                device: replayed.device,
+                peak,
+                table: site_table(&replayed, attribution, &live, TOP_SITES),
+                completeness: replayed.completeness.clone(),
+            };
+            let in_scope: Vec<u64> = replayed
+                .live_at_end()
+                .filter(|b| b.alloc_event.is_some_and(|event| replayed.time_us[event] >= since_us))
+                .map(|b| b.addr)
+                .collect();
+            let mut held = still_held(&replayed, attribution, Some(&in_scope));
+            held.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+            let in_window: HashSet<usize> =
+                (0..replayed.time_us.len()).filter(|&e| replayed.time_us[e] >= since_us).collect();
+            let ooms = oom(snapshot, &replayed, attribution, TOP_SITES)
+                .into_iter()
+                .filter(|o| in_window.contains(&o.event))
+                .collect();
+            DeviceTrace {
+                torch_index,
+                timeline: timeline(&replayed, attribution, TOP_SITES),
+                peak: sites,
+                still_held: held,
+                ooms,
+            }
+        })
+        .collect()
+}
