@@ -26,7 +26,7 @@ def scripted_snapshot(program, bs):
     """torch's snapshot shape for one step at batch size `bs`: allocations in line order, all freed."""
     events, address, time_us = [], 1 << 32, 1_000
     blocks = []
-    for name, (line, size) in LINES.items():
+    for line, size in LINES.values():
         frames = [dict(TORCH_FRAME), {"filename": str(program), "line": line, "name": "step"}]
         events.append({"action": "alloc", "addr": address, "size": size(bs), "stream": 0, "time_us": time_us,
                        "frames": frames})

@@ -17,12 +17,15 @@ use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, DeviceTrace, SiteNamer, SiteRule, Snapshot};
 
+/// A line's label (None: not a notebook cell) and its source text.
+type Named = (Option<String>, Option<String>);
+
 /// Names sites as a person reads them: a notebook cell's line as `In [12], line 4` (through
 /// `gpuexp.ipython.source_line`), a file's as `path:line` relative to the working directory.
 struct PyNamer<'py> {
     source_line: Option<Bound<'py, PyAny>>,
     cwd: Option<PathBuf>,
-    seen: RefCell<HashMap<(String, u32), (Option<String>, Option<String>)>>,
+    seen: RefCell<HashMap<(String, u32), Named>>,
 }
 
 impl<'py> PyNamer<'py> {
@@ -31,7 +34,7 @@ impl<'py> PyNamer<'py> {
         PyNamer { source_line, cwd: std::env::current_dir().ok(), seen: RefCell::default() }
     }
 
-    fn lookup(&self, filename: &str, line: u32) -> (Option<String>, Option<String>) {
+    fn lookup(&self, filename: &str, line: u32) -> Named {
         let key = (filename.to_string(), line);
         if let Some(found) = self.seen.borrow().get(&key) {
             return found.clone();

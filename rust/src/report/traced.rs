@@ -16,7 +16,7 @@ fn held_line(device: &DeviceTrace) -> Option<String> {
         *by_site.entry(block.site.label.as_str()).or_default() += block.bytes;
     }
     let mut sites: Vec<(&str, u64)> = by_site.into_iter().collect();
-    sites.sort_by(|a, b| b.1.cmp(&a.1));
+    sites.sort_by_key(|site| std::cmp::Reverse(site.1));
     let named: Vec<String> =
         sites.iter().take(SITES_IN_A_LINE).map(|(label, held)| format!("{label} ({})", bytes(*held))).collect();
     (!named.is_empty())

@@ -90,7 +90,7 @@ impl<'a> Machine<'a> {
         match &mut self.nodes[container] {
             Node::List(list) | Node::Set(list) => list.extend(items),
             Node::Dict(pairs) => {
-                if items.len() % 2 != 0 {
+                if !items.len().is_multiple_of(2) {
                     return Err("a dict item without its value".into());
                 }
                 pairs.extend(items.chunks(2).map(|kv| (kv[0], kv[1])));

@@ -70,7 +70,7 @@ pub fn scope_traces(
                 .map(|b| b.addr)
                 .collect();
             let mut held = still_held(&replayed, attribution, Some(&in_scope));
-            held.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+            held.sort_by_key(|block| std::cmp::Reverse(block.bytes));
             let in_window: HashSet<usize> =
                 (0..replayed.time_us.len()).filter(|&e| replayed.time_us[e] >= since_us).collect();
             let ooms = oom(snapshot, &replayed, attribution, TOP_SITES)
