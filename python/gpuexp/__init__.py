@@ -6,6 +6,7 @@ process) and torch's allocator.
 """
 
 import atexit
+import os
 import sys
 
 from . import _core, extension, ipython
@@ -24,6 +25,7 @@ from ._core import (
 )
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
+from .files import write_atomically
 from .monitor import Monitor
 from .ranks import host_ranks_store, ranks
 
@@ -70,10 +72,13 @@ def history():
 
 
 def save_history(path):
-    """Writes this kernel's finished reports to ``path`` as a JSON list; returns the path."""
-    with open(path, "w", encoding="utf-8") as out:
-        out.write(_core.history_json())
-        out.write("\n")
+    """Writes this kernel's finished reports to ``path`` (a str or os.PathLike) as a JSON list;
+    returns the path. The file is replaced atomically: a failure (a full disk, say) leaves the
+    previous file as it was, and the error names the path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save_history() takes a file path, e.g. save_history('runs.json'); got {path!r}")
+    text = _core.history_json() + "\n"
+    write_atomically(path, lambda out: out.write(text.encode("utf-8")))
     return path
 
 
@@ -169,6 +174,16 @@ def compare(experiments=None):
         return _core.compare(None)
     if isinstance(experiments, (Report, GPUExperiment)):
         experiments = [experiments]
+    if isinstance(experiments, dict):
+        raise TypeError(
+            "compare() takes a list of reports or experiments, not a dict: "
+            "gpuexp.compare(list(runs.values())) compares the dict's values"
+        )
+    if isinstance(experiments, (str, bytes)) or not hasattr(experiments, "__iter__"):
+        raise TypeError(
+            "compare() takes a list of reports (gpuexp.history(), exp.finish()) or experiments, "
+            f"e.g. gpuexp.compare([exp1, exp2]); got {experiments!r}"
+        )
     reports = []
     for item in experiments:
         if isinstance(item, GPUExperiment):
@@ -205,6 +220,9 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
         None or False: no live view.
     """
+    for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} is True or False, e.g. gpuexp.config({name}=True); got {flag!r}")
     if sample_interval_ms is not None and (
         isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))
     ):
@@ -230,12 +248,16 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
 
 
 def _bytes(value, name):
-    """Bytes from a size string ("1MiB") or a number of bytes, 0 included."""
-    if isinstance(value, str):
+    """Bytes from a size string ("1MiB") or a number of bytes, 0 included ("0" too); sizes past
+    what any machine has are refused, never saturated."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r}: write a size such as {name}=\"1MiB\" or a number of bytes")
+    try:
         return _core.parse_size(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"1MiB\" or a number of bytes")
+    except ValueError as error:
+        raise ValueError(f"{name}={value!r}: {error}") from None
 
 
 def load_ipython_extension(ip):

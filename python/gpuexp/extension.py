@@ -3,7 +3,9 @@ cell events that notice ``del exp``, run the cell log (its live view included) a
 CUDA out-of-memory error, and the ``%gpuexp`` magics."""
 
 from . import _core, live
-from .experiment import GPUExperiment, tracked
+import sys
+
+from .experiment import GPUExperiment, open_experiment, tracked
 from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
 
@@ -61,24 +63,31 @@ def _after_cell(result=None):
     if record is not None or live_view is not None:
         # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
         live.replace(live_view, record if _core.cell_log_active() else None)
-    experiments = tracked()
-    if experiments and (ip := shell()) is not None:
-        _finish_unbound(experiments.values(), ShellNamespace(ip))
+    # Ids only: an experiment held in a list here would count as referenced.
+    scope_ids = list(tracked())
+    if scope_ids and (ip := shell()) is not None:
+        _finish_unreferenced(scope_ids, ShellNamespace(ip))
     raise_held_interrupt(result)
 
 
-def _finish_unbound(experiments, namespace):
-    """Finishes the experiments whose every name the user deleted or rebound (``del exp``);
-    hidden references (Out, _) don't count."""
-    for experiment in experiments:
-        bound = set(_core.bound_names(namespace, experiment))
-        if experiment._handles and not bound:
+def _finish_unreferenced(scope_ids, namespace):
+    """Finishes the experiments that nothing refers to any more but IPython's caches (Out, _,
+    _N): ``del exp``, ``exp = None``. One that anything else holds (a name, a list, a class, a
+    closure, a running thread) stays open: ``runs = [start("a")]`` keeps its experiment."""
+    for scope_id in scope_ids:
+        experiment = open_experiment(scope_id)
+        if experiment is None:
+            continue
+        # Counted against a fresh object held the same way, so that this frame's own references
+        # (the local, the call's argument) cancel out on every CPython.
+        probe = object()
+        others = sys.getrefcount(experiment) - sys.getrefcount(probe) - namespace.cache_refs(experiment)
+        if others <= 0:
             try:
                 experiment.finish()
             except KeyboardInterrupt as error:
                 hold_interrupt(error)
-        elif bound:
-            experiment._handles = bound
+        experiment = None
 
 
 # ---- magics --------------------------------------------------------------------------------
@@ -101,7 +110,7 @@ def _magics():
         @line_cell_magic
         def gpuexp(self, line, cell=None):
             if cell is not None:
-                return _run_as_experiment(self.shell, line.strip() or None, cell)
+                return _run_as_experiment(self.shell, _unquoted(line.strip()) or None, cell)
             words = line.split()
             if words == ["status"]:
                 show(_core.snapshot(True))
@@ -115,9 +124,21 @@ def _magics():
     return GpuexpMagics
 
 
+def _unquoted(name):
+    """``%%gpuexp "bs=64, lr=3e-4"``: the name inside the quotes, so that its params read."""
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"":
+        return name[1:-1].strip()
+    return name
+
+
 def _run_as_experiment(ip, name, cell):
+    # A blank line stands for the `%%gpuexp` line, so that the body's lines keep the cell's numbers.
+    source = ip.transform_cell("\n" + cell)
+    # Compiled under a name IPython's traceback can read back: it shows the user's line.
+    filename = ip.compile.cache(source, ip.execution_count, raw_code="\n" + cell)
+    code = ip.compile(source, filename, "exec")
     experiment = GPUExperiment(name)
     try:
-        ip.ex(ip.transform_cell(cell))
+        exec(code, ip.user_global_ns, ip.user_ns)
     finally:
         experiment.finish()
