@@ -141,6 +141,12 @@ class Report(_Table):
     def kept(self) -> list[str]: ...
     @property
     def cleared(self) -> list[str]: ...
+    def __copy__(self) -> Report:
+        """The report itself: it never changes."""
+    def __deepcopy__(self, _memo: Any) -> Report:
+        """The report itself: it never changes."""
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickled as its JSON (``report_from_json``)."""
     @property
     def not_deleted(self) -> list[str]:
         """Names the teardown meant to delete that are still bound, each with why."""

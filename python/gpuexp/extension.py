@@ -2,9 +2,10 @@
 cell events that notice ``del exp``, run the cell log (its live view included) and rescue a
 CUDA out-of-memory error, and the ``%gpuexp`` magics."""
 
-from . import _core, live
+import ast
 import sys
 
+from . import _core, live
 from .experiment import GPUExperiment, open_experiment, tracked
 from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
@@ -110,7 +111,7 @@ def _magics():
         @line_cell_magic
         def gpuexp(self, line, cell=None):
             if cell is not None:
-                return _run_as_experiment(self.shell, _unquoted(line.strip()) or None, cell)
+                return _run_as_experiment(self.shell, line, cell)
             words = line.split()
             if words == ["status"]:
                 show(_core.snapshot(True))
@@ -131,13 +132,16 @@ def _unquoted(name):
     return name
 
 
-def _run_as_experiment(ip, name, cell):
-    # A blank line stands for the `%%gpuexp` line, so that the body's lines keep the cell's numbers.
-    source = ip.transform_cell("\n" + cell)
-    # Compiled under a name IPython's traceback can read back: it shows the user's line.
-    filename = ip.compile.cache(source, ip.execution_count, raw_code="\n" + cell)
-    code = ip.compile(source, filename, "exec")
-    experiment = GPUExperiment(name)
+def _run_as_experiment(ip, line, cell):
+    tree = ip.compile.ast_parse(ip.transform_cell(cell))
+    # The body starts on the cell's second line, below `%%gpuexp`: its line numbers say so.
+    ast.increment_lineno(tree, 1)
+    # Registered as the running cell's text, so that a traceback shows the user's lines.
+    whole = f"%%gpuexp {line}\n{cell}"
+    number = len(getattr(ip.history_manager, "input_hist_raw", [])) - 1
+    filename = ip.compile.cache(whole, number if number > 0 else ip.execution_count, raw_code=whole)
+    code = compile(tree, filename, "exec", flags=ip.compile.flags, dont_inherit=True)
+    experiment = GPUExperiment(_unquoted(line.strip()) or None)
     try:
         exec(code, ip.user_global_ns, ip.user_ns)
     finally:
