@@ -9,7 +9,7 @@ import atexit
 import os
 import sys
 
-from . import _core, extension, ipython
+from . import _core, experiment, extension, files, ipython
 from ._core import (
     CellRecord,
     Comparison,
@@ -25,7 +25,6 @@ from ._core import (
 )
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
-from .files import write_atomically
 from .monitor import Monitor
 from .ranks import host_ranks_store, ranks
 
@@ -78,7 +77,7 @@ def save_history(path):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"save_history() takes a file path, e.g. save_history('runs.json'); got {path!r}")
     text = _core.history_json() + "\n"
-    write_atomically(path, lambda out: out.write(text.encode("utf-8")))
+    files.write_atomically(path, lambda out: out.write(text.encode("utf-8")))
     return path
 
 
@@ -231,7 +230,7 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
             f"got {sample_interval_ms!r}"
         )
     if cell_log_min_change is not None:
-        cell_log_min_change = _bytes(cell_log_min_change, "cell_log_min_change")
+        cell_log_min_change = experiment.size(cell_log_min_change, "cell_log_min_change", zero=True)
     if live_view_after_s is _UNCHANGED:
         live_view_after_s = None
     elif live_view_after_s is None or live_view_after_s is False:
@@ -245,19 +244,6 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue,
         cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s,
     )
-
-
-def _bytes(value, name):
-    """Bytes from a size string ("1MiB") or a number of bytes, 0 included ("0" too); sizes past
-    what any machine has are refused, never saturated."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{name}={value!r}: write a size such as {name}=\"1MiB\" or a number of bytes")
-    try:
-        return _core.parse_size(value)
-    except ValueError as error:
-        raise ValueError(f"{name}={value!r}: {error}") from None
 
 
 def load_ipython_extension(ip):

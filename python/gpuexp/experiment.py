@@ -58,7 +58,7 @@ class GPUExperiment:
             adapter=ipython.namespace_for(creator),
             owner=self,
             cell_log=cell_log,
-            limit=_size(limit, "limit"),
+            limit=size(limit, "limit"),
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
             monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
             handles=handles,
@@ -219,15 +219,16 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     in a terminal one line, rewritten; in a script a line per trial.
     """
     return _core.find_batch_size(
-        step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
+        step, start, max, device=None if device is None else device_indices(device)[0], limit=size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
         progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
         adapter=ipython.DetachedNamespace(),
     )
 
 
-def _size(value, name):
-    """Bytes from an int or a string such as "24GiB", more than 0 either way; None stays None."""
+def size(value, name, *, zero=False):
+    """Bytes from an int or a string such as "24GiB", read alike ("0" where 0 is taken); None
+    stays None. Past what any machine has is refused, never clamped; 0 only where ``zero``."""
     if value is None:
         return None
     if isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -235,9 +236,10 @@ def _size(value, name):
             size = _core.parse_size(str(value))
         except ValueError as error:
             raise ValueError(f"{name}={value!r}: {error}") from None
-        if size > 0:
+        if size > 0 or zero:
             return size
-    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes, more than 0")
+    more = "" if zero else ", more than 0"
+    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes{more}")
 
 
 def _creator_frame():
