@@ -70,7 +70,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
              write a size such as \"24GiB\""
         ))),
         // Zero as a whole: callers that need a positive size say so in their own words.
-        Some(value) if value == 0.0 => Ok(0),
+        Some(0.0) => Ok(0),
         Some(value) if value >= 1.0 => Ok(value as u64),
         _ => Err(Error::InvalidArgument(format!(
             "{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes"

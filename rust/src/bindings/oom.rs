@@ -24,7 +24,7 @@ pub(super) fn is_cuda_oom(error: &Bound<PyAny>) -> bool {
     }
     let message = error.str().map(|m| m.to_string()).unwrap_or_default();
     torch.cuda().is_some()
-        && error.get_type().is(&error.py().get_type::<PyRuntimeError>())
+        && error.get_type().is(error.py().get_type::<PyRuntimeError>())
         && message.contains("CUDA out of memory")
 }
 
