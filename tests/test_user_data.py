@@ -133,6 +133,16 @@ def test_reset_with_an_experiment_open_completes_and_says_what_happened(kernel):
     assert any("finished by %reset" in note for note in report["notes"]), report["notes"]
 
 
+def test_reset_selective_with_an_experiment_open_completes(kernel):
+    kernel.run(SETUP + "model_a = 1")
+    kernel.run('exp = GPUExperiment("selective")')
+    kernel.run("model_b = np.ones(8)\nexp_note = 'made in the scope'")
+    shown = kernel.run("%reset_selective -f ^(exp|model_b)")
+    assert shown.error is None, shown
+    assert names_present(kernel, "exp", "model_a", "model_b", "exp_note") == ["model_a"]
+    assert any("finished by %reset" in note for note in last_report(kernel)["notes"])
+
+
 # ---- files are written atomically -----------------------------------------------------------
 
 

@@ -189,15 +189,25 @@ def _is_output_name(name):
 
 
 def resetting():
-    """Whether IPython's ``%reset`` is clearing the namespace further up this call stack: it
-    fails on a name deleted under it, so a teardown then leaves the names to it."""
+    """Whether IPython's ``%reset`` or ``%reset_selective`` is deleting names further up this
+    call stack: each fails on a name deleted under it, so a teardown then leaves names to it."""
     ip = shell()
     frame = sys._getframe(1) if ip is not None else None
     while frame is not None:
-        if frame.f_code.co_name == "reset" and frame.f_locals.get("self") is ip:
+        # The shell's `reset`, or the magic's `reset_selective`, which deletes the names itself.
+        if frame.f_code.co_name in ("reset", "reset_selective") and _runs_on(frame, ip):
             return True
         frame = frame.f_back
     return False
+
+
+def _runs_on(frame, ip):
+    """Whether a method's frame runs on the shell, or on one of its magics."""
+    owner = frame.f_locals.get("self")
+    try:
+        return owner is ip or getattr(owner, "shell", None) is ip
+    except Exception:  # a user's object named `reset` whose `shell` raises is not IPython's
+        return False
 
 
 class ModuleNamespace(_Namespace):

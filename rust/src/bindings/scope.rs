@@ -298,7 +298,7 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>, during_reset: b
     if during_reset {
         details
             .notes
-            .push("finished by %reset: the reset deleted the names, so gpuexp deleted none and lists none".into());
+            .push("finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none (what the reset keeps stays)".into());
     }
     if let Some(scope_held) = scope_held.as_mut() {
         if let Err(e) = restore_limit(py, &scope_held.limited) {
