@@ -219,3 +219,15 @@ def test_names_the_walk_skips_are_listed_as_left(kernel):
     assert sorted(left) == sorted(["_77", "__cache__", "3", "'\\udcff'"]), left
     assert "left, looks like IPython's" in shown.text
     assert kernel.value("'_77' in globals() and '__cache__' in globals() and 3 in globals()")
+
+
+def test_a_reports_figure_is_replaced_atomically_and_a_failure_names_the_path(kernel, tmp_path):
+    figure = tmp_path / "timeline.png"
+    figure.write_bytes(b"the previous figure")
+    kernel.run(SETUP + "import time\nwith GPUExperiment('timeline', monitor='20ms'):\n    time.sleep(0.2)")
+    kernel.run(f"gpuexp.history()[-1].plot({str(figure)!r})")
+    assert figure.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline.png"], "no temporary file is left"
+    missing = tmp_path / "no such dir" / "timeline.png"
+    failed = kernel.run(f"gpuexp.history()[-1].plot({str(missing)!r})", expect_error=True)
+    assert failed.error.startswith(("OSError", "FileNotFoundError")) and str(missing) in failed.error, failed.error
