@@ -1,15 +1,16 @@
-"""OOM rescue, on the host: a RuntimeError with CUDA's out-of-memory text takes the same path
-as torch.OutOfMemoryError, so the frames, references and diagnosis are checked here too."""
+"""OOM rescue, on the host: torch.OutOfMemoryError raised by hand takes the path a real one
+takes, so the frames, references and diagnosis are checked here too. (A RuntimeError that only
+mentions CUDA's out-of-memory text, without CUDA in use, is no OOM: tests/test_rough_edges.py.)"""
 
 import pytest
 
-SETUP = "import builtins, weakref\nimport numpy as np\nimport gpuexp\n"
+SETUP = "import builtins, weakref\nimport numpy as np\nimport torch\nimport gpuexp\n"
 
 OOM_CELL = (
     "def forward():\n"
     "    activations = np.ones(128 << 20, dtype=np.uint8)\n"
     "    builtins.held = weakref.ref(activations)\n"
-    "    raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+    "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
     "capacity of 79.19 GiB of which 1.50 GiB is free.')\n"
     "forward()"
 )
@@ -18,15 +19,16 @@ OOM_CELL = (
 def test_an_oom_frees_what_the_failed_frames_held_and_explains_itself(kernel):
     kernel.run(SETUP)
     failed = kernel.run(OOM_CELL, expect_error=True)
-    assert failed.error.startswith("RuntimeError: CUDA out of memory")
-    assert failed.text.index("RuntimeError") < failed.text.index("CUDA out of memory on cuda:0 · rescued")
+    assert failed.error.startswith("OutOfMemoryError: CUDA out of memory")
+    assert failed.text.index("OutOfMemoryError") < failed.text.index("CUDA out of memory on cuda:0 · rescued")
     assert "requested" in failed.text and "2.00 GiB" in failed.text
     assert kernel.value("builtins.held() is None")
 
 
 def test_other_errors_are_left_alone(kernel):
     kernel.run(SETUP)
-    failed = kernel.run(OOM_CELL.replace("CUDA out of memory", "shape mismatch"), expect_error=True)
+    not_oom = OOM_CELL.replace("torch.OutOfMemoryError('CUDA out of memory", "RuntimeError('shape mismatch")
+    failed = kernel.run(not_oom, expect_error=True)
     assert "rescued" not in failed.text
     assert kernel.value("builtins.held() is not None")
 
@@ -56,7 +58,7 @@ def test_the_cell_log_shows_memory_after_the_rescue(kernel):
 )
 def test_the_request_is_read_from_torchs_message(kernel, message, requested, device):
     kernel.run(SETUP)
-    failed = kernel.run(f"raise RuntimeError({message!r})", expect_error=True)
+    failed = kernel.run(f"raise torch.OutOfMemoryError({message!r})", expect_error=True)
     if requested is None:
         assert "requested" in failed.text and "n/a" in failed.text.split("requested")[1].splitlines()[0]
     else:

@@ -9,7 +9,7 @@ import atexit
 import os
 import sys
 
-from . import _core, extension, ipython
+from . import _core, experiment, extension, files, ipython
 from ._core import (
     CellRecord,
     Comparison,
@@ -78,10 +78,13 @@ def history():
 
 
 def save_history(path):
-    """Writes this kernel's finished reports to ``path`` as a JSON list; returns the path."""
-    with open(path, "w", encoding="utf-8") as out:
-        out.write(_core.history_json())
-        out.write("\n")
+    """Writes this kernel's finished reports to ``path`` (a str or os.PathLike) as a JSON list;
+    returns the path. The file is replaced atomically: a failure (a full disk, say) leaves the
+    previous file as it was, and the error names the path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save_history() takes a file path, e.g. save_history('runs.json'); got {path!r}")
+    text = _core.history_json() + "\n"
+    files.write_atomically(path, lambda out: out.write(text.encode("utf-8")))
     return path
 
 
@@ -175,6 +178,16 @@ def compare(experiments=None):
         return _core.compare(None)
     if isinstance(experiments, (Report, GPUExperiment)):
         experiments = [experiments]
+    if isinstance(experiments, dict):
+        raise TypeError(
+            "compare() takes a list of reports or experiments, not a dict: "
+            "gpuexp.compare(list(runs.values())) compares the dict's values"
+        )
+    if isinstance(experiments, (str, bytes)) or not hasattr(experiments, "__iter__"):
+        raise TypeError(
+            "compare() takes a list of reports (gpuexp.history(), exp.finish()) or experiments, "
+            f"e.g. gpuexp.compare([exp1, exp2]); got {experiments!r}"
+        )
     reports = []
     for item in experiments:
         if isinstance(item, GPUExperiment):
@@ -215,6 +228,9 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     """
     if trace is not None and not isinstance(trace, bool):
         raise TypeError(f"trace must be True or False, e.g. gpuexp.config(trace=True); got {trace!r}")
+    for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} is True or False, e.g. gpuexp.config({name}=True); got {flag!r}")
     if sample_interval_ms is not None and (
         isinstance(sample_interval_ms, bool) or not isinstance(sample_interval_ms, (int, float))
     ):
@@ -223,7 +239,7 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
             f"got {sample_interval_ms!r}"
         )
     if cell_log_min_change is not None:
-        cell_log_min_change = _bytes(cell_log_min_change, "cell_log_min_change")
+        cell_log_min_change = experiment.size(cell_log_min_change, "cell_log_min_change", zero=True)
     if live_view_after_s is _UNCHANGED:
         live_view_after_s = None
     elif live_view_after_s is None or live_view_after_s is False:
@@ -247,15 +263,6 @@ def load_snapshot(path):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_snapshot takes a file's path, e.g. load_snapshot('snapshot.pickle'); got {path!r}")
     return _core.load_snapshot(path)
-
-
-def _bytes(value, name):
-    """Bytes from a size string ("1MiB") or a number of bytes, 0 included."""
-    if isinstance(value, str):
-        return _core.parse_size(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"1MiB\" or a number of bytes")
 
 
 def load_ipython_extension(ip):

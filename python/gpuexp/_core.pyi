@@ -32,6 +32,10 @@ class _NamespaceAdapter(Protocol):
     def drop_hidden(self, label: str) -> None:
         """Removes the reference ``hidden_refs`` listed under ``label``, with its twins."""
 
+    def ipythons_own(self) -> dict[Any, object]:
+        """The entries IPython itself keeps in the namespace (``user_ns_hidden``): an entry that
+        is the same object there is IPython's, and a report never lists it as left."""
+
     def drop_exception(self, error: BaseException) -> list[str]:
         """After a CUDA out-of-memory error: clears the frames of ``error`` and of the exceptions
         it chains, drops the stored references to it; returns what it cleared, for the report."""
@@ -170,6 +174,18 @@ class Report(_Table):
     @property
     def cleared(self) -> list[str]:
         """IPython's references the teardown dropped: ``Out[n]``, ``_``, the last exception, ..."""
+    def __copy__(self) -> Report:
+        """The report itself: it never changes."""
+    def __deepcopy__(self, _memo: Any) -> Report:
+        """The report itself: it never changes."""
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickled as its JSON (``report_from_json``)."""
+    @property
+    def not_deleted(self) -> list[str]:
+        """Names the teardown meant to delete that are still bound, each with why."""
+    @property
+    def left(self) -> list[str]:
+        """Entries the scope made that look like IPython's (``_1``, ``__cache__``), left in place."""
     @property
     def notes(self) -> list[str]:
         """What the table alone would not say: a figure missing and why, memory still held, ..."""
@@ -341,15 +357,15 @@ def open_scope(
     monitor_s: float | None = None,
     handles: Iterable[str] = ...,
     in_use: Iterable[str] = ...,
+    on_stack: Iterable[_ScopeId] = ...,
     params: dict[str, int | float | bool | str] | None = None,
     trace: bool | None = None,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
     """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
 def scope_name(id: _ScopeId) -> str: ...
-def bound_names(adapter: _NamespaceAdapter, object: object) -> list[str]: ...
 def is_open(id: _ScopeId) -> bool: ...
 def keep(id: _ScopeId, names: Sequence[str]) -> None: ...
-def finish(id: _ScopeId, keep: Sequence[str] = ...) -> tuple[list[Report], bool]:
+def finish(id: _ScopeId, keep: Sequence[str] = ..., during_reset: bool = False) -> tuple[list[Report], bool]:
     """(the reports of the scopes finished, innermost first; whether an interrupt was held)."""
 def scope_report(id: _ScopeId) -> Report: ...
 def scope_cells(id: _ScopeId) -> list[CellRecord]: ...
@@ -485,5 +501,7 @@ def before_fork() -> None: ...
 def after_fork_in_parent() -> None: ...
 def after_fork_in_child() -> None: ...
 def parse_size(text: str) -> int: ...
+def report_from_json(json: str) -> Report:
+    """A report back from its JSON (how a pickled ``Report`` loads)."""
 def parse_interval(interval: str | float) -> float:
     """Seconds from 0.1, \"100ms\", \"1s\" or \"2min\"."""

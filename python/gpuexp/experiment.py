@@ -1,5 +1,6 @@
 """The public experiment scopes. State and teardown live in ``gpuexp._core``."""
 
+import os
 import sys
 import weakref
 
@@ -9,6 +10,14 @@ from .monitor import seconds
 from .torch_peaks import watch_torch_peak_resets
 
 _open = {}  # scope id -> weak reference to its experiment, for the cell events that notice `del exp`
+# A forked child has none of its parent's experiments (the core forgets them too).
+os.register_at_fork(after_in_child=_open.clear)
+
+_NOT_COPIED = (
+    "a GPUExperiment can't be copied or pickled: a copy would share its scope, and finishing the "
+    "copy would delete your names while the experiment is still open. Pass the experiment itself "
+    "around, and copy or pickle its report instead: exp.data, or the report exp.finish() returns."
+)
 
 
 class GPUExperiment:
@@ -32,6 +41,8 @@ class GPUExperiment:
     def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
                  trace=None):
         self._id = None
+        self._pid = os.getpid()
+        self._entered = 0  # open `with` blocks over this experiment
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
         if trace is not None and not isinstance(trace, bool):
@@ -39,8 +50,12 @@ class GPUExperiment:
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         devices = device_indices(devices) if self._gpu else None
-        self._handles = ipython.assignment_targets()
         creator = _creator_frame()
+        # What the cell binds to a constructor is this experiment's only where the cell itself
+        # calls it: a function's or a class body's `exp = GPUExperiment()` binds no global.
+        handles = ipython.assignment_targets() if creator.f_globals is creator.f_locals else set()
+        # Which running code made it: while that code runs, a constructor of the same name nests.
+        self._creator = (id(creator), creator.f_code)
         # The core finishes the experiments this one replaces (same name, or bound to a name
         # this cell binds again) before it opens; names the cell binds above stay theirs.
         self._id, start, replaced, interrupted = _core.open_scope(
@@ -50,11 +65,12 @@ class GPUExperiment:
             adapter=ipython.namespace_for(creator),
             owner=self,
             cell_log=cell_log,
-            limit=_size(limit, "limit"),
+            limit=size(limit, "limit"),
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
             monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
-            handles=self._handles,
+            handles=handles,
             in_use=ipython.names_bound_before(creator.f_lineno),
+            on_stack=_on_stack(),
             params=params,
             trace=trace if self._gpu else False,
         )
@@ -82,7 +98,14 @@ class GPUExperiment:
         return _core.scope_cells(self._id)
 
     def keep(self, *names):
-        """Protects names from deletion at finish. Each must exist."""
+        """Protects names from deletion at finish: ``exp.keep("model", "opt")``. Each must exist."""
+        self._in_this_process()
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"keep() takes the names of your variables as strings, e.g. exp.keep('model', 'opt'); "
+                    f"got {name!r} ({type(name).__name__})"
+                )
         _core.keep(self._id, list(names))
 
     def finish(self):
@@ -91,19 +114,44 @@ class GPUExperiment:
         Calling it again returns the same report and deletes nothing more. Experiments
         opened inside this one are finished first.
         """
+        self._in_this_process()
         if not _core.is_open(self._id):
             return _core.scope_report(self._id)
-        reports, interrupted = _core.finish(self._id)
+        # `%reset` deletes every name itself, and fails on one deleted under it.
+        reports, interrupted = _core.finish(self._id, during_reset=ipython.resetting())
         for report in reports:
             ipython.show(report)
         if interrupted:  # held while the teardown ran: every step ran and the report is shown
             raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had finished")
         return _core.scope_report(self._id)
 
+    def _in_this_process(self):
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                f"this experiment belongs to process {self._pid}, which forked this one: a forked child "
+                "has none of its parent's experiments, and its names are the parent's copies. Finish it "
+                "in the parent, or open a new experiment here."
+            )
+
+    def __copy__(self):
+        raise TypeError(_NOT_COPIED)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
+
+    def __setstate__(self, state):
+        # A pickle made elsewhere (another kernel, an older gpuexp) must never act on this kernel's scopes.
+        raise TypeError(_NOT_COPIED)
+
     def __enter__(self):
+        self._entered += 1
         return self
 
     def __exit__(self, *exc_info):
+        self._entered -= 1
         if exc_info[1] is not None and _core.is_open(self._id):
             # A rank's published record says what ended its experiment (an OOM, with what it asked for).
             _core.note_scope_error(self._id, exc_info[1])
@@ -112,7 +160,7 @@ class GPUExperiment:
 
     def __del__(self):
         scope_id = getattr(self, "_id", None)
-        if scope_id is None or sys.is_finalizing() or not _core.is_open(scope_id):
+        if scope_id is None or self._pid != os.getpid() or sys.is_finalizing() or not _core.is_open(scope_id):
             return
         try:
             self.finish()
@@ -179,22 +227,27 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     in a terminal one line, rewritten; in a script a line per trial.
     """
     return _core.find_batch_size(
-        step, start, max, device=None if device is None else device_indices(device)[0], limit=_size(limit, "limit"),
+        step, start, max, device=None if device is None else device_indices(device)[0], limit=size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
         progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
         adapter=ipython.DetachedNamespace(),
     )
 
 
-def _size(value, name):
-    """Bytes from an int or a string such as "24GiB"; None stays None."""
+def size(value, name, *, zero=False):
+    """Bytes from an int or a string such as "24GiB", read alike ("0" where 0 is taken); None
+    stays None. Past what any machine has is refused, never clamped; 0 only where ``zero``."""
     if value is None:
         return None
-    if isinstance(value, str):
-        return _core.parse_size(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes")
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            size = _core.parse_size(str(value))
+        except ValueError as error:
+            raise ValueError(f"{name}={value!r}: {error}") from None
+        if size > 0 or zero:
+            return size
+    more = "" if zero else ", more than 0"
+    raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes{more}")
 
 
 def _creator_frame():
@@ -207,6 +260,25 @@ def _creator_frame():
     ):
         frame = frame.f_back
     return frame
+
+
+def _on_stack():
+    """The open experiments whose code is still running: inside their ``with`` block, or made by
+    a frame on the current call stack. A constructor of the same name nests in them."""
+    running = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        running.add((id(frame), frame.f_code))
+        frame = frame.f_back
+    return {scope_id for scope_id, experiment in tracked().items()
+            if experiment._entered or experiment._creator in running}
+
+
+def open_experiment(scope_id):
+    """The open experiment of a scope, or None."""
+    ref = _open.get(scope_id)
+    experiment = ref() if ref is not None else None
+    return experiment if experiment is not None and _core.is_open(scope_id) else None
 
 
 def tracked():

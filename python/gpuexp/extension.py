@@ -2,8 +2,11 @@
 cell events that notice ``del exp``, run the cell log (its live view included) and rescue a
 CUDA out-of-memory error, and the ``%gpuexp`` magics."""
 
+import ast
+import sys
+
 from . import _core, live
-from .experiment import GPUExperiment, tracked
+from .experiment import GPUExperiment, open_experiment, tracked
 from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
 
@@ -61,24 +64,31 @@ def _after_cell(result=None):
     if record is not None or live_view is not None:
         # The cell that turned the log off (`%gpuexp log off`, `del exp`) is recorded, not shown.
         live.replace(live_view, record if _core.cell_log_active() else None)
-    experiments = tracked()
-    if experiments and (ip := shell()) is not None:
-        _finish_unbound(experiments.values(), ShellNamespace(ip))
+    # Ids only: an experiment held in a list here would count as referenced.
+    scope_ids = list(tracked())
+    if scope_ids and (ip := shell()) is not None:
+        _finish_unreferenced(scope_ids, ShellNamespace(ip))
     raise_held_interrupt(result)
 
 
-def _finish_unbound(experiments, namespace):
-    """Finishes the experiments whose every name the user deleted or rebound (``del exp``);
-    hidden references (Out, _) don't count."""
-    for experiment in experiments:
-        bound = set(_core.bound_names(namespace, experiment))
-        if experiment._handles and not bound:
+def _finish_unreferenced(scope_ids, namespace):
+    """Finishes the experiments that nothing refers to any more but IPython's caches (Out, _,
+    _N): ``del exp``, ``exp = None``. One that anything else holds (a name, a list, a class, a
+    closure, a running thread) stays open: ``runs = [start("a")]`` keeps its experiment."""
+    for scope_id in scope_ids:
+        experiment = open_experiment(scope_id)
+        if experiment is None:
+            continue
+        # Counted against a fresh object held the same way, so that this frame's own references
+        # (the local, the call's argument) cancel out on every CPython.
+        probe = object()
+        others = sys.getrefcount(experiment) - sys.getrefcount(probe) - namespace.cache_refs(experiment)
+        if others <= 0:
             try:
                 experiment.finish()
             except KeyboardInterrupt as error:
                 hold_interrupt(error)
-        elif bound:
-            experiment._handles = bound
+        experiment = None
 
 
 # ---- magics --------------------------------------------------------------------------------
@@ -103,8 +113,9 @@ def _magics():
         def gpuexp(self, line, cell=None):
             if cell is not None:
                 words = line.split()
-                name = " ".join(w for w in words if w != "--trace") or None
-                return _run_as_experiment(self.shell, name, cell, trace=True if "--trace" in words else None)
+                trace = True if "--trace" in words else None
+                line = " ".join(w for w in words if w != "--trace")
+                return _run_as_experiment(self.shell, line, cell, trace=trace)
             words = line.split()
             if words == ["status"]:
                 show(_core.snapshot(True))
@@ -118,9 +129,24 @@ def _magics():
     return GpuexpMagics
 
 
-def _run_as_experiment(ip, name, cell, trace=None):
-    experiment = GPUExperiment(name, trace=trace)
+def _unquoted(name):
+    """``%%gpuexp "bs=64, lr=3e-4"``: the name inside the quotes, so that its params read."""
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"":
+        return name[1:-1].strip()
+    return name
+
+
+def _run_as_experiment(ip, line, cell, trace=None):
+    tree = ip.compile.ast_parse(ip.transform_cell(cell))
+    # The body starts on the cell's second line, below `%%gpuexp`: its line numbers say so.
+    ast.increment_lineno(tree, 1)
+    # Registered as the running cell's text, so that a traceback shows the user's lines.
+    whole = f"%%gpuexp {line}\n{cell}"
+    number = len(getattr(ip.history_manager, "input_hist_raw", [])) - 1
+    filename = ip.compile.cache(whole, number if number > 0 else ip.execution_count, raw_code=whole)
+    code = compile(tree, filename, "exec", flags=ip.compile.flags, dont_inherit=True)
+    experiment = GPUExperiment(_unquoted(line.strip()) or None, trace=trace)
     try:
-        ip.ex(ip.transform_cell(cell))
+        exec(code, ip.user_global_ns, ip.user_ns)
     finally:
         experiment.finish()

@@ -54,6 +54,15 @@ class _Namespace:
 
     namespace = None
 
+    def cache_refs(self, obj):
+        """How many references to ``obj`` IPython's caches hold (none outside IPython)."""
+        return 0
+
+    def ipythons_own(self):
+        """The entries IPython itself keeps in the namespace (``_i9``, ``_1``), by name: an entry
+        that is the same object is IPython's, not the user's."""
+        return {}
+
     def hidden_refs(self):
         refs = {}
         exc = getattr(sys, "last_value", None) or getattr(sys, "last_exc", None)
@@ -109,9 +118,29 @@ class ShellNamespace(_Namespace):
     def system_names(self):
         return self.shell.user_ns_hidden.keys()
 
+    def ipythons_own(self):
+        return self.shell.user_ns_hidden
+
+    def output_cache(self):
+        """IPython's own output cache (``Out``, ``_oh``), found by identity: a user's own
+        ``Out = {...}`` is the user's data, never cleared."""
+        history = getattr(self.shell, "history_manager", None)
+        cache = getattr(history, "output_hist", None)
+        return cache if isinstance(cache, dict) else {}
+
+    def cache_refs(self, obj):
+        count = sum(value is obj for value in list(self.output_cache().values()))
+        for names in (self.namespace, self.shell.user_ns_hidden):
+            count += sum(value is obj for name, value in list(names.items()) if _is_output_name(name))
+        displayhook = self.shell.displayhook
+        count += sum(getattr(displayhook, name, None) is obj for name in ("_", "__", "___"))
+        result = self.shell.last_execution_result
+        count += result is not None and getattr(result, "result", None) is obj
+        return count
+
     def hidden_refs(self):
         refs = super().hidden_refs()
-        for number, value in list(self.namespace.get("Out", {}).items()):
+        for number, value in list(self.output_cache().items()):
             refs[f"Out[{number}]"] = value
         for name in ("_", "__", "___"):
             if name in self.namespace:
@@ -127,7 +156,7 @@ class ShellNamespace(_Namespace):
         if label.startswith("Out["):
             # Out[n] has twins: _n in user_ns, and in user_ns_hidden where the display hook pushes it.
             number = int(label[4:-1])
-            self.namespace.get("Out", {}).pop(number, None)
+            self.output_cache().pop(number, None)
             self.namespace.pop(f"_{number}", None)
             self.shell.user_ns_hidden.pop(f"_{number}", None)
         elif label in ("_", "__", "___"):
@@ -150,6 +179,35 @@ class ShellNamespace(_Namespace):
             self.drop_hidden("last traceback")
             cleared.append("last traceback")
         return cleared
+
+
+def _is_output_name(name):
+    """``_``, ``__``, ``___`` and ``_N``: where IPython's display hook keeps results."""
+    if not isinstance(name, str):
+        return False
+    return name in ("_", "__", "___") or (name[:1] == "_" and name[1:].isascii() and name[1:].isdigit())
+
+
+def resetting():
+    """Whether IPython's ``%reset`` or ``%reset_selective`` is deleting names further up this
+    call stack: each fails on a name deleted under it, so a teardown then leaves names to it."""
+    ip = shell()
+    frame = sys._getframe(1) if ip is not None else None
+    while frame is not None:
+        # The shell's `reset`, or the magic's `reset_selective`, which deletes the names itself.
+        if frame.f_code.co_name in ("reset", "reset_selective") and _runs_on(frame, ip):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _runs_on(frame, ip):
+    """Whether a method's frame runs on the shell, or on one of its magics."""
+    owner = frame.f_locals.get("self")
+    try:
+        return owner is ip or getattr(owner, "shell", None) is ip
+    except Exception:  # a user's object named `reset` whose `shell` raises is not IPython's
+        return False
 
 
 class ModuleNamespace(_Namespace):

@@ -1,8 +1,10 @@
 """A timeline of the host and every visible GPU, recorded by a native thread (``gpuexp._core``)."""
 
 import json
+import os
 
 from . import _core
+from .files import write_atomically
 
 
 def seconds(interval):
@@ -108,5 +110,6 @@ def plot_samples(samples, path=None, title="gpuexp monitor"):
     figure.suptitle(title)
     figure.tight_layout()
     if path is not None:
-        figure.savefig(path, dpi=110)
+        extension = os.path.splitext(os.fspath(path))[1][1:] or None
+        write_atomically(path, lambda out: figure.savefig(out, dpi=110, format=extension))
     return figure

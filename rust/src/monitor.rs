@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::snapshot::nvml::{self, Activity, ProcessUse};
@@ -19,7 +19,7 @@ use crate::snapshot::{host, now, own_pids};
 pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
 pub const MAX_INTERVAL: Duration = Duration::from_secs(3600);
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GpuSample {
     pub uuid: String,
     pub used: Option<u64>,
@@ -30,12 +30,15 @@ pub struct GpuSample {
     pub activity: Activity,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
     /// Seconds since the monitor started.
     pub t: f64,
     /// Seconds since the Unix epoch (RFC 3339 in JSON).
-    #[serde(serialize_with = "crate::units::serialize_rfc3339")]
+    #[serde(
+        serialize_with = "crate::units::serialize_rfc3339",
+        deserialize_with = "crate::units::deserialize_rfc3339"
+    )]
     pub time: f64,
     pub cpu_percent: f32,
     pub rss: u64,

@@ -75,15 +75,27 @@ pub struct Names {
     pub kept: Vec<String>,
     /// Hidden references dropped: Out entries, `_`, the stored last exception.
     pub cleared: Vec<String>,
+    /// Names the teardown meant to delete that are still bound after it tried, each with why:
+    /// never listed as deleted.
+    #[serde(default)]
+    pub not_deleted: Vec<String>,
+    /// Entries the scope created or rebound that look like IPython's own (`_1`, `_i9`,
+    /// `__cache__`, a key that is not a plain name): left in place, and listed so that the
+    /// report explains the memory they may hold.
+    #[serde(default)]
+    pub left: Vec<String>,
 }
 
 /// The user's namespace as a scope sees it, judged against the identities pinned at its start.
 pub trait Namespace {
     /// Every user name (IPython's own left out), with how it compares with the scope's start.
     fn names(&self) -> Result<Vec<NameState>, String>;
-    /// Deletes a name. One already gone is no error: a `__del__` run by an earlier deletion
-    /// may have removed it.
+    /// Deletes a name and checks that it is gone; an error says why it is still bound. One
+    /// already gone is no error: a `__del__` run by an earlier deletion may have removed it.
     fn delete(&mut self, name: &str) -> Result<(), String>;
+    /// The entries the scope created or rebound that [`Namespace::names`] leaves out because
+    /// they look like IPython's, as the report should name them.
+    fn left(&self) -> Result<Vec<String>, String>;
     /// The hidden references (Out entries, `_`, the stored exception) that appeared or changed
     /// during the scope: they can only refer to what the scope displayed or raised.
     fn changed_hidden(&self) -> Result<Vec<String>, String>;
@@ -132,12 +144,22 @@ pub fn run(mut namespace: Option<&mut dyn Namespace>, memory: &mut dyn Release, 
 
 fn delete_names(namespace: &mut dyn Namespace, keep: &BTreeSet<String>, names: &mut Names) -> Result<(), String> {
     let plan = plan(namespace.names()?, keep);
-    for name in plan.delete.iter().chain(&plan.rebound) {
-        namespace.delete(name)?;
-    }
-    names.deleted = plan.delete;
-    names.rebound = plan.rebound;
+    // A name that is still there after its deletion is listed apart: the report lists as
+    // deleted only what really went, and the other names are still deleted.
+    let mut gone = |wanted: Vec<String>, names: &mut Names| -> Vec<String> {
+        let mut deleted = Vec::with_capacity(wanted.len());
+        for name in wanted {
+            match namespace.delete(&name) {
+                Ok(()) => deleted.push(name),
+                Err(why) => names.not_deleted.push(format!("{name} ({why})")),
+            }
+        }
+        deleted
+    };
+    names.deleted = gone(plan.delete, names);
+    names.rebound = gone(plan.rebound, names);
     names.kept = plan.kept;
+    names.left = namespace.left()?;
     Ok(())
 }
 
@@ -187,8 +209,20 @@ pub fn plan(names: impl IntoIterator<Item = NameState>, keep: &BTreeSet<String>)
 }
 
 /// Checks names passed to `keep()`: each must exist now. The error lists what the scope
-/// created, since a misspelt name is the usual cause.
-pub fn check_keep(requested: &[String], exists: impl Fn(&str) -> bool, created: &[String]) -> crate::error::Result<()> {
+/// created, since a misspelt name is the usual cause; a name of IPython's own (`Out`, `_1`) is
+/// said to be one, since gpuexp never deletes it.
+pub fn check_keep(
+    requested: &[String],
+    exists: impl Fn(&str) -> bool,
+    is_ipythons: impl Fn(&str) -> bool,
+    created: &[String],
+) -> crate::error::Result<()> {
+    if let Some(name) = requested.iter().find(|n| is_ipythons(n)) {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "keep(): {name:?} is IPython's own (its output cache Out, or a name it makes such as _1, \
+             _i1 or _), not one of your variables. gpuexp never deletes it, so there is nothing to keep."
+        )));
+    }
     let missing: Vec<&str> = requested.iter().map(String::as_str).filter(|n| !exists(n)).collect();
     if missing.is_empty() {
         return Ok(());
@@ -213,6 +247,9 @@ mod tests {
         hidden: Vec<String>,
         calls: Vec<String>,
         failing: Option<&'static str>,
+        /// Names whose deletion does not take (a key whose own `__hash__` hides it).
+        stuck: Vec<&'static str>,
+        left: Vec<String>,
     }
 
     impl World {
@@ -232,8 +269,14 @@ mod tests {
             Ok(self.names.clone())
         }
         fn delete(&mut self, name: &str) -> Result<(), String> {
+            if self.stuck.contains(&name) {
+                return Err("still bound after del".into());
+            }
             self.names.retain(|n| n.name != name);
             self.call(format!("delete {name}"))
+        }
+        fn left(&self) -> Result<Vec<String>, String> {
+            Ok(self.left.clone())
         }
         fn changed_hidden(&self) -> Result<Vec<String>, String> {
             Ok(self.hidden.clone())
@@ -283,14 +326,41 @@ mod tests {
 
     #[test]
     fn a_failed_step_is_noted_and_every_later_step_still_runs() {
-        let mut namespace = World { failing: Some("delete"), ..world() };
+        let mut namespace = World { failing: Some("drop Out"), ..world() };
         let mut memory = World { failing: Some("CollectGarbage"), ..World::default() };
         let done = run(Some(&mut namespace), &mut memory, &BTreeSet::new());
         assert_eq!(done.notes.len(), 2, "{:?}", done.notes);
-        assert!(done.notes[0].contains("DeleteNames") && done.notes[0].contains("KeyboardInterrupt"));
+        assert!(done.notes[0].contains("DropHiddenRefs") && done.notes[0].contains("KeyboardInterrupt"));
         assert!(done.notes[1].contains("CollectGarbage"));
-        assert!(namespace.calls.contains(&"drop _".to_string()), "hidden references are still dropped");
+        assert_eq!(done.names.deleted, ["best", "model"], "the names went before");
         assert_eq!(memory.calls.last().map(String::as_str), Some("snapshot"), "the end is still measured");
+    }
+
+    #[test]
+    fn a_name_that_fails_to_go_is_listed_and_the_other_names_still_go() {
+        let mut namespace = World { failing: Some("delete model"), ..world() };
+        let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
+        assert_eq!(done.names.deleted, ["best"]);
+        assert_eq!(done.names.rebound, ["x"]);
+        assert_eq!(done.names.not_deleted, ["model (KeyboardInterrupt)"]);
+        assert!(done.notes.is_empty(), "{:?}", done.notes);
+    }
+
+    #[test]
+    fn a_name_still_bound_after_its_deletion_is_never_listed_as_deleted() {
+        let mut namespace = World { stuck: vec!["model"], ..world() };
+        let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
+        assert_eq!(done.names.deleted, ["best"]);
+        assert_eq!(done.names.rebound, ["x"], "the other names are still deleted");
+        assert_eq!(done.names.not_deleted, ["model (still bound after del)"]);
+    }
+
+    #[test]
+    fn entries_that_look_like_ipythons_are_listed_as_left() {
+        let mut namespace = World { left: vec!["_1".into(), "__cache__".into()], ..world() };
+        let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
+        assert_eq!(done.names.left, ["_1", "__cache__"]);
+        assert!(!namespace.calls.iter().any(|c| c.contains("_1") || c.contains("__cache__")), "never deleted");
     }
 
     #[test]
@@ -347,11 +417,19 @@ mod tests {
 
     #[test]
     fn keep_of_a_missing_name_lists_what_the_scope_created() {
-        let err = check_keep(&["modle".into()], |n| n == "model", &["model".into(), "opt".into()]).unwrap_err();
+        let none = |_: &str| false;
+        let err = check_keep(&["modle".into()], |n| n == "model", none, &["model".into(), "opt".into()]).unwrap_err();
         assert!(matches!(err, crate::error::Error::InvalidArgument(_)), "{err:?}");
         let err = err.to_string();
         assert!(err.contains("\"modle\"") && err.contains("model, opt"), "{err}");
-        assert!(check_keep(&["model".into()], |n| n == "model", &[]).is_ok());
+        assert!(check_keep(&["model".into()], |n| n == "model", none, &[]).is_ok());
+    }
+
+    #[test]
+    fn keep_of_an_ipython_name_says_it_is_ipythons_not_that_it_is_missing() {
+        let hidden = HashSet::new();
+        let err = check_keep(&["Out".into()], |_| false, |n| is_system_name(n, &hidden), &[]).unwrap_err().to_string();
+        assert!(err.contains("\"Out\" is IPython's own") && !err.contains("no variable"), "{err}");
     }
 
     #[test]

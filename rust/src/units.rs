@@ -48,7 +48,12 @@ pub fn size_in_bytes(number: &str, unit: &str) -> Option<f64> {
     Some(number * 1024f64.powi(power as i32))
 }
 
+/// The largest size [`parse_size`] takes: more than any machine's memory, far below where
+/// arithmetic on it could overflow.
+pub const MAX_SIZE: u64 = 1 << 50;
+
 /// Bytes from "24GiB", "512 MiB", "1.5GB" or a plain number: how people write memory sizes.
+/// "0" is 0; more than [`MAX_SIZE`] is refused.
 /// GB and MB are read as GiB and MiB, as nvidia-smi and torch's messages mean them.
 pub fn parse_size(text: &str) -> Result<u64> {
     let text = text.trim();
@@ -59,7 +64,14 @@ pub fn parse_size(text: &str) -> Result<u64> {
         unit => unit,
     };
     match size_in_bytes(number, unit) {
-        Some(value) if value.is_finite() && value >= 1.0 => Ok(value as u64),
+        // Refused, never saturated: no machine has more, and past 2^64 `as u64` would clamp.
+        Some(value) if value > MAX_SIZE as f64 => Err(Error::InvalidArgument(format!(
+            "{text:?} is more memory than any machine has (gpuexp takes sizes up to 1PiB): \
+             write a size such as \"24GiB\""
+        ))),
+        // Zero as a whole: callers that need a positive size say so in their own words.
+        Some(0.0) => Ok(0),
+        Some(value) if value >= 1.0 => Ok(value as u64),
         _ => Err(Error::InvalidArgument(format!(
             "{text:?} is not a memory size: write it like \"24GiB\", \"512MiB\" or a number of bytes"
         ))),
@@ -113,6 +125,32 @@ pub fn serialize_rfc3339<S: serde::Serializer>(
     serializer: S,
 ) -> std::result::Result<S::Ok, S::Error> {
     serializer.serialize_str(&rfc3339(*unix_seconds))
+}
+
+/// Reads back what [`serialize_rfc3339`] wrote (`#[serde(deserialize_with = ...)]`), to the
+/// millisecond it keeps.
+pub fn deserialize_rfc3339<'de, D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<f64, D::Error> {
+    let text = <String as serde::Deserialize>::deserialize(deserializer)?;
+    unix_seconds(&text).ok_or_else(|| serde::de::Error::custom(format!("{text:?} is not an RFC 3339 UTC time")))
+}
+
+/// Seconds since the Unix epoch of "2026-11-25T22:53:45.123Z", as [`rfc3339`] writes it.
+fn unix_seconds(text: &str) -> Option<f64> {
+    let text = text.strip_suffix('Z')?;
+    let (date, time) = text.split_once('T')?;
+    let mut date = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (date.next()??, date.next()??, date.next()??);
+    let mut time = time.splitn(3, ':');
+    let (hours, minutes) = (time.next()?.parse::<i64>().ok()?, time.next()?.parse::<i64>().ok()?);
+    let seconds = time.next()?.parse::<f64>().ok()?;
+    // Howard Hinnant's days-from-civil algorithm, the inverse of the one `rfc3339` uses.
+    let year = year - i64::from(month <= 2);
+    let era = year.div_euclid(400);
+    let yoe = year - era * 400;
+    let doy = (153 * (month + if month > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((days * 86_400 + hours * 3600 + minutes * 60) as f64 + seconds)
 }
 
 /// UTC time as RFC 3339, without pulling in a date crate for one format.
@@ -182,6 +220,15 @@ mod tests {
     // --- reading sizes --------------------------------------------------------------------
 
     #[test]
+    fn rfc3339_times_read_back_to_the_millisecond() {
+        for t in [0.0, 951_782_400.5, 1_764_111_225.123, 4_107_542_400.999] {
+            let back = unix_seconds(&rfc3339(t)).unwrap();
+            assert!((back - t).abs() < 5e-4, "{t} -> {} -> {back}", rfc3339(t));
+        }
+        assert_eq!(unix_seconds("yesterday"), None);
+    }
+
+    #[test]
     fn sizes_are_read_as_people_write_them() {
         assert_eq!(parse_size("24GiB"), Ok(24 << 30));
         assert_eq!(parse_size(" 1.5 GB "), Ok(3 << 29));
@@ -190,7 +237,14 @@ mod tests {
         assert_eq!(parse_size("4096 bytes"), Ok(4096));
         assert_eq!(parse_size("2k"), Ok(2048));
         assert_eq!(parse_size("1.5"), Ok(1), "a fraction of a byte is cut off");
-        for bad in ["", "GiB", "24 parsecs", "-3GiB", "0", "0.5", "1e3", "24 GiB extra"] {
+        assert_eq!(parse_size("0"), Ok(0), "as the number 0 is taken");
+        assert_eq!(parse_size("0GiB"), Ok(0));
+        assert_eq!(parse_size("1024TiB"), Ok(MAX_SIZE));
+        for huge in ["9999999GiB", "1025TiB", "1180591620717411303424"] {
+            let refused = parse_size(huge).unwrap_err();
+            assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("1PiB")), "{huge}: {refused:?}");
+        }
+        for bad in ["", "GiB", "24 parsecs", "-3GiB", "0.5", "1e3", "24 GiB extra"] {
             let refused = parse_size(bad).unwrap_err();
             assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("24GiB")), "{bad}: {refused:?}");
         }
@@ -210,7 +264,7 @@ mod tests {
 
     #[test]
     fn what_bytes_writes_reads_back() {
-        for n in [512, 3 * KIB, 5 * MIB, 7 * GIB, 9 << 40, 11 << 50] {
+        for n in [512, 3 * KIB, 5 * MIB, 7 * GIB, 9 << 40, MAX_SIZE] {
             let shown = bytes(n);
             assert_eq!(parse_size(&shown), Ok(n), "{shown}");
         }

@@ -30,7 +30,7 @@ impl ComparisonPy {
         let rows = json_to_python(py, &serde_json::to_string(&table.rows).expect("values serialise"))?;
         let columns = pyo3::types::PyDict::new(py);
         columns.set_item("columns", table.columns)?;
-        py.import("pandas")?.call_method("DataFrame", (rows,), Some(&columns))
+        super::error::optional(py, "pandas", "to_pandas()")?.call_method("DataFrame", (rows,), Some(&columns))
     }
 
     /// The peak of each layer against a numeric param (`x`, or the only one that varies), the
@@ -40,6 +40,7 @@ impl ComparisonPy {
     fn plot<'py>(&self, py: Python<'py>, x: Option<&str>) -> PyResult<Bound<'py, PyAny>> {
         let plot = self.0.plot(x).map_err(PyValueError::new_err)?;
         let spec = json_to_python(py, &serde_json::to_string(&plot).expect("plots serialise"))?;
+        super::error::optional(py, "matplotlib", "plot()")?;
         py.import("gpuexp.comparison")?.call_method1("draw", (spec,))
     }
 }

@@ -1,7 +1,8 @@
 //! Errors cross into Python here, once: each kind of core error becomes one Python exception.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyModuleNotFoundError, PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
 use pyo3::PyErr;
 
 use crate::error::Error;
@@ -24,6 +25,17 @@ impl From<Error> for PyErr {
             Error::Io(message) => PyOSError::new_err(message),
         }
     }
+}
+
+/// An optional library a method draws with (pandas, matplotlib): its absence says what to install.
+pub(super) fn optional<'py>(py: Python<'py>, module: &str, method: &str) -> PyResult<Bound<'py, PyModule>> {
+    py.import(module).map_err(|error| {
+        if error.is_instance_of::<PyModuleNotFoundError>(py) {
+            PyModuleNotFoundError::new_err(format!("{method} needs {module}: pip install {module}"))
+        } else {
+            error
+        }
+    })
 }
 
 create_exception!(

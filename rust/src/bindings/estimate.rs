@@ -215,7 +215,10 @@ fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
 fn limit_bytes(limit: Option<&Bound<PyAny>>) -> PyResult<Option<u64>> {
     let Some(limit) = limit else { return Ok(None) };
     if let Ok(text) = limit.extract::<String>() {
-        return Ok(Some(units::parse_size(&text)?));
+        return match units::parse_size(&text)? {
+            0 => Err(PyValueError::new_err("limit=\"0\": a limit is more than 0 bytes, e.g. limit=\"24GiB\"")),
+            bytes => Ok(Some(bytes)),
+        };
     }
     match limit.extract::<u64>() {
         Ok(bytes) if bytes > 0 && !limit.is_instance_of::<pyo3::types::PyBool>() => Ok(Some(bytes)),

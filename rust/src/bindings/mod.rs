@@ -57,8 +57,6 @@ mod core_module {
     #[pymodule_export]
     use super::monitor::MonitorPy;
     #[pymodule_export]
-    use super::namespace::bound_names;
-    #[pymodule_export]
     use super::oom::rescue_oom;
     #[pymodule_export]
     use super::rank_gpu::default_device;
@@ -68,7 +66,9 @@ mod core_module {
         remove_kernel_ranks_store, RanksPy,
     };
     #[pymodule_export]
-    use super::report::{CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy};
+    use super::report::{
+        report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,
+    };
     #[pymodule_export]
     use super::scope::{finish, is_open, keep, open_scope, scope_cells, scope_name, scope_report};
     #[pymodule_export]

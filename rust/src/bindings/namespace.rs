@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyModule, PyWeakrefReference};
+use pyo3::types::{PyDict, PyModule, PyString, PyWeakrefReference};
 
 use crate::teardown::{self, Binding, NameState};
 
@@ -57,6 +57,38 @@ pub(super) fn user_names<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(Stri
     Ok(names)
 }
 
+/// The entries [`user_names`] leaves out (IPython's names, dunders, keys that are not plain
+/// names), less those IPython itself keeps (the adapter's `ipythons_own()`, by identity), each
+/// with a label the report can show.
+fn skipped_entries<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let Some(namespace) = namespace(adapter)? else { return Ok(Vec::new()) };
+    let system = system_names(adapter)?;
+    let own = adapter.call_method0("ipythons_own")?.cast_into::<PyDict>()?;
+    let mut entries = Vec::new();
+    for (key, value) in namespace.iter() {
+        let label = match key.extract::<String>() {
+            Ok(name) if !teardown::is_system_name(&name, &system) => continue,
+            Ok(name) => name,
+            // A surrogate or a non-string key: its repr names it.
+            Err(_) => key.repr().map_or_else(|_| "?".into(), |r| r.to_string()),
+        };
+        let ipythons = own.get_item(&key).ok().flatten().is_some_and(|kept| kept.is(&value));
+        if !ipythons {
+            entries.push((label, value));
+        }
+    }
+    Ok(entries)
+}
+
+/// The keys of `namespace` whose text is `name` that are not plain strings, as the dict holds
+/// them: a `str` subclass with its own `__hash__` is not found by a plain string of that text.
+fn odd_keys_named<'py>(namespace: &Bound<'py, PyDict>, name: &str) -> Vec<Bound<'py, PyAny>> {
+    let odd_named = |key: &Bound<PyAny>| {
+        !key.is_exact_instance_of::<PyString>() && key.extract::<String>().is_ok_and(|text| text == name)
+    };
+    namespace.keys().iter().filter(odd_named).collect()
+}
+
 pub(super) fn hidden_refs<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
     let refs = adapter.call_method0("hidden_refs")?.cast_into::<PyDict>()?;
     refs.iter().map(|(label, object)| Ok((label.extract()?, object))).collect()
@@ -66,18 +98,13 @@ fn pin_all(refs: Vec<(String, Bound<PyAny>)>) -> HashMap<String, Pin> {
     refs.into_iter().map(|(name, object)| (name, Pin::new(&object))).collect()
 }
 
-/// The user's names (not IPython's) bound to `object` in the adapter's namespace.
-#[pyfunction]
-pub(super) fn bound_names(adapter: &Bound<PyAny>, object: &Bound<PyAny>) -> PyResult<Vec<String>> {
-    Ok(user_names(adapter)?.into_iter().filter(|(_, value)| value.is(object)).map(|(name, _)| name).collect())
-}
-
 /// The namespace as a scope found it: what each name and hidden reference held, by identity,
 /// and the experiment object itself (`exp.finish()` leaves `exp` usable).
 pub(super) struct Baseline {
     adapter: Py<PyAny>,
     names: HashMap<String, Pin>,
     hidden: HashMap<String, Pin>,
+    skipped: HashMap<String, Pin>,
     owner: Option<Pin>,
 }
 
@@ -86,6 +113,7 @@ impl Baseline {
         Ok(Baseline {
             names: pin_all(user_names(adapter)?),
             hidden: pin_all(hidden_refs(adapter)?),
+            skipped: pin_all(skipped_entries(adapter)?),
             owner: owner.map(Pin::new),
             adapter: adapter.clone().unbind(),
         })
@@ -134,14 +162,36 @@ impl teardown::Namespace for Judged<'_, '_> {
     }
 
     fn delete(&mut self, name: &str) -> Result<(), String> {
-        let deleted = || -> PyResult<()> {
-            let Some(namespace) = namespace(&self.adapter())? else { return Ok(()) };
+        let deleted = || -> PyResult<Result<(), String>> {
+            let Some(namespace) = namespace(&self.adapter())? else { return Ok(Ok(())) };
             if namespace.contains(name)? {
                 namespace.del_item(name)?;
             }
-            Ok(())
+            // Checked, never assumed: a key that hashes unlike its text survives `del` by name.
+            for key in odd_keys_named(&namespace, name) {
+                // Whether it went is checked below, and said in the report if it did not.
+                namespace.del_item(&key).ok();
+            }
+            let left = odd_keys_named(&namespace, name);
+            Ok(match left.first() {
+                None => Ok(()),
+                Some(key) => Err(format!(
+                    "still bound after del: its key is a {} whose hash differs from its text's",
+                    key.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+                )),
+            })
         };
-        deleted().map_err(|e| e.to_string())
+        deleted().map_err(|e| e.to_string())?
+    }
+
+    fn left(&self) -> Result<Vec<String>, String> {
+        let entries = skipped_entries(&self.adapter()).map_err(|e| e.to_string())?;
+        let unchanged =
+            |label: &String, value: &Bound<PyAny>| self.baseline.skipped.get(label).is_some_and(|pin| pin.holds(value));
+        let mut left: Vec<String> =
+            entries.into_iter().filter(|(label, value)| !unchanged(label, value)).map(|(label, _)| label).collect();
+        left.sort();
+        Ok(left)
     }
 
     fn changed_hidden(&self) -> Result<Vec<String>, String> {

@@ -6,19 +6,26 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::report::OomPy;
 use super::snapshot::take_snapshot;
-use super::torch::release;
+use super::torch::{release, PyTorch};
 use crate::report;
 use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
 use crate::teardown;
 
-/// torch.OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message.
+/// torch's own OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message
+/// while CUDA is in use. Never a look-alike: an error that merely mentions CUDA and "out of
+/// memory" where torch has no CUDA is the user's, and its frames stay for `%debug`.
 pub(super) fn is_cuda_oom(error: &Bound<PyAny>) -> bool {
-    if !error.is_instance_of::<PyRuntimeError>() {
-        return false;
+    let torch = PyTorch::find(error.py());
+    let Some(module) = torch.torch.as_ref() else { return false };
+    if let Ok(oom) = module.getattr("OutOfMemoryError") {
+        if error.is_instance(&oom).unwrap_or(false) {
+            return true;
+        }
     }
-    let type_name = error.get_type().name().map(|n| n.to_string()).unwrap_or_default();
     let message = error.str().map(|m| m.to_string()).unwrap_or_default();
-    type_name == "OutOfMemoryError" || (message.contains("CUDA") && message.contains("out of memory"))
+    torch.cuda().is_some()
+        && error.get_type().is(error.py().get_type::<PyRuntimeError>())
+        && message.contains("CUDA out of memory")
 }
 
 /// The rescue after a cell's error, when it is a CUDA out-of-memory error and the rescue is on

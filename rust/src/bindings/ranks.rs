@@ -462,8 +462,7 @@ impl RanksPy {
     }
     /// One row per rank (needs pandas), indexed by rank; sizes in bytes.
     fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let pandas =
-            py.import("pandas").map_err(|_| PyRuntimeError::new_err("to_pandas() needs pandas: pip install pandas"))?;
+        let pandas = super::error::optional(py, "pandas", "to_pandas()")?;
         let rows = json_to_python(py, &serde_json::to_string(&self.0.rows).expect("rows serialise"))?;
         pandas.call_method1("DataFrame", (rows,))?.call_method1("set_index", ("rank",))
     }

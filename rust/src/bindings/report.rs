@@ -151,6 +151,14 @@ impl ReportPy {
         self.0.names.cleared.clone()
     }
     #[getter]
+    fn not_deleted(&self) -> Vec<String> {
+        self.0.names.not_deleted.clone()
+    }
+    #[getter]
+    fn left(&self) -> Vec<String> {
+        self.0.names.left.clone()
+    }
+    #[getter]
     fn notes(&self) -> Vec<String> {
         self.0.notes.clone()
     }
@@ -187,6 +195,30 @@ impl ReportPy {
 
 shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.as_ref());
 
+/// A report is data that never changes: a copy is the report itself, and a pickle is its JSON
+/// (the cell log and the monitor's timeline included).
+#[pymethods]
+impl ReportPy {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
+        let json = serde_json::to_string(self.0.as_ref()).expect("reports serialise");
+        Ok((py.import("gpuexp._core")?.getattr("report_from_json")?, (json,)))
+    }
+    fn __copy__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+    fn __deepcopy__<'py>(slf: PyRef<'py, Self>, _memo: Bound<'py, PyAny>) -> PyRef<'py, Self> {
+        slf
+    }
+}
+
+/// A report from the JSON of a pickled one.
+#[pyfunction]
+pub(super) fn report_from_json(json: &str) -> PyResult<ReportPy> {
+    serde_json::from_str(json)
+        .map(|report| ReportPy(Arc::new(report)))
+        .map_err(|e| PyValueError::new_err(format!("not the JSON of a gpuexp report: {e}")))
+}
+
 #[pymethods]
 impl ReportPy {
     /// The timeline of the experiment's monitor (`monitor=True`) as one figure; saved to `path` when given.
@@ -199,6 +231,7 @@ impl ReportPy {
         }
         let samples = json_to_python(py, &serde_json::to_string(&self.0.monitor).expect("samples serialise"))?;
         let title = format!("gpuexp · {}", self.0.name);
+        super::error::optional(py, "matplotlib", "plot()")?;
         py.import("gpuexp.monitor")?.call_method1("plot_samples", (samples, path, title))
     }
 }

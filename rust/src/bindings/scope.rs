@@ -11,7 +11,7 @@ use pyo3::types::{PyBool, PyDict, PyString};
 
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::interrupts;
-use super::namespace::{user_names, Baseline, Judged};
+use super::namespace::{system_names, user_names, Baseline, Judged};
 use super::rank_gpu;
 use super::ranks;
 use super::registry::{registry, unknown};
@@ -79,13 +79,15 @@ impl teardown::Release for Releaser<'_> {
 }
 
 /// Opens a scope; returns its id, the state it starts from, the reports of the scopes it
-/// replaced (see [`crate::scope::Registry::replaced_by`]), which finish first keeping `in_use`:
+/// replaced (see [`crate::scope::Registry::replaced_by`]; `on_stack`: the open scopes whose code
+/// is still running, never replaced by name), which finish first keeping `in_use`:
 /// names the constructor's cell binds above the constructor, and whether an interrupt came
 /// while it opened (held until then: see `interrupts`). `adapter` is None outside any
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
 #[pyfunction]
 #[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None,
-                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), params=None, trace=None))]
+                    monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), on_stack=BTreeSet::new(), params=None,
+                    trace=None))]
 #[allow(clippy::too_many_arguments)] // one per keyword of GPUExperiment
 pub(super) fn open_scope(
     py: Python,
@@ -99,6 +101,7 @@ pub(super) fn open_scope(
     monitor_s: Option<f64>,
     handles: BTreeSet<String>,
     in_use: BTreeSet<String>,
+    on_stack: BTreeSet<ScopeId>,
     params: Option<Bound<PyDict>>,
     trace: Option<bool>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
@@ -108,10 +111,10 @@ pub(super) fn open_scope(
     let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
         // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
         // head would still hold.
-        let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
+        let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack);
         let mut replaced = Vec::new();
         for id in replaced_ids {
-            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
+            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), false)?);
         }
         // A rank covers its own GPU unless `devices=` names others: on a node of 8, the other
         // seven would be idle rows in every rank's report and in `ranks()`.
@@ -189,14 +192,22 @@ fn params_from(dict: &Bound<PyDict>) -> PyResult<Params> {
                 key.repr().map_or_else(|_| "?".into(), |r| r.to_string())
             ))
         })?;
-        // Numbers of any kind that says it is one (numpy's too): integers stay integers.
-        let param = if value.is_instance_of::<PyBool>() {
-            Param::Bool(value.extract()?)
+        // Numbers of any kind that says it is one (numpy's too): integers stay integers, and
+        // numpy's bool is a bool, not the 1.0 its __float__ gives.
+        let param = if value.is_instance_of::<PyBool>() || is_numpy_bool(&value) {
+            Param::Bool(value.is_truthy()?)
         } else if let Ok(text) = value.cast::<PyString>() {
             Param::Text(text.to_string())
         } else if let Ok(int) = value.extract::<i64>() {
             Param::Int(int)
         } else if let Ok(float) = value.extract::<f64>() {
+            // JSON has no NaN nor infinity: stored, they would read back as null.
+            if !float.is_finite() {
+                return Err(PyValueError::new_err(format!(
+                    "params={{{key:?}: {float}}}: a param must be a finite number (JSON, where reports go, \
+                     has no {float}); pass it as text, e.g. params={{{key:?}: \"{float}\"}}"
+                )));
+            }
             Param::Float(float)
         } else {
             return Err(PyTypeError::new_err(format!(
@@ -207,6 +218,13 @@ fn params_from(dict: &Bound<PyDict>) -> PyResult<Params> {
         params.set(&key, param);
     }
     Ok(params)
+}
+
+fn is_numpy_bool(value: &Bound<PyAny>) -> bool {
+    let kind = value.get_type();
+    let module = kind.module().map(|m| m.to_string()).unwrap_or_default();
+    let name = kind.name().map(|n| n.to_string()).unwrap_or_default();
+    module == "numpy" && (name == "bool_" || name == "bool")
 }
 
 #[pyfunction]
@@ -239,11 +257,13 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
         Some(baseline) => Some((baseline.adapter(py), baseline.created(py)?)),
         None => None,
     };
-    let (existing, created): (HashSet<String>, Vec<String>) = match adapter_and_created {
-        Some((adapter, created)) => (user_names(&adapter)?.into_iter().map(|(n, _)| n).collect(), created),
-        None => (HashSet::new(), Vec::new()),
+    let (existing, system, created): (HashSet<String>, HashSet<String>, Vec<String>) = match adapter_and_created {
+        Some((adapter, created)) => {
+            (user_names(&adapter)?.into_iter().map(|(n, _)| n).collect(), system_names(&adapter)?, created)
+        }
+        None => (HashSet::new(), HashSet::new(), Vec::new()),
     };
-    teardown::check_keep(&names, |n| existing.contains(n), &created)?;
+    teardown::check_keep(&names, |n| existing.contains(n), |n| teardown::is_system_name(n, &system), &created)?;
     let mut registry = registry();
     let scope = registry.scope_mut(id).ok_or_else(|| unknown(id))?;
     scope.keep.extend(names);
@@ -254,21 +274,27 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
 /// scopes it finished, innermost first (empty when this scope's teardown is already under
 /// way), and whether an interrupt came meanwhile: it is held until every step has run, and the
 /// caller raises it once the reports are shown. `keep` adds names to protect, without the
-/// existence check of `keep()`.
+/// existence check of `keep()`. `during_reset`: IPython's `%reset` is clearing the namespace
+/// and would fail on a name deleted under it, so the teardown leaves every name to the reset.
 #[pyfunction]
-#[pyo3(signature = (id, keep=Vec::new()))]
-pub(super) fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<(Vec<ReportPy>, bool)> {
+#[pyo3(signature = (id, keep=Vec::new(), during_reset=false))]
+pub(super) fn finish(
+    py: Python,
+    id: ScopeId,
+    keep: Vec<String>,
+    during_reset: bool,
+) -> PyResult<(Vec<ReportPy>, bool)> {
     let held = interrupts::hold(py);
-    let finished = finish_with_inner(py, id, keep);
+    let finished = finish_with_inner(py, id, keep, during_reset);
     let interrupted = held.release(py);
     Ok((finished?, interrupted))
 }
 
-fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>> {
+fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>, during_reset: bool) -> PyResult<Vec<ReportPy>> {
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish_with_inner(py, inner_id, keep.clone())?);
+        finished.extend(finish_with_inner(py, inner_id, keep.clone(), during_reset)?);
     }
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
@@ -283,12 +309,21 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
     let (before, _) = take_snapshot(py, &scope.selection);
     registry().peaks.observe(&before);
 
-    let mut judged = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|baseline| Judged { py, baseline });
+    let mut judged = scope_held
+        .as_ref()
+        .and_then(|h| h.baseline.as_ref())
+        .filter(|_| !during_reset)
+        .map(|baseline| Judged { py, baseline });
     let namespace = judged.as_mut().map(|j| j as &mut dyn teardown::Namespace);
     let mut releaser = Releaser { py, selection: scope.selection.clone() };
     let done = teardown::run(namespace, &mut releaser, &scope.keep);
 
     let mut details = Details { names: done.names, notes: done.notes, ..Details::default() };
+    if during_reset {
+        details
+            .notes
+            .push("finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none (what the reset keeps stays)".into());
+    }
     if let Some(scope_held) = scope_held.as_mut() {
         if let Err(e) = restore_limit(py, &scope_held.limited) {
             details.notes.push(format!("restoring torch's memory fraction failed: {e}"));

@@ -1,14 +1,14 @@
 //! The per-cell log's record: what one notebook cell did to memory, and the compact table shown
 //! under it.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::grid::{prefixed, Grid};
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
 use crate::units::{bytes, signed_bytes};
 
 /// One figure over one cell: how it moved, and how high it went above where the cell began.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CellMetric {
     pub start: u64,
     pub end: u64,
@@ -30,7 +30,7 @@ impl CellMetric {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CellGpu {
     pub torch_index: u32,
     pub uuid: String,
@@ -51,11 +51,14 @@ impl CellGpu {
 }
 
 /// What one notebook cell did to memory.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CellRecord {
     pub execution_count: u64,
     /// Seconds since the Unix epoch; formatted only when written out, not for every cell.
-    #[serde(serialize_with = "crate::units::serialize_rfc3339")]
+    #[serde(
+        serialize_with = "crate::units::serialize_rfc3339",
+        deserialize_with = "crate::units::deserialize_rfc3339"
+    )]
     pub started_at: f64,
     pub wall_s: f64,
     pub host: CellMetric,

@@ -104,14 +104,14 @@ pub struct Report {
     pub gpus: Vec<GpuReport>,
     pub notes: Vec<String>,
     /// The cell log of the cells that ran while the scope was open (not published to other ranks).
-    #[serde(skip_deserializing)]
+    #[serde(default)]
     pub cells: Vec<CellRecord>,
     /// Where memory the scope created did not come back: what still holds it.
     pub holders: Vec<Holders>,
     /// Bytes torch could allocate on each GPU while the scope was open (`limit=`).
     pub limit: Option<u64>,
     /// The timeline its monitor recorded (`monitor=True`; not published to other ranks).
-    #[serde(skip_deserializing)]
+    #[serde(default)]
     pub monitor: Vec<Sample>,
     /// rank, local_rank, world_size and hostname, as top-level keys, in a rank of a distributed run.
     #[serde(flatten)]
@@ -254,6 +254,8 @@ impl Report {
             list("rebound (deleted)", &self.names.rebound, &mut lines);
             list("kept", &self.names.kept, &mut lines);
             list("cleared", &self.names.cleared, &mut lines);
+            list("not deleted, still bound", &self.names.not_deleted, &mut lines);
+            list("left, looks like IPython's", &self.names.left, &mut lines);
             if self.names.deleted.is_empty() && self.names.rebound.is_empty() {
                 lines.push("deleted: nothing".into());
             }

@@ -316,6 +316,8 @@ fn rich_report() -> Report {
         rebound: vec!["y".into()],
         kept: vec!["keep_me".into()],
         cleared: vec!["Out[3]".into(), "_".into()],
+        not_deleted: vec!["weird (still bound after del)".into()],
+        left: vec!["_1".into(), "__cache__".into()],
     };
     let span = Span { start: &start, before_teardown: &before, end: Some(&end) };
     Report::build(
@@ -432,6 +434,34 @@ fn html_escapes_names_and_notes() {
     let text = rich_report().grid().to_text();
     assert!(text.contains("train <big> & \"fast\""), "the text table shows names as they are");
     assert!(text.contains("note: teardown <gc> & \"friends\""));
+}
+
+#[test]
+fn a_report_reads_back_from_its_json_with_its_cells_and_timeline() {
+    let mut report = rich_report();
+    let (start, end) = (host(1_700_000_000.25, 100 * MIB, 100 * MIB), host(1_700_000_001.5, 300 * MIB, 300 * MIB));
+    report.cells.push(CellRecord::build(7, &start, &end, |_| None, vec!["a note".into()]));
+    report.monitor.push(crate::monitor::Sample {
+        t: 0.1,
+        time: 1_700_000_000.5,
+        cpu_percent: 12.5,
+        rss: MIB,
+        available: GIB,
+        gpus: Vec::new(),
+    });
+    let back: Report = serde_json::from_str(&serde_json::to_string(&report).unwrap()).expect("reads back");
+    assert_eq!(serde_json::to_value(&back).unwrap(), serde_json::to_value(&report).unwrap());
+    assert_eq!(back.cells.len(), 1);
+    assert_eq!(back.monitor, report.monitor);
+    assert_eq!(back.names, report.names);
+}
+
+#[test]
+fn names_that_failed_or_were_left_show_under_their_own_headings() {
+    let text = rich_report().grid().to_text();
+    assert!(text.contains("not deleted, still bound: weird (still bound after del)"), "{text}");
+    assert!(text.contains("left, looks like IPython's: _1, __cache__"), "{text}");
+    assert!(!text.contains("deleted: x, model, weird"), "{text}");
 }
 
 #[test]

@@ -216,10 +216,19 @@ impl Registry {
     /// The open scopes a new one replaces: the one of the same name (re-running a constructor
     /// cell), and those bound to a name the new constructor's cell binds again (`exp = ...`
     /// after editing the name). They finish first, so the new baseline holds none of their memory.
-    pub fn replaced_by(&self, name: Option<&str>, handles: &BTreeSet<String>) -> Vec<ScopeId> {
+    /// A scope in `on_stack` (its `with` block or the code that made it is still running) is
+    /// never replaced by its name: a helper's `with GPUExperiment("step")` inside the caller's
+    /// `with GPUExperiment("step")` nests, and what the caller made in its block stays.
+    pub fn replaced_by(
+        &self,
+        name: Option<&str>,
+        handles: &BTreeSet<String>,
+        on_stack: &BTreeSet<ScopeId>,
+    ) -> Vec<ScopeId> {
+        let same_name = |s: &Scope| name == Some(s.name.as_str()) && !on_stack.contains(&s.id);
         self.open
             .iter()
-            .filter(|s| !s.closing && (name == Some(s.name.as_str()) || !s.handles.is_disjoint(handles)))
+            .filter(|s| !s.closing && (same_name(s) || !s.handles.is_disjoint(handles)))
             .map(|s| s.id)
             .collect()
     }

@@ -263,19 +263,37 @@ fn a_new_scope_replaces_the_open_one_of_its_name_and_those_bound_to_a_name_it_re
     let a = open_bound_to(&mut registry, "a", &["exp"]);
     let b = open_bound_to(&mut registry, "b", &["other"]);
     let none = BTreeSet::new();
-    assert_eq!(registry.replaced_by(Some("a"), &none), vec![a]);
-    assert_eq!(registry.replaced_by(Some("c"), &none), Vec::<ScopeId>::new());
-    assert_eq!(registry.replaced_by(None, &["exp".to_string()].into()), vec![a], "exp = GPUExperiment(...) again");
-    assert_eq!(registry.replaced_by(Some("b"), &["exp".to_string()].into()), vec![a, b]);
+    let no_ids = BTreeSet::new();
+    assert_eq!(registry.replaced_by(Some("a"), &none, &no_ids), vec![a]);
+    assert_eq!(registry.replaced_by(Some("c"), &none, &no_ids), Vec::<ScopeId>::new());
+    assert_eq!(
+        registry.replaced_by(None, &["exp".to_string()].into(), &no_ids),
+        vec![a],
+        "exp = GPUExperiment(...) again"
+    );
+    assert_eq!(registry.replaced_by(Some("b"), &["exp".to_string()].into(), &no_ids), vec![a, b]);
 
     assert!(matches!(registry.begin_finish(b), Finishing::Ready(_)));
     assert_eq!(
-        registry.replaced_by(Some("b"), &none),
+        registry.replaced_by(Some("b"), &none, &no_ids),
         Vec::<ScopeId>::new(),
         "a scope being torn down is not replaced"
     );
     registry.complete(a, report_named("a"));
-    assert_eq!(registry.replaced_by(Some("a"), &none), Vec::<ScopeId>::new(), "a finished scope is history");
+    assert_eq!(registry.replaced_by(Some("a"), &none, &no_ids), Vec::<ScopeId>::new(), "a finished scope is history");
+}
+
+#[test]
+fn a_scope_on_the_call_stack_is_nested_in_not_replaced_by_its_name() {
+    let mut registry = Registry::default();
+    let outer = open_bound_to(&mut registry, "step", &[]);
+    let on_stack = BTreeSet::from([outer]);
+    assert_eq!(registry.replaced_by(Some("step"), &BTreeSet::new(), &on_stack), Vec::<ScopeId>::new());
+    assert_eq!(
+        registry.replaced_by(Some("step"), &BTreeSet::new(), &BTreeSet::new()),
+        vec![outer],
+        "re-running the constructor's cell still replaces it"
+    );
 }
 
 #[test]

@@ -197,7 +197,7 @@ pub fn other_processes(uuid: &str, own: &[u32]) -> Vec<(u32, Option<u64>)> {
 }
 
 /// What a monitor shows besides memory, each None where the device does not report it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Activity {
     /// Percent of the last sample period a kernel was running.
     pub utilization: Option<u32>,
