@@ -109,9 +109,15 @@ class ShellNamespace(_Namespace):
     def system_names(self):
         return self.shell.user_ns_hidden.keys()
 
+    def _output_cache(self):
+        """IPython's own output cache, by identity: ``Out`` in the namespace is only a name for
+        it, which the user may rebind (``Out = 5``)."""
+        cache = getattr(getattr(self.shell, "history_manager", None), "output_hist", None)
+        return cache if isinstance(cache, dict) else {}
+
     def hidden_refs(self):
         refs = super().hidden_refs()
-        for number, value in list(self.namespace.get("Out", {}).items()):
+        for number, value in list(self._output_cache().items()):
             refs[f"Out[{number}]"] = value
         for name in ("_", "__", "___"):
             if name in self.namespace:
@@ -127,7 +133,7 @@ class ShellNamespace(_Namespace):
         if label.startswith("Out["):
             # Out[n] has twins: _n in user_ns, and in user_ns_hidden where the display hook pushes it.
             number = int(label[4:-1])
-            self.namespace.get("Out", {}).pop(number, None)
+            self._output_cache().pop(number, None)
             self.namespace.pop(f"_{number}", None)
             self.shell.user_ns_hidden.pop(f"_{number}", None)
         elif label in ("_", "__", "___"):

@@ -22,6 +22,7 @@ use crate::report::{Details, Param, Params};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
+use crate::uninspectable::Uninspectable;
 use crate::units;
 
 /// What an open scope holds on the Python side.
@@ -33,6 +34,8 @@ struct Held {
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
     buffers: HashSet<Buffer>,
+    /// What that walk could not inspect: said in the report's notes.
+    skipped: Uninspectable,
     /// Torch's per-process memory fraction of each GPU before the scope's `limit`, restored at finish.
     limited: Vec<(u32, f64)>,
     /// The scope's monitor (`monitor=True`), stopped at finish; its samples go in the report.
@@ -111,13 +114,15 @@ pub(super) fn open_scope(
         if let GpuSelection::Only(wanted) = &selection {
             check_devices(py, wanted)?;
         }
+        let (buffers, skipped) = match &adapter {
+            Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
+            _ => (HashSet::new(), Uninspectable::default()),
+        };
         // Pins are made before the start snapshot so their own memory is not charged to the scope.
         let scope_held = Held {
             baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref()).map(Arc::new)).transpose()?,
-            buffers: match &adapter {
-                Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
-                _ => HashSet::new(),
-            },
+            buffers,
+            skipped,
             limited: match limit {
                 Some(limit) => apply_limit(py, &selection, limit)?,
                 None => Vec::new(),
@@ -267,6 +272,7 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
 
     let mut details = Details { names: done.names, notes: done.notes, ..Details::default() };
     if let Some(scope_held) = scope_held.as_mut() {
+        details.notes.extend(scope_held.skipped.note());
         if let Err(e) = restore_limit(py, &scope_held.limited) {
             details.notes.push(format!("restoring torch's memory fraction failed: {e}"));
         }
