@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 pub use agree::{agree, Agreement};
-pub use store::{kernel_store_dir, remove_kernel_store_dir, StoreAddress};
+pub use store::{check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 
 use crate::report::Report;

@@ -18,7 +18,7 @@ use super::report::{CellRecordPy, ReportPy, SnapshotPy};
 use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
 use super::torch::{apply_limit, release, restore_limit};
 use crate::monitor;
-use crate::report::{Details, Param, Params};
+use crate::report::{Details, Param, Params, Report};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
@@ -100,7 +100,10 @@ pub(super) fn open_scope(
     params: Option<Bound<PyDict>>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
     let params = params.as_ref().map(params_from).transpose()?;
+    // Before interrupts are held: opening a rank's store may wait on the network or a disk.
+    ranks::prepare_publishing(py)?;
     let interrupt = interrupts::hold(py);
+    let mut to_publish = Vec::new();
     // A closure, so that every error path still gives the held interrupt back below.
     let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
         // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
@@ -108,7 +111,7 @@ pub(super) fn open_scope(
         let replaced_ids = registry().replaced_by(name.as_deref(), &handles);
         let mut replaced = Vec::new();
         for id in replaced_ids {
-            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect())?);
+            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), &mut to_publish)?);
         }
         let selection = selection(gpu, devices);
         if let GpuSelection::Only(wanted) = &selection {
@@ -132,7 +135,6 @@ pub(super) fn open_scope(
                 None => None,
             },
         };
-        ranks::prepare_publishing(py);
         let (start, torch) = opening_snapshot(py, &selection, take_snapshot);
         let (id, title) = {
             let mut registry = registry();
@@ -157,8 +159,9 @@ pub(super) fn open_scope(
     };
     let opened = open();
     let interrupted = interrupt.release(py);
+    let amended = publish(py, &to_publish);
     let (id, start, replaced) = opened?;
-    Ok((id, start, replaced, interrupted))
+    Ok((id, start, with_notes(replaced, &amended), interrupted))
 }
 
 /// `params={"bs": 64, "opt": "adam"}`: names with numbers, text or booleans, in the given order.
@@ -241,16 +244,49 @@ pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> 
 #[pyo3(signature = (id, keep=Vec::new()))]
 pub(super) fn finish(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<(Vec<ReportPy>, bool)> {
     let held = interrupts::hold(py);
-    let finished = finish_with_inner(py, id, keep);
+    let mut to_publish = Vec::new();
+    let finished = finish_with_inner(py, id, keep, &mut to_publish);
     let interrupted = held.release(py);
-    Ok((finished?, interrupted))
+    let amended = publish(py, &to_publish);
+    Ok((with_notes(finished?, &amended), interrupted))
 }
 
-fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec<ReportPy>> {
+/// Publishes the reports a teardown completed, in a rank, once the held interrupt is given
+/// back: a store may wait, and only gpuexp's own bookkeeping runs with interrupts held. What
+/// a store's failure adds to a report is kept in the history; returns each report so amended,
+/// after its version before.
+fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
+    let mut amended = Vec::new();
+    for &id in ids {
+        let Some(report) = registry().report(id) else { continue };
+        let notes = ranks::publish_report(py, id, &report);
+        if let Some(with_notes) = registry().add_notes(id, notes) {
+            amended.push((report, with_notes));
+        }
+    }
+    amended
+}
+
+/// The reports to hand back, each in its version with the notes publishing added.
+fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) -> Vec<ReportPy> {
+    let latest = |r: ReportPy| match amended.iter().find(|(before, _)| Arc::ptr_eq(before, &r.0)) {
+        Some((_, after)) => ReportPy(after.clone()),
+        None => r,
+    };
+    reports.into_iter().map(latest).collect()
+}
+
+/// `to_publish` gets the scopes whose teardown this call completed: [`publish`] sends them on.
+fn finish_with_inner(
+    py: Python,
+    id: ScopeId,
+    keep: Vec<String>,
+    to_publish: &mut Vec<ScopeId>,
+) -> PyResult<Vec<ReportPy>> {
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish_with_inner(py, inner_id, keep.clone())?);
+        finished.extend(finish_with_inner(py, inner_id, keep.clone(), to_publish)?);
     }
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
@@ -290,8 +326,9 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>) -> PyResult<Vec
         Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
     }
     drop(scope_held);
-    ranks::complete_report(py, id, &mut report);
+    ranks::complete_report(py, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
+    to_publish.push(id);
     update_sampler(py, None);
     Ok(finished)
 }
