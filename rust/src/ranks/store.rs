@@ -88,8 +88,9 @@ pub fn check_store_directory(dir: &Path) -> std::result::Result<(), String> {
 }
 
 /// torch's TCPStore wire protocol, as its client opens a connection: a VALIDATE query with the
-/// magic number, then a PING whose nonce the server sends back (native byte order, since torch
-/// 2.3; both the libuv and the classic server answer it).
+/// magic number, then a PING whose nonce the server sends back, in native byte order. Checked
+/// against torch 2.15's libuv and classic servers (tests/test_ranks.py opens real ones); a torch
+/// whose server knows no PING would be refused here with "not a TCPStore".
 mod wire {
     pub const VALIDATE: u8 = 0;
     pub const PING: u8 = 13;
