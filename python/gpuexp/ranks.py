@@ -49,13 +49,15 @@ def host_ranks_store(address="127.0.0.1", port=0):
 
 def _name_the_kernel_store():
     """In a notebook kernel: a private directory (mode 0700) for the ranks it launches, named in
-    the environment they inherit. Nothing listens anywhere. An existing setting is kept."""
+    the environment they inherit. Nothing listens anywhere. An existing setting is kept.
+    Importing gpuexp never fails for want of that directory: ranks from the notebook are then
+    off, and one note says why and how to fix it."""
     if STORE_ENV in os.environ or ipython.shell() is None:
         return
     try:
         os.environ[STORE_ENV] = _core.kernel_ranks_store()
-    except RuntimeError as error:
-        ipython.warn(f"ranks launched from this kernel won't find it: {error}")
+    except (OSError, RuntimeError, ValueError) as error:
+        ipython.warn(str(error))
         return
     atexit.register(_core.remove_kernel_ranks_store)
 

@@ -35,6 +35,8 @@ pub mod status;
 pub mod teardown;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
 pub mod trace;
+/// Objects a namespace walk could not inspect: skipped, counted, said in one note.
+pub mod uninspectable;
 /// Sizes and times as people read and write them.
 pub mod units;
 /// `gpuexp watch`: a refresh every interval, live, CSV or JSON lines.

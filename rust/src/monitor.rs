@@ -153,6 +153,10 @@ impl Monitor {
         }
         let Some(path) = path else { return Ok(()) };
         Format::of(path)?;
+        // stat() never waits for a reader, as opening a FIFO for writing would.
+        if let Ok(meta) = std::fs::metadata(path) {
+            refuse_special(path, &meta)?;
+        }
         let exists = path.exists();
         let target = if exists {
             path.to_path_buf()
@@ -177,9 +181,7 @@ impl Monitor {
         let sink = match path {
             Some(path) => {
                 let format = Format::of(&path)?;
-                let file = File::create(&path)
-                    .map_err(|e| Error::Io(format!("{}: cannot write there ({e})", path.display())))?;
-                Some(Sink { writer: BufWriter::new(file), format, wrote_header: false })
+                Some(Sink { writer: BufWriter::new(open_timeline(&path)?), format, wrote_header: false })
             }
             None => None,
         };
@@ -224,6 +226,57 @@ impl Drop for Monitor {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A timeline goes to a regular file only: a FIFO without a reader would block its writer,
+/// and a device or socket is no timeline.
+fn refuse_special(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    let what = if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidArgument(format!(
+        "{} is {what}, not a regular file: the monitor writes its timeline to a regular file; name a new .jsonl \
+         or .csv file",
+        path.display()
+    )))
+}
+
+/// Opens (creates or truncates) the timeline file without ever waiting: O_NONBLOCK makes a
+/// FIFO without a reader fail at once instead of blocking, and what was opened is checked
+/// before anything is written, so a special file that appeared after `check` is refused too.
+fn open_timeline(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let cannot = |e: std::io::Error| Error::Io(format!("{}: cannot write there ({e})", path.display()));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENXIO) => Error::InvalidArgument(format!(
+                "{} is a FIFO (named pipe), not a regular file: the monitor writes its timeline to a regular \
+                 file; name a new .jsonl or .csv file",
+                path.display()
+            )),
+            _ => cannot(e),
+        })?;
+    refuse_special(path, &file.metadata().map_err(cannot)?)?;
+    // Writes to a regular file never wait; the flag is cleared so the file behaves as one opened plainly.
+    // SAFETY: fcntl on a descriptor this function owns.
+    unsafe {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) & !libc::O_NONBLOCK);
+    }
+    Ok(file)
 }
 
 fn record(
@@ -341,6 +394,24 @@ mod tests {
         );
         let unknown = refused(Duration::from_millis(10), Some(scratch("t.txt")));
         assert!(matches!(&unknown, Error::InvalidArgument(m) if m.contains(".jsonl")), "{unknown:?}");
+    }
+
+    #[test]
+    fn a_fifo_or_device_is_refused_without_waiting_for_a_reader() {
+        let fifo = scratch("fifo.jsonl");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let started = Instant::now();
+        let checked = Monitor::check(Duration::from_millis(10), Some(&fifo)).err().unwrap();
+        assert!(matches!(&checked, Error::InvalidArgument(m) if m.contains("FIFO")), "{checked:?}");
+        // What `check` let through is refused at open too, without blocking on the missing reader.
+        let opened = open_timeline(&fifo).err().unwrap();
+        assert!(matches!(&opened, Error::InvalidArgument(m) if m.contains("FIFO")), "{opened:?}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+        std::fs::remove_file(&fifo).unwrap();
+        let null = refuse_special(Path::new("/dev/null"), &std::fs::metadata("/dev/null").unwrap());
+        assert!(matches!(null, Err(Error::InvalidArgument(m)) if m.contains("a device")));
     }
 
     #[test]

@@ -115,5 +115,7 @@ pub(super) fn explain(py: Python, memory: Option<u32>, adapter: Option<Bound<PyA
         objects_visited: survey.objects_visited,
         seconds: started.elapsed().as_secs_f64(),
     };
-    Ok(ExplanationPy(Explanation::new(&device, reading, found)))
+    let mut explanation = Explanation::new(&device, reading, found);
+    explanation.notes.extend(survey.skipped.note());
+    Ok(ExplanationPy(explanation))
 }

@@ -18,6 +18,7 @@ use super::torch::PyTorch;
 use crate::explain::{Role, TensorRoles};
 use crate::report::{self, render_path, Holder, Holders, PathEdge, Report};
 use crate::snapshot::GpuSelection;
+use crate::uninspectable::Uninspectable;
 
 /// Enough for a kernel with a few million objects; a walk that hits it says so.
 const VISIT_LIMIT: usize = 5_000_000;
@@ -114,6 +115,8 @@ struct Walk<'py> {
     /// The modules and optimizers passed on the way: what tells parameters, gradients and
     /// optimizer state from other tensors.
     owners: Vec<Bound<'py, PyAny>>,
+    /// Objects whose inspection raised: skipped, and said in one note.
+    skipped: Uninspectable,
 }
 
 impl<'py> Walk<'py> {
@@ -126,6 +129,7 @@ impl<'py> Walk<'py> {
             queue: VecDeque::new(),
             found: HashMap::new(),
             owners: Vec::new(),
+            skipped: Uninspectable::default(),
         })
     }
 
@@ -148,7 +152,7 @@ impl<'py> Walk<'py> {
     }
 
     fn is_a(&self, object: &Bound<'py, PyAny>, class: &Option<Bound<'py, PyType>>) -> bool {
-        class.as_ref().is_some_and(|c| object.is_instance(c).unwrap_or(false))
+        class.as_ref().is_some_and(|c| type_is(object, c))
     }
 
     fn path(&self, mut node: usize) -> String {
@@ -174,7 +178,14 @@ impl<'py> Walk<'py> {
                 break;
             }
             let object = self.nodes[index].object.clone();
-            self.expand(index, &object)?;
+            // A user object that raises when inspected is skipped and counted, never re-raised;
+            // an interrupt (not an Exception) still ends the walk.
+            if let Err(error) = self.expand(index, &object) {
+                if !error.is_instance_of::<pyo3::exceptions::PyException>(object.py()) {
+                    return Err(error);
+                }
+                self.skipped.skip(|| described(object.py(), &error));
+            }
         }
         Ok(())
     }
@@ -216,7 +227,7 @@ impl<'py> Walk<'py> {
             }
         } else if object.is_instance_of::<PyModule>() {
             // Reached as a value: its globals are roots of their own, walked later.
-        } else if object.is_instance(&self.types.traceback)? {
+        } else if type_is(object, &self.types.traceback) {
             let mut tb = Some(object.clone());
             while let Some(current) = tb.filter(|t| !t.is_none()) {
                 let frame = current.getattr("tb_frame")?;
@@ -224,13 +235,13 @@ impl<'py> Walk<'py> {
                 self.push(frame, parent, PathEdge::Frame(label));
                 tb = current.getattr("tb_next").ok();
             }
-        } else if object.is_instance(&self.types.frame)? {
+        } else if type_is(object, &self.types.frame) {
             if let Ok(locals) = object.getattr("f_locals").and_then(|l| Ok(l.cast_into::<PyDict>()?)) {
                 for (name, value) in locals.iter() {
                     self.push(value, parent, PathEdge::Local(name.to_string()));
                 }
             }
-        } else if object.is_instance(&self.types.function)? {
+        } else if type_is(object, &self.types.function) {
             let closure = object.getattr("__closure__")?;
             if !closure.is_none() {
                 let names: Vec<String> = object.getattr("__code__")?.getattr("co_freevars")?.extract()?;
@@ -240,9 +251,9 @@ impl<'py> Walk<'py> {
                     }
                 }
             }
-        } else if object.is_instance(&self.types.method)? {
+        } else if type_is(object, &self.types.method) {
             self.push(object.getattr("__self__")?, parent, PathEdge::Attr("__self__".into()));
-        } else if object.is_instance(&self.types.cell)? {
+        } else if type_is(object, &self.types.cell) {
             if let Ok(contents) = object.getattr("cell_contents") {
                 self.push(contents, parent, PathEdge::Attr("cell_contents".into()));
             }
@@ -252,8 +263,14 @@ impl<'py> Walk<'py> {
             if defined_here {
                 self.push_attributes(index, &object.getattr("__dict__")?)?;
             }
-        } else if let Ok(attributes) = object.getattr("__dict__") {
-            self.push_attributes(index, &attributes)?;
+        } else {
+            match object.getattr("__dict__") {
+                Ok(attributes) => self.push_attributes(index, &attributes)?,
+                // Most objects have no `__dict__`; one that raises anything else (a dead
+                // `weakref.proxy`, a property) could not be inspected.
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(object.py()) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -339,6 +356,27 @@ fn frame_label(frame: &Bound<PyAny>, line: u32) -> String {
     format!("{name}(), line {line}")
 }
 
+/// Whether `object`'s own type is `class` or derives from it. Read from the type, never from the
+/// object: `isinstance` asks the object for `__class__`, which a property may raise, a dead
+/// `weakref.proxy` does raise, and a lazy module answers by importing itself.
+fn type_is(object: &Bound<PyAny>, class: &Bound<PyType>) -> bool {
+    // SAFETY: both pointers are live objects for the borrow's length; PyType_IsSubtype only
+    // reads the types' MROs and runs no Python code.
+    unsafe { pyo3::ffi::PyType_IsSubtype(pyo3::ffi::Py_TYPE(object.as_ptr()), class.as_type_ptr()) != 0 }
+}
+
+/// A user object's error as "Type: message", for the note on what a walk skipped.
+fn described(py: Python, error: &PyErr) -> String {
+    let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_else(|_| "error".into());
+    let message = error.value(py).str().map(|m| m.to_string()).unwrap_or_default();
+    let first_line: String = message.lines().next().unwrap_or("").chars().take(120).collect();
+    if first_line.is_empty() {
+        kind
+    } else {
+        format!("{kind}: {first_line}")
+    }
+}
+
 /// Objects that refer to nothing worth following.
 fn is_atomic(object: &Bound<PyAny>) -> bool {
     object.is_none()
@@ -356,7 +394,7 @@ fn live_tensor_buffers(py: Python, memory: &Memory) -> PyResult<HashMap<Buffer, 
     let Some(tensor_type) = Types::new(py)?.tensor else { return Ok(buffers) };
     let objects = py.import("gc")?.call_method0("get_objects")?.cast_into::<PyList>()?;
     for object in objects.iter() {
-        if object.is_instance(&tensor_type)? {
+        if type_is(&object, &tensor_type) {
             if let Ok(Some((buffer, bytes, _))) = tensor_buffer(&object, memory) {
                 buffers.insert(buffer, bytes);
             }
@@ -378,15 +416,18 @@ fn module_roots<'py>(py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>
     let modules = sys.getattr("modules")?.call_method0("copy")?.cast_into::<PyDict>()?;
     for (name, module) in modules.iter() {
         let name = name.to_string();
-        if name == "__main__" || !module.is_instance_of::<PyModule>() {
+        let Ok(module) = module.cast::<PyModule>() else { continue };
+        if name == "__main__" {
             continue;
         }
-        let file: Option<String> = module.getattr("__file__").ok().and_then(|f| f.extract().ok());
+        // The module's own dict, read without attribute access: a lazy module's
+        // `__getattribute__` would import it.
+        let globals = module.dict();
+        let file: Option<String> = globals.get_item("__file__").ok().flatten().and_then(|f| f.extract().ok());
         let is_library = match &file {
             Some(file) => prefixes.iter().any(|p| file.starts_with(p.as_str())) || file.contains("-packages"),
             None => true,
         };
-        let Ok(globals) = module.getattr("__dict__").and_then(|d| Ok(d.cast_into::<PyDict>()?)) else { continue };
         let target = if is_library { &mut library } else { &mut user };
         for (key, value) in globals.iter() {
             let key = key.to_string();
@@ -408,6 +449,8 @@ pub struct Survey<'py> {
     /// Modules and optimizers reached on the way.
     pub owners: Vec<Bound<'py, PyAny>>,
     pub objects_visited: u64,
+    /// Objects the walk could not inspect.
+    pub skipped: Uninspectable,
 }
 
 impl Survey<'_> {
@@ -468,7 +511,7 @@ fn survey_quietly<'py>(
         })
         .collect();
     held.sort_by(|(_, a), (_, b)| b.bytes.cmp(&a.bytes).then_with(|| a.path.cmp(&b.path)));
-    Ok(Survey { held, live, owners: walk.owners, objects_visited: walk.nodes.len() as u64 })
+    Ok(Survey { held, live, owners: walk.owners, objects_visited: walk.nodes.len() as u64, skipped: walk.skipped })
 }
 
 /// Finds what holds the memory of `memory`, largest first; `exclude` are buffers that existed
@@ -495,14 +538,20 @@ pub fn hunt<'py>(
         roles: (roles.total() > 0).then_some(roles),
         objects_visited: survey.objects_visited,
         seconds: started.elapsed().as_secs_f64(),
+        notes: survey.skipped.note().into_iter().collect(),
     };
     Ok((holders, python_bytes))
 }
 
 /// The buffers reachable from `roots` now (an experiment's start), so that a later hunt names
-/// only what came after. Module globals are left out: they are walked at the hunt.
-pub fn inventory<'py>(py: Python<'py>, roots: Vec<(String, Bound<'py, PyAny>)>) -> PyResult<HashSet<Buffer>> {
-    Ok(walk_everything(py, roots)?.found.keys().copied().collect())
+/// only what came after, and what the walk could not inspect. Module globals are left out:
+/// they are walked at the hunt.
+pub fn inventory<'py>(
+    py: Python<'py>,
+    roots: Vec<(String, Bound<'py, PyAny>)>,
+) -> PyResult<(HashSet<Buffer>, Uninspectable)> {
+    let walk = walk_everything(py, roots)?;
+    Ok((walk.found.keys().copied().collect(), walk.skipped))
 }
 
 /// The modules and optimizers reachable from `roots` (a step and what it refers to); module

@@ -12,16 +12,18 @@ pub(super) struct MonitorPy(monitor::Monitor);
 impl MonitorPy {
     #[new]
     #[pyo3(signature = (interval_s, path=None, gpus=true))]
-    fn new(interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
+    fn new(py: Python, interval_s: f64, path: Option<std::path::PathBuf>, gpus: bool) -> PyResult<Self> {
         let interval = units::interval_of_seconds(interval_s)?;
-        Ok(MonitorPy(monitor::Monitor::start(interval, path, gpus)?))
+        // Opening a file and NVML may wait (a slow disk, a network mount): never with the GIL held.
+        Ok(MonitorPy(py.detach(|| monitor::Monitor::start(interval, path, gpus))?))
     }
 
     /// Refuses what `Monitor(...)` would refuse at start, without starting or writing anything.
     #[staticmethod]
     #[pyo3(signature = (interval_s, path=None))]
-    fn check(interval_s: f64, path: Option<std::path::PathBuf>) -> PyResult<()> {
-        Ok(monitor::Monitor::check(units::interval_of_seconds(interval_s)?, path.as_deref())?)
+    fn check(py: Python, interval_s: f64, path: Option<std::path::PathBuf>) -> PyResult<()> {
+        let interval = units::interval_of_seconds(interval_s)?;
+        Ok(py.detach(|| monitor::Monitor::check(interval, path.as_deref()))?)
     }
 
     /// The samples so far, as a JSON list (the Python side turns it into dicts).

@@ -22,6 +22,9 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a rank tries to reach a TCPStore's port: one that is gone (a kernel restarted)
 /// refuses at once, and is not tried again in that process.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a TCPStore has to answer gpuexp's ping: a loaded server answers in milliseconds;
+/// a listener that is no TCPStore never does.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long torch's client then has to connect and be validated: 64 ranks opening at once on
 /// a loaded 2-core box took more than 3 s.
 const VALIDATE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -130,7 +133,7 @@ fn thread_cpu_s() -> f64 {
     now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
-fn lock<T>(mutex: &'static Mutex<T>) -> MutexGuard<'static, T> {
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -158,8 +161,11 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
         return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
     }
     let opened = open_named(&dist, &address);
-    if let Err(e) = &opened {
-        *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string()));
+    match &opened {
+        // Ctrl-C during the checks says nothing about the store: it is tried again next time.
+        Err(e) if is_interrupt(py, e) => {}
+        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string())),
+        Ok(_) => {}
     }
     let store = opened?;
     // Not locked while opening: torch may release the GIL to connect, and another thread could
@@ -177,14 +183,22 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
 fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult<Bound<'py, PyAny>> {
     let py = dist.py();
     let store = match address {
-        StoreAddress::Directory(_) => {
+        StoreAddress::Directory(dir) => {
+            // torch's FileStore retries opening a file in a missing directory for 300 s.
+            let dir = dir.clone();
+            interruptible(py, move || ranks::check_store_directory(&dir))?.map_err(PyRuntimeError::new_err)?;
             let file = address.file().expect("a directory has a file");
             dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?
         }
         StoreAddress::Tcp { host, port } => {
-            // torch's client retries a refused connection until its timeout: a plain connect
-            // first tells a store that is gone from one that is busy.
-            py.detach(|| reachable(host, *port)).map_err(PyRuntimeError::new_err)?;
+            // torch's client retries a refused connection, and waits on one that never answers,
+            // until its timeout: a connection and a ping of gpuexp's own tell a store that is
+            // gone, or no store at all, from one that is busy.
+            let (checked_host, checked_port) = (host.clone(), *port);
+            interruptible(py, move || {
+                ranks::check_tcp_store(&checked_host, checked_port, CONNECT_TIMEOUT, PING_TIMEOUT)
+            })?
+            .map_err(PyRuntimeError::new_err)?;
             let kwargs = PyDict::new(py);
             kwargs.set_item("wait_for_workers", false)?;
             kwargs.set_item("timeout", timedelta(py, VALIDATE_TIMEOUT)?)?;
@@ -195,17 +209,33 @@ fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult
     Ok(store)
 }
 
-fn reachable(host: &str, port: u16) -> Result<(), String> {
-    use std::net::{TcpStream, ToSocketAddrs};
-    let addresses = (host, port).to_socket_addrs().map_err(|e| format!("tcp://{host}:{port}: {e}"))?;
-    let mut last = format!("tcp://{host}:{port}: no address");
-    for address in addresses {
-        match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
-            Ok(_) => return Ok(()),
-            Err(e) => last = format!("nothing answers at tcp://{host}:{port} ({e})"),
+/// Runs a check that may wait (a disk, the network) on a thread of its own, with the GIL released,
+/// and raises Ctrl-C as soon as it comes: the caller does not wait for the check's own timeout.
+/// An abandoned check ends by itself at that timeout.
+fn interruptible<T: Send + 'static>(py: Python, check: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
+    let (answer, answered) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("gpuexp-store-check".into())
+        .spawn(move || {
+            let _ = answer.send(check());
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("could not start a thread to check the store: {e}")))?;
+    // In a mutex only so that the detached closure may borrow it: one thread ever receives.
+    let answered = Mutex::new(answered);
+    loop {
+        match py.detach(|| lock(&answered).recv_timeout(Duration::from_millis(50))) {
+            Ok(value) => return Ok(value),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(PyRuntimeError::new_err("the store check ended without an answer"))
+            }
         }
     }
-    Err(last)
+}
+
+/// Ctrl-C (or another exception that is no `Exception`): never swallowed with a store's errors.
+fn is_interrupt(py: Python, error: &PyErr) -> bool {
+    !error.is_instance_of::<pyo3::exceptions::PyException>(py)
 }
 
 /// Tells the runs of a process group apart: one token per group, claimed in its store by
@@ -254,36 +284,49 @@ pub(super) fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity
 }
 
 /// When a rank opens a scope: the run token is claimed and the store opened now, while every
-/// rank is up, so that finishing costs one write.
-pub(super) fn prepare_publishing(py: Python) {
+/// rank is up, so that finishing costs one write. Called before the opening holds interrupts:
+/// a store may wait, and Ctrl-C must reach it. A store's failure waits for the finish to say
+/// it in a note; only Ctrl-C is raised.
+pub(super) fn prepare_publishing(py: Python) -> PyResult<()> {
     let group = process_group(py);
     if identity(group.as_ref()).position().is_some() {
-        let _ = run_token(py, group.as_ref());
-        let _ = named_store(py);
+        let interrupt_only = |prepared: PyResult<()>| match prepared {
+            Err(e) if is_interrupt(py, &e) => Err(e),
+            _ => Ok(()),
+        };
+        interrupt_only(run_token(py, group.as_ref()).map(drop))?;
+        interrupt_only(named_store(py).map(drop))?;
     }
+    Ok(())
 }
 
-/// At finish: names the descendants still holding GPU memory, and in a rank, stamps the
-/// report with the rank's identity and publishes it. A store that fails costs a note, never
-/// the report; where the named store can't be reached, the group's takes the report.
-pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
+/// At finish, inside the teardown: names the descendants still holding GPU memory and, in a
+/// rank, stamps the report with the rank's identity. No store is reached here.
+pub(super) fn complete_report(py: Python, report: &mut Report) {
     report.child_processes = nvml::still_holding(report.gpus.iter().map(|g| (g.torch_index, g.uuid.as_str())));
+    report.rank = identity(process_group(py).as_ref());
+}
+
+/// Once the teardown is done and the held interrupt given back: publishes a rank's finished
+/// report. A store that fails costs a note, returned for the report, never the report; where
+/// the named store can't be reached, the group's takes the report.
+pub(super) fn publish_report(py: Python, scope: ScopeId, report: &Report) -> Vec<String> {
     let error = ranks::take_error(scope);
+    let mut notes = Vec::new();
+    if report.rank.position().is_none() {
+        return notes;
+    }
     let (started, cpu_started) = (Instant::now(), thread_cpu_s());
     let group = process_group(py);
-    report.rank = identity(group.as_ref());
-    if report.rank.position().is_none() {
-        return;
-    }
     let run = match run_token(py, group.as_ref()) {
         Ok(run) => run,
         Err(e) => {
-            report.notes.push(format!("the process group's store did not answer ({e}): runs are not told apart"));
+            notes.push(format!("the process group's store did not answer ({e}): runs are not told apart"));
             None
         }
     };
     let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
-        report.notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
+        notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
         group_target(group.as_ref())
     });
     let published = match store {
@@ -294,9 +337,10 @@ pub(super) fn complete_report(py: Python, scope: ScopeId, report: &mut Report) {
         Err(e) => Err(e.to_string()),
     };
     if let Err(failure) = published {
-        report.notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
+        notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
     }
     *lock(&LAST_PUBLISH) = Some((started.elapsed().as_secs_f64(), thread_cpu_s() - cpu_started));
+    notes
 }
 
 /// The exception that ended an experiment's `with` block: it goes into the published record.

@@ -21,10 +21,11 @@ use super::torch::{apply_limit, release, restore_limit};
 use super::trace;
 use super::trace_recording::{self, TraceWindow};
 use crate::monitor;
-use crate::report::{Details, Param, Params};
+use crate::report::{Details, Param, Params, Report};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
+use crate::uninspectable::Uninspectable;
 use crate::units;
 
 /// What an open scope holds on the Python side.
@@ -36,6 +37,8 @@ struct Held {
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
     buffers: HashSet<Buffer>,
+    /// What that walk could not inspect: said in the report's notes.
+    skipped: Uninspectable,
     /// Torch's per-process memory fraction of each GPU before the scope's `limit`, restored at finish.
     limited: Vec<(u32, f64)>,
     /// The scope's monitor (`monitor=True`), stopped at finish; its samples go in the report.
@@ -106,7 +109,10 @@ pub(super) fn open_scope(
     trace: Option<bool>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
     let params = params.as_ref().map(params_from).transpose()?;
+    // Before interrupts are held: opening a rank's store may wait on the network or a disk.
+    ranks::prepare_publishing(py)?;
     let interrupt = interrupts::hold(py);
+    let mut to_publish = Vec::new();
     // A closure, so that every error path still gives the held interrupt back below.
     let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
         // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
@@ -114,7 +120,7 @@ pub(super) fn open_scope(
         let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack);
         let mut replaced = Vec::new();
         for id in replaced_ids {
-            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), false)?);
+            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), false, &mut to_publish)?);
         }
         // A rank covers its own GPU unless `devices=` names others: on a node of 8, the other
         // seven would be idle rows in every rank's report and in `ranks()`.
@@ -130,13 +136,15 @@ pub(super) fn open_scope(
             Some((window, notes)) => (Some(window), notes),
             None => (None, Vec::new()),
         };
+        let (buffers, skipped) = match &adapter {
+            Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
+            _ => (HashSet::new(), Uninspectable::default()),
+        };
         // Pins are made before the start snapshot so their own memory is not charged to the scope.
         let scope_held = Held {
             baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref()).map(Arc::new)).transpose()?,
-            buffers: match &adapter {
-                Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
-                _ => HashSet::new(),
-            },
+            buffers,
+            skipped,
             limited: match limit {
                 Some(limit) => apply_limit(py, &selection, limit)?,
                 None => Vec::new(),
@@ -147,7 +155,6 @@ pub(super) fn open_scope(
             },
             trace,
         };
-        ranks::prepare_publishing(py);
         let (mut start, torch) = opening_snapshot(py, &selection, take_snapshot);
         start.notes.extend(trace_notes);
         if let Some((index, because)) = own {
@@ -178,8 +185,9 @@ pub(super) fn open_scope(
     };
     let opened = open();
     let interrupted = interrupt.release(py);
+    let amended = publish(py, &to_publish);
     let (id, start, replaced) = opened?;
-    Ok((id, start, replaced, interrupted))
+    Ok((id, start, with_notes(replaced, &amended), interrupted))
 }
 
 /// `params={"bs": 64, "opt": "adam"}`: names with numbers, text or booleans, in the given order.
@@ -285,16 +293,50 @@ pub(super) fn finish(
     during_reset: bool,
 ) -> PyResult<(Vec<ReportPy>, bool)> {
     let held = interrupts::hold(py);
-    let finished = finish_with_inner(py, id, keep, during_reset);
+    let mut to_publish = Vec::new();
+    let finished = finish_with_inner(py, id, keep, during_reset, &mut to_publish);
     let interrupted = held.release(py);
-    Ok((finished?, interrupted))
+    let amended = publish(py, &to_publish);
+    Ok((with_notes(finished?, &amended), interrupted))
 }
 
-fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>, during_reset: bool) -> PyResult<Vec<ReportPy>> {
+/// Publishes the reports a teardown completed, in a rank, once the held interrupt is given
+/// back: a store may wait, and only gpuexp's own bookkeeping runs with interrupts held. What
+/// a store's failure adds to a report is kept in the history; returns each report so amended,
+/// after its version before.
+fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
+    let mut amended = Vec::new();
+    for &id in ids {
+        let Some(report) = registry().report(id) else { continue };
+        let notes = ranks::publish_report(py, id, &report);
+        if let Some(with_notes) = registry().add_notes(id, notes) {
+            amended.push((report, with_notes));
+        }
+    }
+    amended
+}
+
+/// The reports to hand back, each in its version with the notes publishing added.
+fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) -> Vec<ReportPy> {
+    let latest = |r: ReportPy| match amended.iter().find(|(before, _)| Arc::ptr_eq(before, &r.0)) {
+        Some((_, after)) => ReportPy(after.clone()),
+        None => r,
+    };
+    reports.into_iter().map(latest).collect()
+}
+
+/// `during_reset`: see [`finish`]. `to_publish` gets the scopes whose teardown this call completed: [`publish`] sends them on.
+fn finish_with_inner(
+    py: Python,
+    id: ScopeId,
+    keep: Vec<String>,
+    during_reset: bool,
+    to_publish: &mut Vec<ScopeId>,
+) -> PyResult<Vec<ReportPy>> {
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish_with_inner(py, inner_id, keep.clone(), during_reset)?);
+        finished.extend(finish_with_inner(py, inner_id, keep.clone(), during_reset, to_publish)?);
     }
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
@@ -325,6 +367,7 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>, during_reset: b
             .push("finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none (what the reset keeps stays)".into());
     }
     if let Some(scope_held) = scope_held.as_mut() {
+        details.notes.extend(scope_held.skipped.note());
         if let Err(e) = restore_limit(py, &scope_held.limited) {
             details.notes.push(format!("restoring torch's memory fraction failed: {e}"));
         }
@@ -346,8 +389,9 @@ fn finish_with_inner(py: Python, id: ScopeId, keep: Vec<String>, during_reset: b
     if let Some(window) = trace {
         trace::complete_report(py, window, &mut report);
     }
-    ranks::complete_report(py, id, &mut report);
+    ranks::complete_report(py, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
+    to_publish.push(id);
     update_sampler(py, None);
     Ok(finished)
 }

@@ -6,6 +6,7 @@ use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use super::{STORE_ENV, STORE_FILE};
 
@@ -61,6 +62,82 @@ impl std::fmt::Display for StoreAddress {
     }
 }
 
+// ---- checks before torch opens a store -----------------------------------------------------
+//
+// torch's stores wait where gpuexp must not: a FileStore in a missing directory retries its
+// open for 300 s, and a TCPStore client of an address that accepts but never answers (no
+// TCPStore there) retries for its whole timeout, warning at every try. These checks answer in
+// at most a few seconds, so a rank's experiment opens with one note instead.
+
+/// Whether a FileStore can live in `dir`: it exists, is a directory, and this user can create
+/// files in it.
+pub fn check_store_directory(dir: &Path) -> std::result::Result<(), String> {
+    let fix = format!("create it (mode 0700 where only you run ranks), or point {STORE_ENV} at one that exists");
+    match fs::metadata(dir) {
+        Err(e) => Err(format!("file://{}: {e}; {fix}", dir.display())),
+        Ok(meta) if !meta.is_dir() => Err(format!("file://{} is not a directory; {fix}", dir.display())),
+        Ok(_) => {
+            let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+            // SAFETY: a valid NUL-terminated path; access() only reads it.
+            if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+                return Err(format!("file://{} is not writable by this user; {fix}", dir.display()));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// torch's TCPStore wire protocol, as its client opens a connection: a VALIDATE query with the
+/// magic number, then a PING whose nonce the server sends back, in native byte order. Checked
+/// against torch 2.15's libuv and classic servers (tests/test_ranks.py opens real ones); a torch
+/// whose server knows no PING would be refused here with "not a TCPStore".
+mod wire {
+    pub const VALIDATE: u8 = 0;
+    pub const PING: u8 = 13;
+    pub const MAGIC: u32 = 0x3C85_F7CE;
+}
+
+/// Whether a TCPStore answers at `host:port`: connected within `connect`, and the nonce of a
+/// ping sent back within `reply`. Something else listening there (a web server, a plain
+/// socket) is told apart in seconds, where torch's client would retry for its timeout.
+pub fn check_tcp_store(host: &str, port: u16, connect: Duration, reply: Duration) -> std::result::Result<(), String> {
+    use std::io::{Read, Write};
+    use std::net::{TcpStream, ToSocketAddrs};
+    let url = format!("tcp://{host}:{port}");
+    let addresses = (host, port).to_socket_addrs().map_err(|e| format!("{url}: {e}"))?;
+    let mut last = format!("{url}: no address");
+    for address in addresses {
+        let mut stream = match TcpStream::connect_timeout(&address, connect) {
+            Ok(stream) => stream,
+            Err(e) => {
+                last = format!("nothing answers at {url} ({e})");
+                continue;
+            }
+        };
+        let nonce = std::process::id() ^ 0x5EED_0000;
+        let mut query = vec![wire::VALIDATE];
+        query.extend(wire::MAGIC.to_ne_bytes());
+        query.push(wire::PING);
+        query.extend(nonce.to_ne_bytes());
+        let mut answer = [0u8; 4];
+        let exchanged = stream
+            .set_read_timeout(Some(reply))
+            .and_then(|()| stream.set_write_timeout(Some(reply)))
+            .and_then(|()| stream.write_all(&query))
+            .and_then(|()| stream.read_exact(&mut answer));
+        let not_a_store = format!("{url} answers but is not a TCPStore");
+        return match exchanged {
+            Ok(()) if u32::from_ne_bytes(answer) == nonce => Ok(()),
+            Ok(()) => Err(format!("{not_a_store} (its reply to torch's ping is not torch's)")),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(format!("{not_a_store} (no reply to torch's ping in {:.0} s)", reply.as_secs_f64()))
+            }
+            Err(e) => Err(format!("{not_a_store} ({e})")),
+        };
+    }
+    Err(last)
+}
+
 // ---- the kernel's own store directory ----------------------------------------------------
 
 /// The directory this kernel made for its ranks, removed at exit by the process that made it.
@@ -101,8 +178,20 @@ fn private_base() -> Result<PathBuf> {
 }
 
 /// This kernel's store directory for its ranks (mode 0700), made on first call; the
-/// directories of kernels that are gone are removed on the way.
+/// directories of kernels that are gone are removed on the way. Where none can be made, the
+/// error says that ranks launched from the kernel are off, why, and how to turn them on.
 pub fn kernel_store_dir() -> Result<PathBuf> {
+    made_kernel_store_dir().map_err(ranks_off)
+}
+
+fn ranks_off(why: Error) -> Error {
+    Error::Io(format!(
+        "ranks launched from this kernel won't reach it ({why}). To fix it, set TMPDIR or XDG_RUNTIME_DIR to a \
+         directory only you can write, or set {STORE_ENV} (file:///a/dir or tcp://host:port), before importing gpuexp"
+    ))
+}
+
+fn made_kernel_store_dir() -> Result<PathBuf> {
     let pid = crate::fork::pid();
     let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((owner, dir)) = made.as_ref() {
@@ -164,6 +253,76 @@ mod tests {
         assert_eq!(kernel_store_dir().unwrap(), dir, "one directory per kernel");
         remove_kernel_store_dir();
         assert!(!dir.exists());
+    }
+
+    #[test]
+    fn a_store_directory_must_exist_and_be_writable() {
+        let missing = check_store_directory(Path::new("/nonexistent/dir")).unwrap_err();
+        assert!(
+            missing.starts_with("file:///nonexistent/dir: No such file") && missing.contains(STORE_ENV),
+            "{missing}"
+        );
+        let file = check_store_directory(Path::new("/proc/self/status")).unwrap_err();
+        assert!(file.contains("is not a directory"), "{file}");
+        assert_eq!(check_store_directory(&std::env::temp_dir()), Ok(()));
+    }
+
+    fn listener() -> (std::net::TcpListener, u16) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        (listener, port)
+    }
+
+    #[test]
+    fn a_listener_that_is_no_tcp_store_is_told_apart_in_seconds() {
+        use std::io::{Read, Write};
+        let short = Duration::from_millis(300);
+        // Accepts and never answers: torch's client would wait for its whole timeout.
+        let (_silent, port) = listener();
+        let started = std::time::Instant::now();
+        let silent = check_tcp_store("127.0.0.1", port, short, short).unwrap_err();
+        assert!(silent.contains("answers but is not a TCPStore") && silent.contains("no reply"), "{silent}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        // Answers something else.
+        let (chatty, port) = listener();
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = chatty.accept().unwrap();
+            let mut query = [0u8; 10];
+            peer.read_exact(&mut query).unwrap();
+            peer.write_all(b"HTTP/1.1 400 Bad Request\r\n").unwrap();
+        });
+        let chatty = check_tcp_store("127.0.0.1", port, short, short).unwrap_err();
+        assert!(chatty.contains("is not torch's"), "{chatty}");
+        server.join().unwrap();
+        // Echoes the ping's nonce, as a TCPStore does.
+        let (store, port) = listener();
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = store.accept().unwrap();
+            let mut query = [0u8; 10];
+            peer.read_exact(&mut query).unwrap();
+            assert_eq!(
+                (query[0], &query[1..5], query[5]),
+                (wire::VALIDATE, &wire::MAGIC.to_ne_bytes()[..], wire::PING)
+            );
+            peer.write_all(&query[6..]).unwrap();
+        });
+        assert_eq!(check_tcp_store("127.0.0.1", port, short, short), Ok(()));
+        server.join().unwrap();
+        // Nothing listens.
+        let gone = listener().1;
+        assert!(check_tcp_store("127.0.0.1", gone, short, short).unwrap_err().starts_with("nothing answers"));
+    }
+
+    #[test]
+    fn an_unusable_base_says_that_ranks_are_off_and_how_to_fix_it() {
+        let base = std::env::temp_dir().join(format!("gpuexp-open-base-{}", std::process::id()));
+        fs::create_dir_all(base.join("gpuexp")).unwrap();
+        fs::set_permissions(base.join("gpuexp"), fs::Permissions::from_mode(0o755)).unwrap();
+        let why = private_dir(&base.join("gpuexp")).unwrap_err().to_string();
+        assert!(why.contains("not a private directory"), "{why}");
+        let said = ranks_off(Error::Io(why)).to_string();
+        assert!(said.starts_with("ranks launched from this kernel won't reach it (") && said.contains("set TMPDIR"));
+        fs::remove_dir_all(base).unwrap();
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct Holders {
     pub roles: Option<TensorRoles>,
     pub objects_visited: u64,
     pub seconds: f64,
+    /// What the walk could not do: objects it could not inspect and skipped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 impl Holders {
@@ -57,7 +60,12 @@ impl Holders {
             lines: Vec::new(),
             header: ["held by", "size", "what"].map(String::from).to_vec(),
             rows,
-            notes: vec![format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)],
+            notes: self
+                .notes
+                .iter()
+                .map(|note| format!("note: {note}"))
+                .chain([format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)])
+                .collect(),
             compact: false,
         }
     }
@@ -166,8 +174,10 @@ mod tests {
             roles: None,
             objects_visited: 10,
             seconds: 0.01,
+            notes: vec!["2 objects in the namespace could not be inspected and were skipped".into()],
         };
         let text = holders.grid("holders").to_text();
+        assert!(text.contains("note: 2 objects in the namespace could not be inspected"), "{text}");
         assert!(
             text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"),
             "{text}"

@@ -265,6 +265,20 @@ impl Registry {
         report
     }
 
+    /// Adds notes to a finished report (what publishing it across ranks found, which happens
+    /// once the teardown is done): the history keeps the amended report, returned here. None
+    /// when there is nothing to add or no such report.
+    pub fn add_notes(&mut self, id: ScopeId, notes: Vec<String>) -> Option<Arc<Report>> {
+        if notes.is_empty() {
+            return None;
+        }
+        let (_, kept) = self.finished.iter_mut().find(|(done, _)| *done == id)?;
+        let mut amended = Report::clone(kept);
+        amended.notes.extend(notes);
+        *kept = Arc::new(amended);
+        Some(kept.clone())
+    }
+
     /// A scope's report as it stands: final with `end`, live without. The registry adds the
     /// scope's peaks, its cells and its limit to `details`.
     pub fn report_of(&self, scope: &Scope, before: &Snapshot, end: Option<&Snapshot>, details: Details) -> Report {

@@ -353,6 +353,19 @@ fn begin_finish_of_an_unknown_scope_says_so() {
 }
 
 #[test]
+fn notes_added_after_completion_are_kept_in_the_history() {
+    let mut registry = Registry::default();
+    let a = open_cpu(&mut registry, "a");
+    let first = registry.complete(a, report_named("a"));
+    assert!(registry.add_notes(a, Vec::new()).is_none(), "nothing to add");
+    let amended = registry.add_notes(a, vec!["publishing failed".into()]).unwrap();
+    assert_eq!(amended.notes.last().map(String::as_str), Some("publishing failed"));
+    assert_eq!(first.notes.len() + 1, amended.notes.len(), "the report handed out before stays as it was");
+    assert!(Arc::ptr_eq(&registry.report(a).unwrap(), &amended) && Arc::ptr_eq(&registry.history()[0], &amended));
+    assert!(registry.add_notes(a + 1, vec!["x".into()]).is_none(), "no such report");
+}
+
+#[test]
 fn history_is_in_order_of_completion() {
     let mut registry = Registry::default();
     let a = open_cpu(&mut registry, "a");
