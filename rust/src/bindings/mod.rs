@@ -25,6 +25,7 @@ mod registry;
 mod scope;
 mod snapshot;
 mod status;
+mod step_state;
 mod torch;
 mod units;
 
