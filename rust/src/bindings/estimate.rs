@@ -61,7 +61,7 @@ pub(super) fn run_estimate<'py>(
     calls: u32,
 ) -> PyResult<Run> {
     let state = StepState::save(py, &reach.roots, &reach.assigned)?;
-    let run = run_on_fakes(py, step, batch, memory, reach, calls, state.scalers);
+    let run = run_on_fakes(py, step, batch, memory, reach, calls, &state);
     let left = state.restore()?;
     match run {
         Ok(mut run) => {
@@ -84,7 +84,7 @@ fn run_on_fakes<'py>(
     memory: &Memory,
     reach: &Reach<'py>,
     calls: u32,
-    scalers: usize,
+    state: &StepState<'py>,
 ) -> PyResult<Run> {
     let torch_device = py.import("sys")?.getattr("modules")?.get_item("torch")?.getattr("device")?;
     let target = match memory {
@@ -99,6 +99,7 @@ fn run_on_fakes<'py>(
         wrapped.set_cause(py, Some(error));
         wrapped
     })?;
+    state.fake_device_tensors(&fakes.mode)?;
     let fastpath_skipped = fakes.fastpath_skipped;
     let loaded = fakes.from_meta.len();
     // What the step returns is kept until the ledger is read: an output outlives the step.
@@ -140,7 +141,7 @@ fn run_on_fakes<'py>(
             memory.label()
         ));
     }
-    if scalers > 0 {
+    if state.scalers > 0 {
         notes.push(
             "GradScaler: estimated as a step whose gradients are finite, so that the optimizer steps \
              (the step that needs the memory)"

@@ -43,7 +43,33 @@ enum Saved<'py> {
 struct Node<'py> {
     object: Bound<'py, PyAny>,
     parent: Option<usize>,
-    edge: String,
+    edge: Edge<'py>,
+}
+
+/// How an object was reached from its parent. Rendered only for a path that is named: a key
+/// may be a tensor (an optimizer's state is keyed by parameters), whose repr reads the device.
+enum Edge<'py> {
+    Root(String),
+    Attribute(Bound<'py, PyAny>),
+    Key(Bound<'py, PyAny>),
+    Index(usize),
+    Closure(Bound<'py, PyAny>),
+    MethodSelf,
+}
+
+impl Edge<'_> {
+    fn render(&self) -> String {
+        let plain = |key: &Bound<PyAny>| key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>();
+        match self {
+            Edge::Root(name) => name.clone(),
+            Edge::Attribute(name) => format!(".{name}"),
+            Edge::Key(key) if plain(key) => format!("[{}]", key.repr().map(|r| r.to_string()).unwrap_or_default()),
+            Edge::Key(key) => format!("[<{}>]", key.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
+            Edge::Index(index) => format!("[{index}]"),
+            Edge::Closure(name) => format!(" (closure {name})"),
+            Edge::MethodSelf => ".__self__".into(),
+        }
+    }
 }
 
 /// The types the walk treats specially, looked up once.
@@ -84,7 +110,7 @@ impl<'py> Walk<'py> {
         let mut seen = HashSet::new();
         for (name, object) in roots {
             if seen.insert(object.as_ptr() as usize) {
-                walk.nodes.push(Node { object: object.clone(), parent: None, edge: name.clone() });
+                walk.nodes.push(Node { object: object.clone(), parent: None, edge: Edge::Root(name.clone()) });
             }
         }
         let mut next = 0;
@@ -108,7 +134,7 @@ impl<'py> Walk<'py> {
         let mut edges = Vec::new();
         loop {
             let node = &self.nodes[index];
-            edges.push(node.edge.as_str());
+            edges.push(node.edge.render());
             match node.parent {
                 Some(parent) => index = parent,
                 None => break,
@@ -130,32 +156,25 @@ fn is_atom(object: &Bound<PyAny>) -> bool {
         || object.is_instance_of::<PyType>()
 }
 
-fn key_edge(key: &Bound<PyAny>) -> String {
-    match key.repr() {
-        Ok(repr) if key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>() => format!("[{repr}]"),
-        _ => format!("[<{}>]", key.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
-    }
-}
-
 /// What an object holds that the step may have changed: a container's items, an object's
 /// attributes, a function's closure, a bound method's object. Tensors, modules, classes and
 /// plain values are leaves; the globals a function reads are roots already.
-fn children<'py>(object: &Bound<'py, PyAny>, kinds: &Kinds<'py>) -> Vec<(String, Bound<'py, PyAny>)> {
+fn children<'py>(object: &Bound<'py, PyAny>, kinds: &Kinds<'py>) -> Vec<(Edge<'py>, Bound<'py, PyAny>)> {
     let mut found = Vec::new();
     if is_atom(object) || object.is_instance(&kinds.tensor).unwrap_or(true) {
         return found;
     }
-    let items = |iterable: &Bound<'py, PyAny>, found: &mut Vec<(String, Bound<'py, PyAny>)>| {
+    let items = |iterable: &Bound<'py, PyAny>, found: &mut Vec<(Edge<'py>, Bound<'py, PyAny>)>| {
         if iterable.len().unwrap_or(usize::MAX) > MOST_ITEMS_WALKED {
             return;
         }
         if let Ok(iterator) = iterable.try_iter() {
-            found.extend(iterator.flatten().enumerate().map(|(i, item)| (format!("[{i}]"), item)));
+            found.extend(iterator.flatten().enumerate().map(|(i, item)| (Edge::Index(i), item)));
         }
     };
     if let Ok(dict) = object.cast::<PyDict>() {
         if dict.len() <= MOST_ITEMS_WALKED {
-            found.extend(dict.iter().map(|(key, value)| (key_edge(&key), value)));
+            found.extend(dict.iter().map(|(key, value)| (Edge::Key(key), value)));
         }
     } else if object.is_instance_of::<PyList>()
         || object.is_instance_of::<PyTuple>()
@@ -170,18 +189,18 @@ fn children<'py>(object: &Bound<'py, PyAny>, kinds: &Kinds<'py>) -> Vec<(String,
             if let (Ok(cells), Ok(names)) = (cells.try_iter(), names.try_iter()) {
                 for (cell, name) in cells.flatten().zip(names.flatten()) {
                     if let Ok(contents) = cell.getattr("cell_contents") {
-                        found.push((format!(" (closure {name})"), contents));
+                        found.push((Edge::Closure(name), contents));
                     }
                 }
             }
         }
     } else if object.is_instance(&kinds.method).unwrap_or(false) {
         if let Ok(owner) = object.getattr("__self__") {
-            found.push((".__self__".into(), owner));
+            found.push((Edge::MethodSelf, owner));
         }
     } else if let Ok(attributes) = object.getattr("__dict__").and_then(|d| Ok(d.cast_into::<PyDict>()?)) {
         if attributes.len() <= MOST_ITEMS_WALKED {
-            found.extend(attributes.iter().map(|(name, value)| (format!(".{name}"), value)));
+            found.extend(attributes.iter().map(|(name, value)| (Edge::Attribute(name), value)));
         }
     }
     found
@@ -230,6 +249,52 @@ impl<'py> StepState<'py> {
             assume_finite_gradients(py, &scaler)?;
         }
         Ok(state)
+    }
+
+    /// Swaps the real GPU tensors held in the saved containers (a GradScaler's scale, an EMA
+    /// copy, a metric on the GPU) for fakes of `mode`. Given to the fake mode as they are, small
+    /// ones would become constants that it computes with for real, on the device; `restore`
+    /// puts the real ones back with the containers.
+    pub(super) fn fake_device_tensors(&self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
+        let mut fakes = std::collections::HashMap::new();
+        let mut fake_of = |value: &Bound<'py, PyAny>| -> PyResult<Option<Bound<'py, PyAny>>> {
+            let real = value.is_instance(&self.kinds.tensor)? && !value.is_instance(&self.kinds.fake)?;
+            if !real || value.getattr("device")?.getattr("type")?.extract::<String>()? != "cuda" {
+                return Ok(None);
+            }
+            let key = value.as_ptr() as usize;
+            if let Some(fake) = fakes.get(&key) {
+                return Ok(Some(Bound::clone(fake)));
+            }
+            let fake = mode.call_method1("from_tensor", (value,))?;
+            fakes.insert(key, fake.clone());
+            Ok(Some(fake))
+        };
+        for saved in &self.saved {
+            match saved {
+                Saved::Dict(dict, _) => {
+                    for (key, value) in dict.copy()?.iter() {
+                        if let Some(fake) = fake_of(&value)? {
+                            dict.set_item(key, fake)?;
+                        }
+                    }
+                }
+                Saved::List(list, _) => {
+                    for (index, value) in list.iter().enumerate() {
+                        if let Some(fake) = fake_of(&value)? {
+                            list.set_item(index, fake)?;
+                        }
+                    }
+                }
+                Saved::Global { globals, name, before: Some(value) } => {
+                    if let Some(fake) = fake_of(value)? {
+                        globals.set_item(name, fake)?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Puts back every container the step changed; returns notes naming the fakes still
