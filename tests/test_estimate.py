@@ -177,3 +177,138 @@ def test_without_torch_it_says_to_import_it(kernel):
     kernel.run("import gpuexp")
     failed = kernel.run("gpuexp.estimate(lambda bs: None, 8)", expect_error=True)
     assert failed.error.startswith("RuntimeError") and "import torch" in failed.error
+
+
+def test_an_operator_without_a_fake_implementation_is_refused_and_never_run_for_real(kernel):
+    # Torch's fallback would run it on zero-filled real tensors of the step's sizes: on a GPU,
+    # real memory. The spy records every fallback torch would have run.
+    kernel.run(
+        "import torch, gpuexp\n"
+        "import torch._subclasses.fake_tensor as fake_tensor\n"
+        "ran = []\n"
+        "real_fallback = fake_tensor.run_fallback_kernel\n"
+        "def spy(mode, func, *rest):\n"
+        "    ran.append(str(func))\n"
+        "    return real_fallback(mode, func, *rest)\n"
+        "fake_tensor.run_fallback_kernel = spy\n"
+        "def step(bs):\n"
+        "    return torch.geqrf(torch.randn(bs, bs))"
+    )
+    assert kernel.value("torch._C._dispatch_has_kernel_for_dispatch_key('aten::geqrf', 'Meta')") is False, \
+        "geqrf has a fake implementation now: pick another operator without one"
+    failed = kernel.run("gpuexp.estimate(step, 256)", expect_error=True)
+    assert failed.error.startswith("NoEstimate: no estimate was made"), failed.error
+    assert "aten.geqrf" in failed.error, failed.error
+    assert kernel.value("ran") == []
+
+
+STATE = """\
+import torch, gpuexp
+from torch._subclasses.fake_tensor import FakeTensor
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+class Meter:
+    def __init__(self):
+        self.total, self.count, self.history = torch.zeros(()), 0, []
+meter = Meter()
+losses = []
+def step(bs):
+    global last_loss
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(bs, 64)), torch.randint(0, 4, (bs,)))
+    loss.backward()
+    opt.step()
+    sched.step()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            ema[k] = ema[k] * 0.9 + v * 0.1 if v.is_floating_point() else v.clone()
+    meter.total = meter.total + loss.detach()
+    meter.count += 1
+    meter.history.append(loss.detach())
+    losses.append(loss.detach())
+    last_loss = loss.detach()
+def everything():
+    found = [*ema.values(), meter.total, *meter.history, *losses, *model.parameters(), *model.buffers(),
+             *(v for s in opt.state.values() for v in s.values()), *(p.grad for p in model.parameters())]
+    if "last_loss" in globals():
+        found.append(last_loss)
+    return found
+def fakes_left():
+    return sum(isinstance(t, FakeTensor) for t in everything())
+def ids():
+    return [id(t) for t in everything()] + [meter.count, sched.last_epoch, opt.param_groups[0]["lr"]]
+"""
+
+
+def test_after_an_estimate_everything_the_step_assigned_to_is_as_before_and_the_real_step_runs(kernel):
+    kernel.run(STATE + "step(8)\nbefore = ids()")
+    for call in ("estimated = gpuexp.estimate(step, 32)",
+                 "failed = gpuexp.estimate(lambda bs: (step(bs), torch.nonzero(torch.ones(bs)))[1], 32)"):
+        kernel.run(call, expect_error="failed" in call)
+        assert kernel.value("fakes_left()") == 0, call
+        assert kernel.value("ids() == before") is True, (call, kernel.value("ids()"), kernel.value("before"))
+    assert kernel.value("estimated.peak") > 0
+    kernel.run("step(8)")  # the real step runs on real state
+    assert kernel.value("[meter.count, len(losses), sched.last_epoch, fakes_left()]") == [2, 2, 2, 0]
+
+
+def test_a_global_the_step_creates_is_removed_again(kernel):
+    kernel.run(STATE + "gpuexp.estimate(step, 16)")
+    assert kernel.value("'last_loss' in globals()") is False
+    assert kernel.value("[meter.count, len(losses), len(meter.history), sched.last_epoch]") == [0, 0, 0, 0]
+
+
+def test_a_grad_scaler_step_is_estimated_and_the_scaler_is_left_as_it_was(kernel):
+    kernel.run(
+        STATE + "scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)\n"
+        "def scaled(bs):\n"
+        "    opt.zero_grad()\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "        loss = torch.nn.functional.cross_entropy(model(torch.randn(bs, 64)), torch.randint(0, 4, (bs,)))\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(opt)\n"
+        "    scaler.update()"
+    )
+    # First used by the estimate: the scaler makes its scale then, and must not keep a fake one.
+    found = kernel.value("gpuexp.estimate(scaled, 32).to_dict()")
+    assert found["peak"] > 0 and any("GradScaler" in note for note in found["notes"]), found
+    assert kernel.value("scaler._scale is None and not scaler._per_optimizer_states") is True
+    kernel.run("scaled(8)")
+    kernel.run("scale, tracker = scaler._scale, scaler._growth_tracker\nbefore = [scale.item(), tracker.item()]")
+    kernel.run("gpuexp.estimate(scaled, 32)")
+    assert kernel.value("scaler._scale is scale and scaler._growth_tracker is tracker") is True
+    assert kernel.value("[scaler._scale.item(), scaler._growth_tracker.item(), len(scaler._per_optimizer_states)]") \
+        == [*kernel.value("before"), 0]
+    kernel.run("scaled(8)")  # the real step after the estimate
+    assert kernel.value("scaler._growth_tracker.item()") == 2
+
+
+def test_a_model_on_the_meta_device_is_planned_as_if_loaded(kernel):
+    kernel.run(
+        "import torch, gpuexp\n"
+        "def build():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512), torch.nn.ReLU(),\n"
+        "                                torch.nn.Linear(512, 10))\n"
+        "    return model, torch.optim.AdamW(model.parameters())\n"
+        "def make_step(model, opt):\n"
+        "    def step(bs):\n"
+        "        loss = torch.nn.functional.cross_entropy(model(torch.randn(bs, 256)), torch.randint(0, 10, (bs,)))\n"
+        "        loss.backward()\n"
+        "        opt.step()\n"
+        "    return step\n"
+        "real_model, real_opt = build()\n"
+        "with torch.device('meta'):\n"
+        "    planned, planned_opt = build()\n"
+        "weights = sum(t.numel() * t.element_size() for t in [*real_model.parameters(), *real_model.buffers()])"
+    )
+    real = kernel.value("gpuexp.estimate(make_step(real_model, real_opt), 64, device='cpu').to_dict()")
+    planned = kernel.value("gpuexp.estimate(make_step(planned, planned_opt), 64, device='cpu').to_dict()")
+    weights = kernel.value("weights")
+    # The same step, but its weights are not in memory yet: they count above what is there now.
+    assert planned["peak"] == real["peak"] + weights, (planned["peak"], real["peak"], weights)
+    assert planned["categories"] == real["categories"]
+    assert any("meta device" in note for note in planned["notes"]), planned["notes"]
+    assert kernel.value("all(p.is_meta for p in planned.parameters()) and not planned_opt.state") is True

@@ -69,3 +69,84 @@ def test_estimate_false_searches_by_trials_as_before(kernel):
     kernel.run("result = gpuexp.find_batch_size(step, limit=4 << 30, progress=False, estimate=False)")
     shown = kernel.run("print(result)").text
     assert "estimate" not in shown.split("┌")[0] and "probe" in shown, shown
+
+
+RNN = """\
+import gc, torch, gpuexp
+from torch._subclasses.fake_tensor import FakeTensor
+torch.manual_seed(0)
+def rnn_step(kind, batch_size):
+    layer = getattr(torch.nn, kind)(256, 512, num_layers=2).cuda()
+    opt = torch.optim.Adam(layer.parameters())
+    def step(bs):
+        out, _ = layer(torch.randn(64, bs, 256, device="cuda"))
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step(2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        gpuexp.estimate(step, batch_size)
+        error = None
+    except gpuexp.NoEstimate as e:
+        error = str(e)
+    moved = torch.cuda.max_memory_allocated() - before
+    fakes = sum(isinstance(w, FakeTensor) for w in layer._flat_weights)
+    step(batch_size)  # the real step runs right after
+    return error, moved, fakes
+"""
+
+
+@pytest.mark.parametrize("kind, batch_size", [("LSTM", 32), ("LSTM", 128), ("GRU", 32), ("RNN", 32)])
+def test_a_cudnn_rnn_is_refused_by_name_and_allocates_nothing(kernel, kind, batch_size):
+    kernel.run(RNN)
+    error, moved, fakes = kernel.value(f"rnn_step({kind!r}, {batch_size})")
+    assert error is not None and f"nn.{kind} runs on cuDNN (aten._cudnn_rnn)" in error, error
+    assert moved == 0, (kind, batch_size, moved)  # torch's peak did not move by a byte
+    assert fakes == 0
+
+
+SCALED = """\
+import gc, sys, torch, gpuexp
+from torch._subclasses.fake_tensor import FakeTensor
+sys.path.insert(0, {bench!r})
+import estimate as bench
+torch.manual_seed(0)
+device = torch.device("cuda")
+def block(c_in, c_out, stride):
+    return torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), torch.nn.BatchNorm2d(c_out),
+                               torch.nn.ReLU(inplace=True))
+model = torch.nn.Sequential(block(3, 64, 1), block(64, 64, 1), block(64, 128, 2), block(128, 128, 1),
+                            block(128, 256, 2), block(256, 256, 1), torch.nn.AdaptiveAvgPool2d(1),
+                            torch.nn.Flatten(), torch.nn.Linear(256, 100)).to(device, memory_format=torch.channels_last)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+scaler = torch.amp.GradScaler("cuda")
+def step(bs):
+    x = torch.randn(bs, 3, 64, 64, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 100, (bs,), device=device)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+step(2)
+def scaler_state():
+    return [id(scaler._scale), scaler._scale.item(), id(scaler._growth_tracker), scaler._growth_tracker.item(),
+            len(scaler._per_optimizer_states), isinstance(scaler._scale, FakeTensor)]
+"""
+
+
+def test_a_grad_scaler_step_is_estimated_within_5_percent_and_the_next_real_step_runs(kernel):
+    kernel.run(SCALED.format(bench=str(BENCH)))
+    for batch_size in (32, 128):
+        kernel.run(f"before = scaler_state()\n"
+                   f"result, seconds, allocated = bench.estimated(torch, gpuexp, step, {batch_size}, device)\n"
+                   f"after = scaler_state()\n"
+                   f"real = bench.measured_peak(torch, step, {batch_size}, device)")
+        estimate, real, allocated = kernel.value("[result.peak, real, allocated]")
+        assert abs(estimate - real) <= 0.05 * real, (batch_size, estimate, real)
+        assert allocated == 0, (batch_size, allocated)
+        assert kernel.value("after == before") is True, kernel.value("[before, after]")

@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
 use crate::units::bytes;
-use Origin::{Existing, Made};
+use Origin::{Existing, Loaded, Made};
 
 /// What a byte live at the peak is to training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -98,6 +98,8 @@ impl Rounding {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Origin {
     Existing(Category),
+    /// Not allocated yet, but before the step (a model on the `meta` device, as loaded).
+    Loaded(Category),
     Made(Phase),
 }
 
@@ -161,6 +163,15 @@ impl Ledger {
     pub fn existing(&mut self, nbytes: u64, category: Category) -> Entry {
         let bytes = self.rounding.block(nbytes);
         self.records.push(Record { bytes, made: 0, freed: None, origin: Existing(category), marked: None });
+        self.records.len() - 1
+    }
+
+    /// A storage that does not exist yet and will before the step runs: a model planned on the
+    /// `meta` device, as its weights will be loaded. It counts above the start from the start.
+    pub fn loaded(&mut self, nbytes: u64, category: Category) -> Entry {
+        let bytes = self.rounding.block(nbytes);
+        self.records.push(Record { bytes, made: 0, freed: None, origin: Loaded(category), marked: None });
+        self.add(bytes as i64);
         self.records.len() - 1
     }
 
@@ -229,7 +240,7 @@ impl Ledger {
             return marked;
         }
         match record.origin {
-            Existing(category) => category,
+            Existing(category) | Loaded(category) => category,
             Made(Phase::Forward) => {
                 // Kept for the next backward pass, or an output the step kept to its end.
                 let next_backward = self.backward_starts.iter().find(|start| **start >= record.made);
@@ -518,6 +529,19 @@ mod tests {
         assert_eq!(peak.categories.gradients, 400);
         ledger.grew(activation, 900);
         assert_eq!(ledger.peak().above_start, 500);
+    }
+
+    #[test]
+    fn a_model_planned_on_meta_counts_its_weights_above_the_start() {
+        let mut ledger = Ledger::new(Rounding::Exact);
+        ledger.loaded(100, Category::Parameters);
+        ledger.loaded(40, Category::Buffers);
+        let temporary = ledger.made(300);
+        ledger.freed(temporary);
+        let peak = ledger.peak();
+        assert_eq!((peak.above_start, peak.existing), (440, 0));
+        let categories = (peak.categories.parameters, peak.categories.buffers, peak.categories.temporaries);
+        assert_eq!(categories, (100, 40, 300));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 
 /// Finished experiments side by side: a table, JSON, and peaks against a param with a fit.
 pub mod compare;
+/// cuDNN's recurrent layers as an estimate sees them: why it refuses them, and what to do.
+pub mod cudnn_rnn;
 /// What can go wrong, by kind: no driver, a failed NVML call, bad input, a file.
 pub mod error;
 /// A step's memory predicted under fake tensors: the peak, what made it up, whether it fits.

@@ -16,6 +16,7 @@ use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
 use super::ledger_mode::{self, Ledgered};
 use super::snapshot::take_snapshot;
+use super::step_state::StepState;
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
 use crate::finder::{Search, Seed};
@@ -29,17 +30,68 @@ pub(super) struct Run {
     pub(super) notes: Vec<String>,
 }
 
+/// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
+/// they reach, the modules and optimizers whose tensors are swapped for fakes.
+pub(super) struct Reach<'py> {
+    roots: Roots<'py>,
+    assigned: Vec<AssignedGlobal<'py>>,
+    owners: Vec<Bound<'py, PyAny>>,
+}
+
+impl<'py> Reach<'py> {
+    /// Only the modules and optimizers the step reaches are swapped, so the categories are the
+    /// step's own; a parameter it uses that is not found stops the estimate (`ledger_mode`),
+    /// never a real tensor's gradient set.
+    pub(super) fn of(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Reach<'py>> {
+        let (roots, assigned) = step_roots(py, step)?;
+        let owners = reachable_owners(py, roots.clone())?;
+        Ok(Reach { roots, assigned, owners })
+    }
+}
+
 /// Runs `step(batch)` under fake tensors on `memory`, a second time (up to `calls`) when the
 /// first call created optimizer state, since later steps hold it through their forward pass.
+/// Whatever happens, everything the step reaches is put back as it was (`StepState`).
 pub(super) fn run_estimate<'py>(
     py: Python<'py>,
     step: &Bound<'py, PyAny>,
     batch: u64,
     memory: &Memory,
-    owners: &[Bound<'py, PyAny>],
+    reach: &Reach<'py>,
     calls: u32,
 ) -> PyResult<Run> {
-    let mut fakes = Fakes::swap_in(py, owners).map_err(|error| {
+    let state = StepState::save(py, &reach.roots, &reach.assigned)?;
+    let run = run_on_fakes(py, step, batch, memory, reach, calls, &state);
+    let left = state.restore()?;
+    match run {
+        Ok(mut run) => {
+            run.notes.extend(left);
+            Ok(run)
+        }
+        Err(error) if !left.is_empty() => {
+            let wrapped = NoEstimate::new_err(format!("{}; {}", error.value(py), left.join("; ")));
+            wrapped.set_cause(py, Some(error));
+            Err(wrapped)
+        }
+        Err(error) => Err(error),
+    }
+}
+
+fn run_on_fakes<'py>(
+    py: Python<'py>,
+    step: &Bound<'py, PyAny>,
+    batch: u64,
+    memory: &Memory,
+    reach: &Reach<'py>,
+    calls: u32,
+    state: &StepState<'py>,
+) -> PyResult<Run> {
+    let torch_device = py.import("sys")?.getattr("modules")?.get_item("torch")?.getattr("device")?;
+    let target = match memory {
+        Memory::Cuda(index) => torch_device.call1(("cuda", *index))?,
+        _ => torch_device.call1(("cpu",))?,
+    };
+    let mut fakes = Fakes::swap_in(py, &reach.owners, target).map_err(|error| {
         let wrapped = NoEstimate::new_err(format!(
             "no estimate was made: the model's tensors could not be swapped for fakes ({})",
             error.value(py)
@@ -47,7 +99,9 @@ pub(super) fn run_estimate<'py>(
         wrapped.set_cause(py, Some(error));
         wrapped
     })?;
+    state.fake_device_tensors(&fakes.mode)?;
     let fastpath_skipped = fakes.fastpath_skipped;
+    let loaded = fakes.from_meta.len();
     // What the step returns is kept until the ledger is read: an output outlives the step.
     let mut returned = Vec::new();
     let ran = ledger_mode::run(&fakes, memory, |ledgered: &Ledgered| {
@@ -81,19 +135,34 @@ pub(super) fn run_estimate<'py>(
                 .into(),
         );
     }
+    if loaded > 0 {
+        notes.push(format!(
+            "{loaded} tensors are on the meta device: they count as loaded onto {} before the step",
+            memory.label()
+        ));
+    }
+    if state.scalers > 0 {
+        notes.push(
+            "GradScaler: estimated as a step whose gradients are finite, so that the optimizer steps \
+             (the step that needs the memory)"
+                .into(),
+        );
+    }
     Ok(Run { peak, calls, notes })
 }
 
 /// Where the step's modules and optimizers can be found from: the step itself (a closure's
 /// cells, a bound method's object, a partial's arguments, a callable object) and the globals
 /// its code and the functions it reaches load.
-fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+/// Also the globals the step's code assigns to (`global` names), with the namespace they are in.
+fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<(Roots<'py>, Vec<AssignedGlobal<'py>>)> {
     const MOST_FUNCTIONS: usize = 64;
     let types = py.import("types")?;
     let function_type = types.getattr("FunctionType")?.cast_into::<PyType>()?;
     let code_type = types.getattr("CodeType")?.cast_into::<PyType>()?;
     let instructions = py.import("dis")?.getattr("get_instructions")?;
     let mut roots = vec![("step".to_string(), step.clone())];
+    let mut assigned = Vec::new();
     let mut pending = vec![step.clone()];
     let mut seen = HashSet::new();
     while let Some(callable) = pending.pop() {
@@ -119,8 +188,9 @@ fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(S
             continue;
         }
         let globals = callable.getattr("__globals__")?.cast_into::<PyDict>()?;
-        let mut names = Vec::new();
-        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names)?;
+        let (mut names, mut stored) = (Vec::new(), Vec::new());
+        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names, &mut stored)?;
+        assigned.extend(stored.into_iter().map(|name| (globals.clone(), name)));
         for name in names {
             if let Some(value) = globals.get_item(&name)? {
                 if value.is_instance(&function_type)? {
@@ -140,8 +210,13 @@ fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<(S
             }
         }
     }
-    Ok(roots)
+    Ok((roots, assigned))
 }
+
+/// Objects a walk starts from, each with the name a person knows it by.
+pub(super) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
+/// A global name a step assigns to, and the namespace it is in.
+pub(super) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
 /// The globals a code object and the code nested in it (inner functions, lambdas) load; not
 /// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).
@@ -149,30 +224,27 @@ fn global_names(
     code: &Bound<PyAny>,
     code_type: &Bound<PyType>,
     instructions: &Bound<PyAny>,
-    into: &mut Vec<String>,
+    loaded: &mut Vec<String>,
+    stored: &mut Vec<String>,
 ) -> PyResult<()> {
     for instruction in instructions.call1((code,))?.try_iter()? {
         let instruction = instruction?;
         let operation: String = instruction.getattr("opname")?.extract()?;
-        if operation == "LOAD_GLOBAL" || operation == "LOAD_NAME" {
-            if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
-                into.push(name);
-            }
+        let into = match operation.as_str() {
+            "LOAD_GLOBAL" | "LOAD_NAME" => &mut *loaded,
+            "STORE_GLOBAL" | "DELETE_GLOBAL" => &mut *stored,
+            _ => continue,
+        };
+        if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
+            into.push(name);
         }
     }
     for constant in code.getattr("co_consts")?.cast_into::<PyTuple>()?.iter() {
         if constant.is_instance(code_type)? {
-            global_names(&constant, code_type, instructions, into)?;
+            global_names(&constant, code_type, instructions, loaded, stored)?;
         }
     }
     Ok(())
-}
-
-/// The modules and optimizers a step uses: those reachable from it. Only they are swapped, so
-/// the categories are the step's own; a parameter it uses that is not found stops the estimate
-/// (`ledger_mode`), never a real tensor's gradient set.
-fn owners_of<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    reachable_owners(py, step_roots(py, step)?)
 }
 
 /// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
@@ -296,8 +368,8 @@ pub(super) fn estimate(
     let limit = limit_bytes(limit.as_ref())?;
     let memory = estimated_memory(py, memory)?;
     let started = Instant::now();
-    let owners = owners_of(py, &step)?;
-    let run = run_estimate(py, &step, batch_size, &memory, &owners, steps)?;
+    let reach = Reach::of(py, &step)?;
+    let run = run_estimate(py, &step, batch_size, &memory, &reach, steps)?;
     let room = room(py, &memory, limit)?;
     let seconds = started.elapsed().as_secs_f64();
     Ok(EstimatePy(Estimate::new(batch_size, run.calls, run.peak, &room, seconds, run.notes)))
@@ -322,12 +394,12 @@ fn estimates(
     progress: bool,
 ) -> PyResult<Vec<(u64, u64)>> {
     let memory = Memory::Cuda(index);
-    let owners = owners_of(py, step)?;
+    let reach = Reach::of(py, step)?;
     let now = room(py, &memory, None)?.now;
     let mut estimates = Vec::new();
     while let Some(batch) = search.next_estimate(&estimates) {
         let started = Instant::now();
-        let run = run_estimate(py, step, batch, &memory, &owners, search.settings.steps_per_trial)?;
+        let run = run_estimate(py, step, batch, &memory, &reach, search.settings.steps_per_trial)?;
         let peak = now + run.peak.above_start;
         if progress {
             let line = format!(

@@ -3,7 +3,7 @@
 //! under that mode and under the ledger's dispatch mode (`ledger_mode`); then everything
 //! swapped is put back, the very objects.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyList, PyModule, PyType};
@@ -29,6 +29,11 @@ pub(super) struct Fakes<'py> {
     pub(super) fastpath_skipped: bool,
     /// Fake tensors' probe of the GPU context, replaced while the step runs: see [`Fakes::quiet_context_probe`].
     context_probe: Option<ContextProbe<'py>>,
+    /// Where tensors on the `meta` device (a model planned before its weights exist) are faked.
+    target: Bound<'py, PyAny>,
+    /// Fakes made for tensors on the `meta` device, by address: they are not allocated now, and
+    /// the ledger counts them as loaded before the step.
+    pub(super) from_meta: HashSet<usize>,
 }
 
 /// `torch._subclasses.fake_tensor`'s function and the name it was found under.
@@ -53,11 +58,19 @@ fn truthy(value: Option<Bound<PyAny>>) -> bool {
 impl<'py> Fakes<'py> {
     /// Swaps the tensors of `owners` (modules and optimizers) for fakes. On an error, what was
     /// swapped so far is put back before it returns.
-    pub(super) fn swap_in(py: Python<'py>, owners: &[Bound<'py, PyAny>]) -> PyResult<Fakes<'py>> {
+    /// `target` is the `torch.device` the estimate is for.
+    pub(super) fn swap_in(
+        py: Python<'py>,
+        owners: &[Bound<'py, PyAny>],
+        target: Bound<'py, PyAny>,
+    ) -> PyResult<Fakes<'py>> {
         let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
         let fake_tensor = py.import("torch._subclasses.fake_tensor")?;
         let options = PyDict::new(py);
         options.set_item("allow_non_fake_inputs", true)?;
+        // Without a fake implementation torch would run the operator for real on zero-filled
+        // tensors of the step's sizes, on the device the estimate is meant to spare: refused instead.
+        options.set_item("allow_fallback_kernels", false)?;
         let mut fakes = Fakes {
             py,
             mode: fake_tensor.getattr("FakeTensorMode")?.call((), Some(&options))?,
@@ -72,6 +85,8 @@ impl<'py> Fakes<'py> {
             fastpath_was: None,
             fastpath_skipped: false,
             context_probe: None,
+            target,
+            from_meta: HashSet::new(),
         };
         // The probe is quieted first: making the first fakes, of the parameters, calls it.
         let quieted = fakes.quiet_context_probe(&fake_tensor);
@@ -166,8 +181,28 @@ impl<'py> Fakes<'py> {
         if let Some(fake) = self.by_real.get(&key) {
             return Ok(fake.clone());
         }
-        let fake = self.mode.call_method1("from_tensor", (real,))?;
+        let on_meta = real.getattr("device")?.getattr("type")?.extract::<String>()? == "meta";
+        let fake = if on_meta { self.fake_on_target(real)? } else { self.mode.call_method1("from_tensor", (real,))? };
+        if on_meta {
+            self.from_meta.insert(fake.as_ptr() as usize);
+        }
         self.by_real.insert(key, fake.clone());
+        Ok(fake)
+    }
+
+    /// A tensor on the `meta` device has a size and no data: its fake is made on the estimate's
+    /// device, as loading the weights there would make it.
+    fn fake_on_target(&self, meta: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let options = PyDict::new(self.py);
+        options.set_item("dtype", meta.getattr("dtype")?)?;
+        options.set_item("device", &self.target)?;
+        let shape = (meta.call_method0("size")?, meta.call_method0("stride")?);
+        self.mode.call_method0("__enter__")?;
+        let made = self.torch.getattr("empty_strided")?.call(shape, Some(&options));
+        let none = self.py.None();
+        self.mode.call_method1("__exit__", (&none, &none, &none))?;
+        let fake = made?;
+        fake.call_method1("requires_grad_", (meta.getattr("requires_grad")?,))?;
         Ok(fake)
     }
 

@@ -2,7 +2,7 @@
 //! device is entered in the core's [`Ledger`], and a weak reference to it tells the ledger when
 //! it is freed. Hooks mark gradients and optimizer state, and the optimizer's step as a phase.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
@@ -79,6 +79,8 @@ pub(super) struct Ledgered<'py> {
     optimizers: Vec<Bound<'py, PyAny>>,
     hooks: Vec<Bound<'py, PyAny>>,
     mode: Bound<'py, PyAny>,
+    /// Fakes of tensors on the `meta` device: loaded before the step, not allocated now.
+    from_meta: HashSet<usize>,
 }
 
 impl<'py> Ledgered<'py> {
@@ -110,6 +112,7 @@ impl<'py> Ledgered<'py> {
             optimizers: fakes.optimizers.iter().map(|o| o.optimizer.clone()).collect(),
             hooks: Vec::new(),
             mode: py.None().into_bound(py),
+            from_meta: fakes.from_meta.clone(),
         };
         match ledgered.prepare(fakes) {
             Ok(()) => Ok(ledgered),
@@ -151,7 +154,13 @@ impl<'py> Ledgered<'py> {
             return Ok(());
         }
         let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-        let entry = books(&self.shared).ledger.existing(nbytes, category);
+        let mut books = books(&self.shared);
+        let entry = if self.from_meta.contains(&(tensor.as_ptr() as usize)) {
+            books.ledger.loaded(nbytes, category)
+        } else {
+            books.ledger.existing(nbytes, category)
+        };
+        drop(books);
         watch(&self.shared, &self.context, &storage, key, entry)
     }
 
@@ -343,6 +352,7 @@ fn dispatch(shared: &Shared, context: &Context, call: &Bound<PyTuple>) -> PyResu
     };
     drop(previous);
     refuse_real_leaves(context, &args, kwargs.as_ref())?;
+    refuse_cudnn_rnn(&func, &args)?;
     let out = func.call(&args, kwargs.as_ref())?;
     enter_outputs(shared, context, &func, &out)?;
     Ok(out.unbind())
@@ -372,6 +382,18 @@ fn refuse_real_leaves(context: &Context, args: &Bound<PyTuple>, kwargs: Option<&
         }
     }
     Ok(())
+}
+
+/// cuDNN sizes an RNN's workspace at run time, by the algorithm it picks for the shapes, and no
+/// fake implementation can know it (see `crate::cudnn_rnn`).
+fn refuse_cudnn_rnn(func: &Bound<PyAny>, args: &Bound<PyTuple>) -> PyResult<()> {
+    let name: String = func.getattr("__name__").and_then(|n| n.extract()).unwrap_or_default();
+    if !name.starts_with("_cudnn_rnn.") {
+        return Ok(());
+    }
+    // `_cudnn_rnn(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size, ...)`
+    let mode: i64 = args.get_item(6).and_then(|m| m.extract()).unwrap_or(-1);
+    Err(NoEstimate::new_err(crate::cudnn_rnn::refusal(mode)))
 }
 
 fn aliases(shared: &Shared, func: &Bound<PyAny>) -> PyResult<Vec<bool>> {

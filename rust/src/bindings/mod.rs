@@ -26,6 +26,7 @@ mod registry;
 mod scope;
 mod snapshot;
 mod status;
+mod step_state;
 mod torch;
 mod trace;
 mod trace_recording;
