@@ -20,34 +20,39 @@ class GPUExperiment:
     the experiment rebound them. While it is open, a cell where memory moved is followed by a
     compact memory block, and a long cell shows its memory live (``cell_log=False`` turns both
     off). ``params={"bs": 64}`` says what the experiment varied, for ``gpuexp.compare()``; by
-    default it is read from the name (``"bs=64,lr=3e-4"``).
+    default it is read from the name (``"bs=64,lr=3e-4"``). ``delete=False`` measures and
+    reports but deletes nothing: the names stay their owner's (a trainer's callback opens one so).
     """
 
     _gpu = True
 
-    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None):
+    def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
+                 delete=True):
         self._id = None
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
+        if not isinstance(delete, bool):
+            raise TypeError(f"delete must be True or False (False: measure and delete nothing), got {delete!r}")
         devices = device_indices(devices) if self._gpu else None
-        self._handles = ipython.assignment_targets()
-        creator = _creator_frame()
+        # Measuring only, the experiment is bound to no name of the user's and protects none.
+        self._handles = ipython.assignment_targets() if delete else set()
+        creator = _creator_frame() if delete else None
         # The core finishes the experiments this one replaces (same name, or bound to a name
         # this cell binds again) before it opens; names the cell binds above stay theirs.
         self._id, start, replaced, interrupted = _core.open_scope(
             name,
             gpu=self._gpu,
             devices=devices,
-            adapter=ipython.namespace_for(creator),
+            adapter=ipython.namespace_for(creator) if delete else None,
             owner=self,
             cell_log=cell_log,
             limit=_size(limit, "limit"),
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
             monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
             handles=self._handles,
-            in_use=ipython.names_bound_before(creator.f_lineno),
+            in_use=ipython.names_bound_before(creator.f_lineno) if delete else set(),
             params=params,
         )
         for report in replaced:
@@ -126,8 +131,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None):
-        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params)
+    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None, delete=True):
+        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params, delete=delete)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,

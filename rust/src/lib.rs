@@ -33,6 +33,8 @@ pub mod snapshot;
 pub mod status;
 /// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
+/// Training runs measured by a framework's callback: their position, intervals and metrics.
+pub mod training;
 /// Sizes and times as people read and write them.
 pub mod units;
 /// `gpuexp watch`: a refresh every interval, live, CSV or JSON lines.

@@ -26,6 +26,7 @@ mod scope;
 mod snapshot;
 mod status;
 mod torch;
+mod training;
 mod units;
 
 /// gpuexp's native core. The public API is the `gpuexp` package; see `_core.pyi` for types.
@@ -70,6 +71,8 @@ mod core_module {
     use super::snapshot::snapshot;
     #[pymodule_export]
     use super::status::{GpuStatusPy, WatchPy};
+    #[pymodule_export]
+    use super::training::{begin_run, note_run_error, run_batch, run_peaks, run_step, runs_in_flight};
     #[pymodule_export]
     use super::units::{parse_interval, parse_size};
 }
