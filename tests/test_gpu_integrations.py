@@ -10,13 +10,17 @@ from test_integrations import HOST, LIGHTNING, TRANSFORMERS  # noqa: E402 (after
 
 pytestmark = pytest.mark.gpu
 
+# One GPU, as a batch-size run has: HF Trainer would spread a batch over every visible GPU.
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+
 GPU_FIGURES = ("gpuexp/torch_allocated_peak_mib", "gpuexp/torch_reserved_peak_mib", "gpuexp/nvml_process_peak_mib")
 
 # A step that asks for a terabyte per sample: a real CUDA OOM, from the batch it was given.
 TOO_MUCH = "torch.empty(batch[0].shape[0] << 40, dtype=torch.uint8, device='cuda')"
 
 
-def test_lightning_logs_torch_and_nvml_peaks_on_the_gpu(kernel, tmp_path):
+def test_lightning_logs_torch_and_nvml_peaks_on_the_gpu(make_kernel, tmp_path):
+    kernel = make_kernel(**ONE_GPU)
     kernel.run(LIGHTNING.replace('accelerator="cpu"', 'accelerator="gpu", devices=1'))
     kernel.run(f"trainer = fit(Tiny(), {str(tmp_path)!r})")
     logged = kernel.value("{k: float(v) for k, v in trainer.logged_metrics.items()}")
@@ -28,7 +32,8 @@ def test_lightning_logs_torch_and_nvml_peaks_on_the_gpu(kernel, tmp_path):
     assert report["gpus"] and report["gpus"][0]["torch_allocated"]["peak"] > 0, report
 
 
-def test_a_real_lightning_oom_is_named_with_its_batch(kernel, tmp_path):
+def test_a_real_lightning_oom_is_named_with_its_batch(make_kernel, tmp_path):
+    kernel = make_kernel(**ONE_GPU)
     kernel.run(LIGHTNING.replace('accelerator="cpu"', 'accelerator="gpu", devices=1'))
     kernel.run(
         "class Greedy(Tiny):\n"
@@ -43,7 +48,8 @@ def test_a_real_lightning_oom_is_named_with_its_batch(kernel, tmp_path):
     assert "raised in training at epoch 1, step 5, batch [0] (16, 8) float32, [1] (16, 1) float32" in cell.text
 
 
-def test_hf_trainer_logs_torch_and_nvml_peaks_and_a_real_oom_names_its_batch(kernel, tmp_path):
+def test_hf_trainer_logs_torch_and_nvml_peaks_and_a_real_oom_names_its_batch(make_kernel, tmp_path):
+    kernel = make_kernel(**ONE_GPU)
     kernel.run(TRANSFORMERS.replace("use_cpu=True", "use_cpu=False"))
     kernel.run(f"trainer = trainer_for({str(tmp_path)!r})\ntrainer.train()")
     entries = kernel.value(f"[e for e in trainer.state.log_history if {HOST!r} in e]")

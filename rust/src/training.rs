@@ -165,12 +165,21 @@ const TORCH_RESERVED: &str = "torch_reserved_peak_mib";
 const NVML_PROCESS: &str = "nvml_process_peak_mib";
 
 /// The peaks of an interval as a trainer logs them: MiB under `gpuexp/...` names. The host's
-/// RSS always; per GPU torch has figures for, torch allocated, torch reserved and NVML's figure
-/// for this process (`gpuexp/cuda1/...` when torch has figures for several GPUs).
+/// RSS always; per GPU the process used in the interval (torch reserved or NVML saw memory of
+/// this process there), torch allocated, torch reserved and NVML's figure for this process
+/// (`gpuexp/cuda1/...` when it used several GPUs).
 pub fn interval_metrics(end: &Snapshot, peak: impl Fn(&Gauge) -> Option<u64>) -> Vec<(String, f64)> {
     let mib = |bytes: u64| bytes as f64 / (1u64 << 20) as f64;
     let mut metrics = vec![(format!("gpuexp/{HOST_RSS}"), mib(peak(&Gauge::HostRss).unwrap_or(end.host.rss)))];
-    let used: Vec<_> = end.gpus.iter().filter(|g| g.torch.is_some()).collect();
+    let used_memory = |gauge: Gauge| peak(&gauge).is_some_and(|bytes| bytes > 0);
+    let used: Vec<_> = end
+        .gpus
+        .iter()
+        .filter(|g| g.torch.is_some())
+        .filter(|g| {
+            used_memory(Gauge::TorchReserved(g.uuid.clone())) || used_memory(Gauge::ProcessUsed(g.uuid.clone()))
+        })
+        .collect();
     for gpu in &used {
         let prefix = if used.len() == 1 { "gpuexp/".to_string() } else { format!("gpuexp/cuda{}/", gpu.torch_index) };
         let uuid = &gpu.uuid;
@@ -254,13 +263,22 @@ mod tests {
             _ => None,
         };
         let metrics = interval_metrics(&end, peak);
+        let idle = GpuReading { torch: Some(TorchStats { allocated: 0, reserved: 0, ..torch }), ..gpu(1, "GPU-c") };
+        let end = end.with_gpu(idle);
+        let idle_peak = |gauge: &Gauge| match gauge {
+            Gauge::TorchAllocated(uuid) | Gauge::TorchReserved(uuid) | Gauge::ProcessUsed(uuid) if uuid == "GPU-c" => {
+                Some(0)
+            }
+            other => peak(other),
+        };
+        assert_eq!(interval_metrics(&end, idle_peak), metrics, "GPU-c: torch has figures, the run used none of it");
         let expected = [
             ("gpuexp/host_rss_peak_mib", 512.0),
             ("gpuexp/torch_allocated_peak_mib", 10.0),
             ("gpuexp/torch_reserved_peak_mib", 20.0),
             ("gpuexp/nvml_process_peak_mib", 30.0),
         ];
-        assert_eq!(metrics, expected.map(|(n, v)| (n.to_string(), v)).to_vec(), "GPU-b: torch never used it");
+        assert_eq!(metrics, expected.map(|(n, v)| (n.to_string(), v)).to_vec(), "GPU-b: torch never read it");
         let host_only = interval_metrics(&host(1.0, 1 << 30, 1 << 30), |_| Some(256 << 20));
         assert_eq!(host_only, vec![("gpuexp/host_rss_peak_mib".to_string(), 256.0)]);
     }
