@@ -73,9 +73,10 @@ def _after_cell(result=None):
 def _runs_ended_by(error):
     """The training runs still open when an error reached the cell: their trainer raised it
     (HF Trainer has no hook for it). Each notes the error, and the OOM diagnosis where it stood."""
-    experiments = tracked()
+    in_flight = _core.runs_in_flight()
+    experiments = tracked() if in_flight else {}
     ended = []
-    for run_id in _core.runs_in_flight():
+    for run_id in in_flight:
         if run_id in experiments:
             _core.note_run_error(run_id, error)
             ended.append(experiments[run_id])
