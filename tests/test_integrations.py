@@ -108,6 +108,9 @@ def test_a_lightning_oom_is_named_with_its_epoch_step_and_batch(kernel, tmp_path
     notes = kernel.value("gpuexp.history()[-1].notes")
     assert any("the run raised OutOfMemoryError" in n and where in n for n in notes), notes
     assert kernel.value("'module' in globals() and 'loader' in globals()")
+    # An OOM outside any run is diagnosed without a training position: the run's went with its error.
+    cell = kernel.run(f"raise {OOM}", expect_error=True)
+    assert "· rescued" in cell.text and "raised in training" not in cell.text, cell.text
 
 
 def test_the_callback_subclasses_the_lightning_already_imported(kernel, tmp_path):
