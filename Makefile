@@ -1,5 +1,6 @@
 # `make demo` and `make test` set up everything they need in .venv on a fresh machine
-# (Rust toolchain and CPython 3.9+ are the only prerequisites).
+# (Rust toolchain and CPython 3.9+ are the only prerequisites). Lightning and transformers
+# (with accelerate, which its Trainer needs) are there for the callbacks' tests and examples.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -22,7 +23,7 @@ $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.5,<2" ziglang pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
-		ruff mypy auditwheel jupyterlab selenium
+		ruff mypy auditwheel jupyterlab selenium lightning transformers accelerate
 	touch $@
 
 venv: $(DEPS)

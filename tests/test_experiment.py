@@ -37,6 +37,19 @@ def test_del_exp_deletes_what_the_scope_created_and_nothing_else(kernel):
     assert "host RSS" in shown.text and "host RSS" in shown.html
 
 
+def test_a_measuring_experiment_deletes_nothing_and_still_measures(kernel):
+    kernel.run(SETUP + "data = np.zeros(10)")
+    kernel.run('exp = GPUExperiment("measured", delete=False)')
+    kernel.run("model = np.ones(64 << 20, dtype=np.uint8)\ndata = 1")
+    kernel.run("exp.finish()")
+    assert names_present(kernel, "data", "model", "exp") == ["data", "exp", "model"]
+    report = last_report(kernel)
+    assert report["deleted"] == [] and report["rebound"] == [], report
+    assert report["host"]["rss"]["consumed"] > 60 * MiB, report["host"]
+    cell = kernel.run('GPUExperiment(delete="no")', expect_error=True)
+    assert "delete must be True or False" in cell.error
+
+
 def test_rebound_names_are_deleted_and_listed_apart(kernel):
     kernel.run(SETUP + "x = np.zeros(3)\ny = 'unchanged'")
     kernel.run('exp = GPUExperiment("rebind")')

@@ -1,8 +1,11 @@
 """The shipped notebooks run headless in a real kernel, as `make demo` runs them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import GPU
 
@@ -35,3 +38,23 @@ def test_batch_size_notebook_runs_whole_here_or_says_why_it_skips():
     else:
         # The output lines, not the sources.
         assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 8
+
+
+@pytest.mark.parametrize("notebook, model", [("hf_trainer_batch_size", "GPT2LMHeadModel"),
+                                             ("lightning_batch_size", "Classifier")])
+def test_example_notebooks_run_whole_at_tiny_size(notebook, model):
+    """At real size they run on the GPU machine (docs/integrations.md says how)."""
+    path = ROOT / "notebooks" / "examples" / f"{notebook}.ipynb"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(path)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "GPUEXP_EXAMPLE_SIZE": "tiny"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for batch_size in ((2, 4, 8) if model == "GPT2LMHeadModel" else (4, 8, 16)):
+        assert f"gpuexp · {model} bs={batch_size} · finished" in out, out[-3000:]
+        assert f"batch size {batch_size}: logged {{" in out and "'gpuexp/host_rss_peak_mib': " in out, out[-3000:]
+    assert "gpuexp · compare · 3 experiments" in out, out[-3000:]
+    assert out.splitlines().count("skipped: only at real size on a GPU") == 1
+    if not GPU:
+        assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 2

@@ -276,6 +276,9 @@ class OomDiagnosis(_Table):
         """What the failed allocation asked for; None where torch's message doesn't say."""
     @property
     def hints(self) -> list[str]: ...
+    @property
+    def training(self) -> str | None:
+        """Where the training run that raised it stood: epoch, step, the batch's shapes."""
 
 @final
 class Snapshot(_Table):
@@ -375,6 +378,20 @@ def snapshot(gpu: bool = True) -> Snapshot: ...
 def rescue_oom(error: BaseException, adapter: _NamespaceAdapter | None = None) -> OomDiagnosis | None:
     """The rescue after a CUDA out-of-memory error; None for any other error, or with the rescue off."""
 def holders(memory: int | None, min_bytes: int, adapter: _NamespaceAdapter | None = None) -> Holders: ...
+
+# ---- training runs (gpuexp.integrations) -------------------------------------------------------
+
+def begin_run(id: _ScopeId) -> None:
+    """The open scope measures a training run from now on; its first interval starts."""
+def run_step(id: _ScopeId, epoch: int, step: int) -> None: ...
+def run_batch(id: _ScopeId, batch: object) -> None:
+    """Reads the shapes of the batch's tensors and arrays; keeps no reference to it."""
+def run_peaks(id: _ScopeId, every: Literal["epoch", "steps"] = "epoch") -> dict[str, float]:
+    """The peaks in MiB by metric name (``gpuexp/torch_allocated_peak_mib``...) of the epoch or of
+    the steps since the last step-level log; the next interval of that kind starts."""
+def runs_in_flight() -> list[_ScopeId]: ...
+def note_run_error(id: _ScopeId, error: BaseException) -> None:
+    """The run raised ``error``: its report says so, and an OOM diagnosis of it names where it stood."""
 def compare(reports: Sequence[Report] | None = None) -> Comparison:
     """``reports`` side by side; by default this kernel's history."""
 

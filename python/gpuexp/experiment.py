@@ -33,13 +33,15 @@ class GPUExperiment:
     allocation history while it is open, and the report then says where in the code each GPU
     peaked (``report.trace``), where what is still held was allocated, and why it peaks higher
     than another traced experiment (``report.diff(other)``); ``gpuexp.config(trace=True)`` turns
-    it on for every experiment.
+    it on for every experiment. ``delete=False``
+    measures and reports but deletes nothing: the names stay their owner's (a trainer's callback
+    opens one so).
     """
 
     _gpu = True
 
     def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
-                 trace=None):
+                 trace=None, delete=True):
         self._id = None
         self._pid = os.getpid()
         self._entered = 0  # open `with` blocks over this experiment
@@ -49,11 +51,14 @@ class GPUExperiment:
             raise TypeError(f"trace must be True or False, e.g. GPUExperiment('bs=64', trace=True); got {trace!r}")
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
+        if not isinstance(delete, bool):
+            raise TypeError(f"delete must be True or False (False: measure and delete nothing), got {delete!r}")
         devices = device_indices(devices) if self._gpu else None
         creator = _creator_frame()
         # What the cell binds to a constructor is this experiment's only where the cell itself
-        # calls it: a function's or a class body's `exp = GPUExperiment()` binds no global.
-        handles = ipython.assignment_targets() if creator.f_globals is creator.f_locals else set()
+        # calls it: a function's or a class body's `exp = GPUExperiment()` binds no global. A
+        # measuring experiment (delete=False) is bound to no name of the user's and protects none.
+        handles = ipython.assignment_targets() if delete and creator.f_globals is creator.f_locals else set()
         # Which running code made it: while that code runs, a constructor of the same name nests.
         self._creator = (id(creator), creator.f_code)
         # The core finishes the experiments this one replaces (same name, or bound to a name
@@ -62,14 +67,14 @@ class GPUExperiment:
             name,
             gpu=self._gpu,
             devices=devices,
-            adapter=ipython.namespace_for(creator),
+            adapter=ipython.namespace_for(creator) if delete else None,
             owner=self,
             cell_log=cell_log,
             limit=size(limit, "limit"),
             # True: every 100 ms; an interval such as "20ms" otherwise. report.plot() draws it.
             monitor_s=None if monitor is False else seconds("100ms" if monitor is True else monitor),
             handles=handles,
-            in_use=ipython.names_bound_before(creator.f_lineno),
+            in_use=ipython.names_bound_before(creator.f_lineno) if delete else set(),
             on_stack=_on_stack(),
             params=params,
             trace=trace if self._gpu else False,
@@ -182,8 +187,8 @@ class CPUExperiment(GPUExperiment):
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None):
-        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params)
+    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None, delete=True):
+        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params, delete=delete)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,

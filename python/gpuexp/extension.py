@@ -56,9 +56,12 @@ def _after_cell(result=None):
     error = getattr(result, "error_in_exec", None)
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
     if error is not None and (ip := shell()) is not None:
+        ended = _runs_ended_by(error)
         diagnosis = _core.rescue_oom(error, ShellNamespace(ip))
         if diagnosis is not None:
             show(diagnosis)
+        for experiment in ended:  # after the rescue: their reports show what came back
+            experiment.finish()
     # The block shows only when something moved (the core decides), in place of the live view.
     record, live_view = live.end_cell(getattr(result, "execution_count", None) or 0)
     if record is not None or live_view is not None:
@@ -69,6 +72,19 @@ def _after_cell(result=None):
     if scope_ids and (ip := shell()) is not None:
         _finish_unreferenced(scope_ids, ShellNamespace(ip))
     raise_held_interrupt(result)
+
+
+def _runs_ended_by(error):
+    """The training runs still open when an error reached the cell: their trainer raised it
+    (HF Trainer has no hook for it). Each notes the error, and the OOM diagnosis where it stood."""
+    in_flight = _core.runs_in_flight()
+    experiments = tracked() if in_flight else {}
+    ended = []
+    for run_id in in_flight:
+        if run_id in experiments:
+            _core.note_run_error(run_id, error)
+            ended.append(experiments[run_id])
+    return ended
 
 
 def _finish_unreferenced(scope_ids, namespace):

@@ -37,6 +37,8 @@ pub mod status;
 pub mod teardown;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
 pub mod trace;
+/// Training runs measured by a framework's callback: their position, intervals and metrics.
+pub mod training;
 /// Objects a namespace walk could not inspect: skipped, counted, said in one note.
 pub mod uninspectable;
 /// Sizes and times as people read and write them.

@@ -35,6 +35,8 @@ pub(super) fn is_cuda_oom(error: &Bound<PyAny>) -> bool {
 #[pyfunction]
 #[pyo3(signature = (error, adapter=None))]
 pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<PyAny>>) -> PyResult<Option<OomPy>> {
+    // Taken for every error, so that a run's failure never outlives the exception it names.
+    let training = registry().runs.position_at(error.as_ptr() as usize);
     if !is_cuda_oom(&error) || !registry().oom_rescue {
         return Ok(None);
     }
@@ -81,6 +83,7 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         others,
         hints: Vec::new(),
         cleared,
+        training,
     };
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(hints);

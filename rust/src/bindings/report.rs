@@ -293,6 +293,11 @@ impl OomPy {
     fn hints(&self) -> Vec<String> {
         self.0.hints.clone()
     }
+    /// Where the training run that raised it stood ("epoch 1, step 7, batch input_ids (8, 128) int64").
+    #[getter]
+    fn training(&self) -> Option<String> {
+        self.0.training.as_ref().map(|p| p.describe())
+    }
 }
 
 shown_as_table!(OomPy, |this| &this.0, this.0.grid());

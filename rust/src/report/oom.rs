@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
+use crate::training::Position;
 use crate::units::{bytes, size_in_bytes};
 
 /// Another process on a GPU, as NVML lists it.
@@ -31,6 +32,8 @@ pub struct OomDiagnosis {
     pub others: Vec<OtherProcess>,
     pub hints: Vec<String>,
     pub cleared: Vec<String>,
+    /// Where the training run that raised it stood, when a framework's callback measured it.
+    pub training: Option<Position>,
 }
 
 /// Reads "Tried to allocate 2.00 GiB" and "GPU 0 has a total capacity" from torch's message.
@@ -116,6 +119,9 @@ impl OomDiagnosis {
             rows.push(vec![format!("process {} ({})", other.pid, other.name), opt(other.used), "—".into()]);
         }
         let mut lines = Vec::new();
+        if let Some(position) = &self.training {
+            lines.push(format!("raised in training at {}", position.describe()));
+        }
         if !self.cleared.is_empty() {
             lines.push(format!("cleared: {}", self.cleared.join(", ")));
         }
@@ -164,6 +170,7 @@ mod tests {
             others: Vec::new(),
             hints: Vec::new(),
             cleared: Vec::new(),
+            training: None,
         }
     }
 
@@ -190,9 +197,12 @@ mod tests {
         let mut d = diagnosis();
         d.cleared = vec!["frames of the failed call".into()];
         d.hints = d.hints();
+        d.training = Some(Position { epoch: 1, step: 4, ..Position::default() });
         let text = d.grid().to_text();
         assert!(
-            text.contains("cleared: frames of the failed call") && text.contains("hint: the failed step"),
+            text.contains("cleared: frames of the failed call")
+                && text.contains("hint: the failed step")
+                && text.contains("raised in training at epoch 1, step 4"),
             "{text}"
         );
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
+use crate::training::Runs;
 
 pub type ScopeId = u64;
 
@@ -83,6 +84,8 @@ pub struct Scope {
     pub handles: BTreeSet<String>,
     /// What the experiment varied (`params=`); None: read from its name.
     pub params: Option<Params>,
+    /// What the report should say beside its figures (how a training run ended).
+    pub notes: Vec<String>,
 }
 
 /// What a scope opens with.
@@ -144,6 +147,8 @@ pub struct Registry {
     pub cell_log_every_cell: bool,
     /// `gpuexp.config(trace=True)`: every GPU experiment records where in the code it allocates.
     pub trace_by_default: bool,
+    /// The scopes that are training runs measured by a framework's callback.
+    pub runs: Runs,
 }
 
 /// The default of `cell_log_min_change`: less than this is the noise of running any cell.
@@ -166,6 +171,7 @@ impl Default for Registry {
             trace_by_default: false,
             cell_log_min_change: CELL_LOG_MIN_CHANGE,
             cell_log_every_cell: false,
+            runs: Runs::default(),
         }
     }
 }
@@ -201,6 +207,7 @@ impl Registry {
             limit,
             handles,
             params,
+            notes: Vec::new(),
         });
         id
     }
@@ -256,10 +263,13 @@ impl Registry {
         }
     }
 
-    /// Records the finished report and closes the scope's peak window.
+    /// Records the finished report and closes the scope's peak window (and a run's interval).
     pub fn complete(&mut self, id: ScopeId, report: Report) -> Arc<Report> {
         self.open.retain(|s| s.id != id);
         self.peaks.close(id);
+        for window in self.runs.end(id).into_iter().flatten() {
+            self.peaks.close(window);
+        }
         let report = Arc::new(report);
         self.finished.push((id, report.clone()));
         report
@@ -282,8 +292,10 @@ impl Registry {
     /// A scope's report as it stands: final with `end`, live without. The registry adds the
     /// scope's peaks, its cells and its limit to `details`.
     pub fn report_of(&self, scope: &Scope, before: &Snapshot, end: Option<&Snapshot>, details: Details) -> Report {
+        let mut notes = details.notes;
+        notes.extend(scope.notes.iter().cloned());
         let details =
-            Details { cells: self.cells_of(scope), limit: scope.limit, params: scope.params.clone(), ..details };
+            Details { cells: self.cells_of(scope), limit: scope.limit, params: scope.params.clone(), notes, ..details };
         let span = Span { start: &scope.start, before_teardown: before, end };
         Report::build(&scope.name, scope.kind == Kind::Gpu, span, |gauge| self.peaks.peak(scope.id, gauge), details)
     }

@@ -468,3 +468,19 @@ fn the_limit_on_a_gpu_is_the_innermost_scope_over_it_that_has_one() {
     assert_eq!((registry.limit_on(0), registry.limit_on(1)), (Some(24 * GIB), Some(8 * GIB)));
     assert_eq!(Registry::default().limit_on(0), None);
 }
+
+#[test]
+fn a_finished_run_closes_its_interval_windows_and_its_report_carries_its_notes() {
+    let mut registry = Registry::default();
+    let id = open_cpu(&mut registry, "run");
+    let start = host(0.0, 100 * MIB, 100 * MIB);
+    let windows = [registry.open_window(&start), registry.open_window(&start)];
+    registry.runs.begin(id, windows);
+    registry.scope_mut(id).unwrap().notes.push("the run raised OutOfMemoryError at epoch 1, step 5".into());
+    let scope = registry.scope(id).unwrap().clone();
+    let report = registry.report_of(&scope, &start, Some(&start), Details::default());
+    assert!(report.notes.iter().any(|n| n.contains("epoch 1, step 5")), "{:?}", report.notes);
+    registry.complete(id, report);
+    assert!(!registry.runs.is_run(id));
+    assert!(!registry.has_windows(), "the scope's window and both of the run's are closed");
+}

@@ -1,0 +1,62 @@
+"""A training run measured for a framework's callback: its experiment, which deletes nothing
+(the names belong to the caller), and the core's record of where the run stands."""
+
+import inspect
+
+from .. import _core
+from ..experiment import GPUExperiment
+
+
+class TrainingRun:
+    """One ``fit()`` or ``train()``: opened when training starts, finished when it ends."""
+
+    def __init__(self, name, params, experiment_options):
+        if name is None:  # the rest of the params show beside it in gpuexp.compare()
+            batch = f"bs={params['batch_size']}" if "batch_size" in params else None
+            name = " ".join(part for part in (params.get("model"), batch) if part) or None
+        self.experiment = GPUExperiment(name, params=params, delete=False, **experiment_options)
+        self.id = self.experiment._id
+        _core.begin_run(self.id)
+
+    @property
+    def is_open(self):
+        return _core.is_open(self.id)
+
+    def at(self, epoch, step):
+        """The run is at ``step`` (optimizer steps completed) of ``epoch``."""
+        _core.run_step(self.id, int(epoch), int(step))
+
+    def batch(self, batch):
+        """The batch it is about to take: only its shapes are kept."""
+        _core.run_batch(self.id, batch)
+
+    def peaks(self, every="epoch"):
+        """The peaks in MiB by metric name of the epoch (``"epoch"``) or of the steps since the
+        last step-level log (``"steps"``); the next interval of that kind starts now."""
+        return _core.run_peaks(self.id, every)
+
+    def end(self, error=None):
+        """Finishes the experiment (its report goes to ``gpuexp.history()``); with ``error``, the
+        report says where the run stood when it raised."""
+        if error is not None and self.is_open:
+            _core.note_run_error(self.id, error)
+        return self.experiment.finish()
+
+
+def checkpointing(model):
+    """Whether gradient checkpointing is on anywhere in ``model`` (HF's modules flag it so)."""
+    flag = getattr(model, "is_gradient_checkpointing", None)
+    if isinstance(flag, bool):
+        return flag
+    modules = getattr(model, "modules", None)
+    return callable(modules) and any(getattr(m, "gradient_checkpointing", False) is True for m in modules())
+
+
+def experiment_options(options):
+    """The ``GPUExperiment`` keywords a callback passes through (``limit``, ``monitor``,
+    ``devices``, ``cell_log``...), checked when the callback is made rather than when training starts."""
+    if "delete" in options or "params" in options:
+        raise TypeError("a callback's experiment deletes nothing and takes its params from the run: "
+                        "drop delete= and params= (name= sets its name)")
+    inspect.signature(GPUExperiment.__init__).bind(None, **options)  # a TypeError names the bad keyword
+    return options
