@@ -1,0 +1,112 @@
+"""Where in the code on a real GPU (`pytest -m gpu`): `GPUExperiment(trace=True)` in a real kernel,
+checked against torch's own counters and against allocations whose sizes and lines are known."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+# One cell: its line numbers (1-based) are what the sites must name.
+SCRIPTED = """\
+a = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+b = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+del a
+c = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+scope_peak = torch.cuda.max_memory_allocated()
+del b, c"""
+
+MODEL = """\
+import torch.nn.functional as F
+class Attention(torch.nn.Module):
+    def __init__(self, d=512, heads=8, layers=4, vocab=8192):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(layers))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab)
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, n, d = x.shape
+        for qkv, out in zip(self.qkv, self.out):
+            q, k, v = qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+            weights = scores.softmax(-1)
+            x = x + out((weights @ v).transpose(1, 2).reshape(b, n, d))
+        return self.head(x)
+torch.manual_seed(0)
+model = Attention().cuda()
+opt = torch.optim.AdamW(model.parameters())
+def step(bs, n=512):
+    tokens = torch.randint(0, 8192, (bs, n), device="cuda")
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+step(2)
+torch.cuda.synchronize()"""
+
+
+def test_the_peak_by_source_line_equals_torch_s_and_the_known_sizes(kernel):
+    kernel.run("import torch, gpuexp\nbefore = torch.empty(4 << 20, dtype=torch.uint8, device='cuda')")
+    kernel.run("exp = gpuexp.GPUExperiment('scripted', trace=True)")
+    cell = kernel.run(SCRIPTED)
+    number = kernel.nb.cells[-1].execution_count
+    shown = kernel.run("exp.finish()")
+    report = kernel.value("exp.data.to_dict()")
+    (device,) = report["trace"]
+    peak = device["peak"]
+    assert peak["peak"]["bytes"] == kernel.value("scope_peak") == report["gpus"][0]["torch_allocated"]["peak"]
+    sites = {row["label"]: row["bytes"] for row in peak["sites"]}
+    assert sites[f"In [{number}], line 2"] == 128 * MiB and sites[f"In [{number}], line 4"] == 256 * MiB, sites
+    assert f"In [{number}], line 1" not in sites, "freed before the peak"
+    assert sum(sites.values()) + peak["rest"]["bytes"] == peak["peak"]["bytes"], "the blocks from before count too"
+    assert "at the peak" in shown.text.lower() or "At the peak" in shown.text, cell
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "no recording outlives the experiment"
+
+
+def test_a_user_s_own_recording_is_shared_and_left_running(kernel):
+    kernel.run("import torch, gpuexp\ntorch.cuda.init()\n"
+               "torch.cuda.memory._record_memory_history(max_entries=1000)")
+    kernel.run("with gpuexp.GPUExperiment('inside', trace=True) as exp:\n"
+               "    x = torch.empty(32 << 20, dtype=torch.uint8, device='cuda')\n"
+               "    del x")
+    assert any("shares the allocation history" in n for n in kernel.value("exp.data.notes"))
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is True
+    assert kernel.value("exp.data.to_dict()['trace'][0]['peak']['peak']['bytes']") >= 32 * MiB
+
+
+def test_the_diff_of_two_batch_sizes_goes_to_the_lines_that_grew(kernel, tmp_path):
+    kernel.run("import torch, gpuexp")
+    kernel.run(MODEL)
+    for bs in (8, 16):
+        kernel.run(f"with gpuexp.GPUExperiment('bs={bs}', trace=True, cell_log=False) as e{bs}:\n    step({bs})")
+    diff = kernel.value("e16.data.diff(e8.data).to_dict()")
+    peaks = [kernel.value(f"e{bs}.data.to_dict()['trace'][0]['peak']['peak']['bytes']") for bs in (8, 16)]
+    growth = peaks[1] - peaks[0]
+    assert growth > 0
+    grew = sum(r["bytes_b"] - r["bytes_a"] for r in diff["rows"] if r["bytes_b"] > r["bytes_a"])
+    shrank = sum(r["bytes_a"] - r["bytes_b"] for r in diff["rows"] if r["bytes_b"] < r["bytes_a"])
+    assert grew - shrank == growth, "the rows add up to the growth in peak"
+    assert shrank <= 0.1 * growth, f"at least 90% of the growth is on lines that grew: {diff['rows'][:5]}"
+    stable = [r for r in diff["rows"] if "Linear" in (r.get("source") or "") or "AdamW" in (r.get("source") or "")]
+    assert all(r["bytes_b"] == r["bytes_a"] for r in stable), stable
+    print(kernel.run("print(e16.data.trace)\nprint(e16.data.diff(e8.data))").text)
+    out = tmp_path / "bs16.pickle"
+    kernel.run(f"e16.data.save_snapshot({str(out)!r})\nloaded = gpuexp.load_snapshot({str(out)!r})")
+    assert kernel.value("loaded.to_dict()[0]['peak']['peak']['bytes']") >= peaks[1]
+
+
+def test_an_oom_names_its_line_with_the_trace_on(kernel):
+    kernel.run("import torch, gpuexp")
+    kernel.run("exp = gpuexp.GPUExperiment('oom', trace=True)")
+    kernel.run("held = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+               "huge = torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
+    number = kernel.nb.cells[-1].execution_count
+    shown = kernel.run("exp.finish()")
+    (device,) = kernel.value("exp.data.to_dict()['trace']")
+    (oom,) = device["ooms"]
+    assert oom["site"]["label"] == f"In [{number}], line 2", oom["site"]
+    assert f"out of memory on cuda:0 at In [{number}], line 2" in shown.text
