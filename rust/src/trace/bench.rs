@@ -20,6 +20,7 @@ use super::*;
 #[ignore = "a bench: run with --release -- --ignored"]
 fn replaying_a_million_events_takes_under_half_a_second() {
     let mut p = Program::new();
+    p.keep_sites = false;
     let lines: Vec<StackId> = (1..=50).map(|line| p.line(line)).collect();
     let mut held = std::collections::VecDeque::new();
     let mut i = 0u64;

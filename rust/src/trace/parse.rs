@@ -28,11 +28,11 @@ pub struct Stacks {
     string_ids: HashMap<Box<str>, u32>,
     /// (filename, line, name) with the strings as ids.
     frames: Vec<(u32, u32, u32)>,
-    frame_ids: HashMap<(u32, u32, u32), u32>,
+    frame_ids: HashMap<(u32, u32, u32), u32, pickle::Quick>,
     /// Stack `s` is `stack_frames[stack_starts[s]..stack_starts[s + 1]]`, innermost first.
     stack_starts: Vec<u32>,
     stack_frames: Vec<u32>,
-    stack_ids: HashMap<Box<[u32]>, StackId>,
+    stack_ids: HashMap<Box<[u32]>, StackId, pickle::Quick>,
 }
 
 impl Default for Stacks {
@@ -41,10 +41,10 @@ impl Default for Stacks {
             strings: Vec::new(),
             string_ids: HashMap::new(),
             frames: Vec::new(),
-            frame_ids: HashMap::new(),
+            frame_ids: HashMap::default(),
             stack_starts: vec![0],
             stack_frames: Vec::new(),
-            stack_ids: HashMap::new(),
+            stack_ids: HashMap::default(),
         };
         stacks.intern_stack(&[]);
         stacks

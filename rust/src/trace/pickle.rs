@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
-/// Hashes an address: a multiply spreads it, and nothing outside the file can choose it, so
-/// SipHash's protection (and cost) is not needed.
+/// Hashes addresses and ids: a multiply spreads them. They are not chosen by anyone who could
+/// aim at collisions, so SipHash's protection (and cost) is not needed.
 #[derive(Default)]
-pub struct AddressHasher(u64);
+pub struct QuickHasher(u64);
 
-impl Hasher for AddressHasher {
+impl Hasher for QuickHasher {
     fn finish(&self) -> u64 {
         self.0
     }
@@ -29,13 +29,20 @@ impl Hasher for AddressHasher {
         self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
     }
 
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n as u64);
+    }
+
     fn write_usize(&mut self, n: usize) {
         self.write_u64(n as u64);
     }
 }
 
 /// A map keyed by addresses.
-pub type AddressMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
+pub type AddressMap<V> = HashMap<usize, V, Quick>;
+
+/// `QuickHasher` for any map.
+pub type Quick = BuildHasherDefault<QuickHasher>;
 
 pub type List = Rc<RefCell<Vec<Value>>>;
 pub type Dict = Rc<RefCell<Vec<(Value, Value)>>>;
@@ -173,10 +180,7 @@ impl<F: Finish> Reader<'_, F> {
     }
 
     fn pop_mark(&mut self) -> Result<Vec<Value>, Error> {
-        let mark = self.marks.pop().ok_or("a pickle opcode wants a mark that is not there")?;
-        if mark > self.stack.len() {
-            return Err("a mark past the stack".into());
-        }
+        let mark = self.mark()?;
         Ok(self.stack.split_off(mark))
     }
 
@@ -198,41 +202,55 @@ impl<F: Finish> Reader<'_, F> {
         Ok(())
     }
 
-    fn append(&mut self, list: &Value, items: Vec<Value>) -> Result<(), Error> {
-        match list {
-            Value::List(list) => {
-                let mut finished = Vec::with_capacity(items.len());
-                let mut released = Vec::new();
-                for item in items {
-                    finished.push(self.finish.finish(item, &mut released));
-                    for key in released.drain(..) {
-                        if let Some(slot) = self.slots.remove(&key) {
-                            self.memo[slot] = Value::Opaque;
-                        }
-                    }
+    /// Appends the stack's items from `from` on to `list`, each handed to the hook (drained in
+    /// place: this runs for every list in the file).
+    fn append(&mut self, list: &Value, from: usize) -> Result<(), Error> {
+        let Value::List(list) = list else {
+            self.stack.truncate(from);
+            return match list {
+                Value::Opaque => Ok(()),
+                _ => Err("the pickle appends to something that is not a list".into()),
+            };
+        };
+        let mut list = list.borrow_mut();
+        list.reserve(self.stack.len() - from);
+        let mut released = Vec::new();
+        for item in self.stack.drain(from..) {
+            list.push(self.finish.finish(item, &mut released));
+            for key in released.drain(..) {
+                if let Some(slot) = self.slots.remove(&key) {
+                    self.memo[slot] = Value::Opaque;
                 }
-                list.borrow_mut().extend(finished);
-                Ok(())
             }
-            Value::Opaque => Ok(()),
-            _ => Err("the pickle appends to something that is not a list".into()),
         }
+        Ok(())
     }
 
-    fn set_items(&mut self, dict: &Value, items: Vec<Value>) -> Result<(), Error> {
-        match dict {
-            Value::Dict(dict) => {
-                let mut dict = dict.borrow_mut();
-                dict.reserve(items.len() / 2);
-                let mut items = items.into_iter();
-                while let (Some(key), Some(value)) = (items.next(), items.next()) {
-                    dict.push((key, value));
-                }
-                Ok(())
-            }
-            Value::Opaque => Ok(()),
-            _ => Err("the pickle sets items on something that is not a dict".into()),
+    /// Sets the stack's key/value pairs from `from` on in `dict`.
+    fn set_items(&mut self, dict: &Value, from: usize) -> Result<(), Error> {
+        let Value::Dict(dict) = dict else {
+            self.stack.truncate(from);
+            return match dict {
+                Value::Opaque => Ok(()),
+                _ => Err("the pickle sets items on something that is not a dict".into()),
+            };
+        };
+        let mut dict = dict.borrow_mut();
+        dict.reserve((self.stack.len() - from) / 2);
+        let mut items = self.stack.drain(from..);
+        while let (Some(key), Some(value)) = (items.next(), items.next()) {
+            dict.push((key, value));
         }
+        Ok(())
+    }
+
+    /// Where the last mark was set.
+    fn mark(&mut self) -> Result<usize, Error> {
+        let mark = self.marks.pop().ok_or("a pickle opcode wants a mark that is not there")?;
+        if mark > self.stack.len() {
+            return Err("a mark past the stack".into());
+        }
+        Ok(mark)
     }
 
     fn run(&mut self) -> Result<Value, Error> {
@@ -329,15 +347,15 @@ impl<F: Finish> Reader<'_, F> {
                 b')' => self.stack.push(Value::Tuple(Rc::from(Vec::new()))),
                 0x8f => self.stack.push(Value::List(List::default())),
                 b'l' => {
-                    let items = self.pop_mark()?;
+                    let from = self.mark()?;
                     let list = Value::List(List::default());
-                    self.append(&list, items)?;
+                    self.append(&list, from)?;
                     self.stack.push(list);
                 }
                 b'd' => {
-                    let items = self.pop_mark()?;
+                    let from = self.mark()?;
                     let dict = Value::Dict(Dict::default());
-                    self.set_items(&dict, items)?;
+                    self.set_items(&dict, from)?;
                     self.stack.push(dict);
                 }
                 b't' | 0x91 => {
@@ -352,26 +370,27 @@ impl<F: Finish> Reader<'_, F> {
                     let items = self.stack.split_off(self.stack.len() - n);
                     self.stack.push(Value::Tuple(items.into()));
                 }
-                b'a' => {
-                    let item = self.pop()?;
-                    let list = self.top()?.clone();
-                    self.append(&list, vec![item])?;
+                b'a' | b's' => {
+                    // The list (or dict) sits under its one item (or key and value).
+                    let n = if op == b'a' { 1 } else { 2 };
+                    let from =
+                        self.stack.len().checked_sub(n).filter(|&f| f > 0).ok_or("the pickle's stack runs dry")?;
+                    let target = self.stack[from - 1].clone();
+                    if op == b'a' {
+                        self.append(&target, from)?;
+                    } else {
+                        self.set_items(&target, from)?;
+                    }
                 }
-                b'e' | 0x90 => {
-                    let items = self.pop_mark()?;
-                    let list = self.top()?.clone();
-                    self.append(&list, items)?;
-                }
-                b's' => {
-                    let value = self.pop()?;
-                    let key = self.pop()?;
-                    let dict = self.top()?.clone();
-                    self.set_items(&dict, vec![key, value])?;
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    let dict = self.top()?.clone();
-                    self.set_items(&dict, items)?;
+                b'e' | 0x90 | b'u' => {
+                    let from = self.mark()?;
+                    let target =
+                        from.checked_sub(1).map(|i| self.stack[i].clone()).ok_or("the pickle's stack runs dry")?;
+                    if op == b'u' {
+                        self.set_items(&target, from)?;
+                    } else {
+                        self.append(&target, from)?;
+                    }
                 }
                 b'p' => {
                     let index = self.line()?.parse().map_err(|_| "a bad memo index".to_string())?;
