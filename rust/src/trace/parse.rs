@@ -293,13 +293,13 @@ impl Builder {
     fn event_of(&mut self, item: Value) -> Option<Event> {
         match item {
             Value::Kept(index) => self.events.get(index as usize).copied(),
-            dict @ Value::Dict(_) => Some(self.event(&dict)),
+            dict @ Value::Dict(_) => Some(self.event(&dict).0),
             _ => None,
         }
     }
 
-    /// One pass over the event's entries: events are most of a snapshot.
-    fn event(&mut self, dict: &Value) -> Event {
+    /// One pass over the event's entries (events are most of a snapshot); with its frames list.
+    fn event(&mut self, dict: &Value) -> (Event, Option<Value>) {
         let mut event = Event {
             action: Action::Other,
             addr: 0,
@@ -326,7 +326,7 @@ impl Builder {
         });
         event.stack = self.stack(frames.as_ref());
         event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
-        event
+        (event, frames)
     }
 
     fn segment(&mut self, dict: &Value) -> Segment {
@@ -363,14 +363,18 @@ impl Finish for Builder {
     /// An event (a dict with an `action`) becomes an `Event` at once; it and its frames list
     /// leave the memo (torch never shares them), its frame dicts stay.
     fn finish(&mut self, item: Value, released: &mut Vec<usize>) -> Value {
-        if item.get("action").is_none() {
+        // Torch writes `action` first; a dict that does not start with it (a frame, a block)
+        // is kept as it is, and an event written otherwise is still read, at the end.
+        let starts_with_action = match &item {
+            Value::Dict(dict) => dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action")),
+            _ => false,
+        };
+        if !starts_with_action {
             return item;
         }
-        let event = self.event(&item);
+        let (event, frames) = self.event(&item);
         released.extend(pickle::container_key(&item));
-        if let Some(frames) = item.get("frames") {
-            released.extend(pickle::container_key(&frames));
-        }
+        released.extend(frames.as_ref().and_then(pickle::container_key));
         self.events.push(event);
         Value::Kept((self.events.len() - 1) as u32)
     }
