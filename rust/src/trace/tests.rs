@@ -351,6 +351,9 @@ fn the_fixtures_pickled_by_python_read_the_same_at_every_protocol() {
         assert_eq!(ooms[0].live.sites[0].label, format!("{USER}:15"));
         assert_eq!((ooms[0].requested, ooms[0].device_free), (1 << 40, 123));
     }
+    let first = Snapshot::from_pickle(include_bytes!("testdata/snapshot_p4.pickle")).unwrap();
+    let reordered = Snapshot::from_pickle(include_bytes!("testdata/snapshot_reordered.pickle")).unwrap();
+    assert_eq!(reordered.device_traces, first.device_traces, "an event with its action last reads the same");
     let error = Snapshot::from_pickle(b"not a pickle").unwrap_err();
     assert!(error.to_string().contains("torch.cuda.memory._snapshot()"), "{error}");
     let whole = include_bytes!("testdata/snapshot_p4.pickle");

@@ -47,3 +47,8 @@ snapshot = {"segments": segments, "device_traces": traces, "allocator_settings":
 for protocol in (2, 4, 5):
     with open(f"snapshot_p{protocol}.pickle", "wb") as f:
         f.write(pickle.dumps(snapshot, protocol=protocol))
+
+# The same events with `action` last: read all the same, only later.
+reordered = dict(snapshot, device_traces=[[dict(reversed(list(e.items()))) for e in traces[0]]])
+with open("snapshot_reordered.pickle", "wb") as f:
+    f.write(pickle.dumps(reordered, protocol=4))
