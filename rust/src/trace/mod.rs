@@ -1,6 +1,7 @@
 //! Where in the code: torch's CUDA allocation history (`_record_memory_history` then
 //! `_snapshot`) read, replayed and grouped by the line of the user's code that allocated.
 //!
+//! - `pickle`: a reader of plain-data pickles that runs nothing;
 //! - `parse`: the snapshot pickle into typed events with interned stacks;
 //! - `replay`: one device's `memory_allocated` after every event, its peak, the live blocks;
 //! - `sites`: a block's site (the innermost user frame, else its phase) and category;
@@ -13,7 +14,7 @@ pub mod diff;
 pub mod held;
 pub mod parse;
 pub mod peak;
-mod pickle;
+pub mod pickle;
 pub mod replay;
 pub mod scope;
 pub mod sites;
@@ -28,5 +29,7 @@ pub use scope::{peak_since, scope_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 
+#[cfg(test)]
+mod bench;
 #[cfg(test)]
 mod tests;

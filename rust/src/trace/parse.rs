@@ -1,12 +1,10 @@
 //! Torch's allocation-history snapshot (`torch.cuda.memory._snapshot()`, pickled) read into typed
-//! structs. Many events share a stack, so each distinct frame and stack is stored once and events
+//! structs; unknown keys are ignored and missing ones read as 0 or empty. Many events share a stack, so each distinct frame and stack is stored once and events
 //! carry a `StackId`: a million events cost a few dozen bytes each, not a copy of their stack.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny};
-
+use super::pickle::{self, Finish, Value};
 use crate::error::{Error, Result};
 
 /// Which stack an event or block was recorded with: an index into `Stacks`. Stack 0 is the
@@ -30,11 +28,11 @@ pub struct Stacks {
     string_ids: HashMap<Box<str>, u32>,
     /// (filename, line, name) with the strings as ids.
     frames: Vec<(u32, u32, u32)>,
-    frame_ids: HashMap<(u32, u32, u32), u32>,
+    frame_ids: HashMap<(u32, u32, u32), u32, pickle::Quick>,
     /// Stack `s` is `stack_frames[stack_starts[s]..stack_starts[s + 1]]`, innermost first.
     stack_starts: Vec<u32>,
     stack_frames: Vec<u32>,
-    stack_ids: HashMap<Box<[u32]>, StackId>,
+    stack_ids: HashMap<Box<[u32]>, StackId, pickle::Quick>,
 }
 
 impl Default for Stacks {
@@ -43,10 +41,10 @@ impl Default for Stacks {
             strings: Vec::new(),
             string_ids: HashMap::new(),
             frames: Vec::new(),
-            frame_ids: HashMap::new(),
+            frame_ids: HashMap::default(),
             stack_starts: vec![0],
             stack_frames: Vec::new(),
-            stack_ids: HashMap::new(),
+            stack_ids: HashMap::default(),
         };
         stacks.intern_stack(&[]);
         stacks
@@ -201,30 +199,36 @@ pub struct Snapshot {
     pub stacks: Stacks,
 }
 
-thread_local! {
-    // The stacks being filled by the parse running on this thread: serde's derived
-    // deserializers take no context, and this lets frames be interned as they are read instead
-    // of every event keeping its own strings until the end.
-    static INTERNER: RefCell<Option<Stacks>> = const { RefCell::new(None) };
-}
-
 impl Snapshot {
     /// Reads a pickled snapshot (protocols 2 to 5, as `pickle.dumps(torch.cuda.memory._snapshot())`,
-    /// memory_viz and Mosaic write it). serde-pickle runs no code from the file.
+    /// memory_viz and Mosaic write it). Nothing in the file is run.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot> {
-        INTERNER.with(|cell| *cell.borrow_mut() = Some(Stacks::default()));
-        // Read by `pickle` (torch shares frame objects between entries, which serde-pickle's own
-        // reader refuses), then typed by serde.
-        let raw: std::result::Result<RawSnapshot, String> =
-            super::pickle::read(bytes).and_then(|value| serde_pickle::from_value(value).map_err(|e| e.to_string()));
-        let stacks = INTERNER.with(|cell| cell.borrow_mut().take()).unwrap_or_default();
-        let raw = raw.map_err(|error| {
+        let invalid = |why: String| {
             Error::InvalidArgument(format!(
-                "not a torch memory snapshot ({error}); write one with \
+                "not a torch memory snapshot ({why}); write one with \
                  pickle.dump(torch.cuda.memory._snapshot(), f)"
             ))
-        })?;
-        Ok(Snapshot { segments: raw.segments, device_traces: raw.device_traces, stacks })
+        };
+        let mut builder = Builder::default();
+        let root = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        if !matches!(root, Value::Dict(_)) {
+            return Err(invalid("the pickle holds no dict".into()));
+        }
+        let device_traces = root
+            .get("device_traces")
+            .map(|traces| {
+                traces
+                    .items()
+                    .iter()
+                    .map(|trace| trace.items().into_iter().filter_map(|item| builder.event_of(item)).collect())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let segments = root
+            .get("segments")
+            .map(|segments| segments.items().iter().map(|s| builder.segment(s)).collect())
+            .unwrap_or_default();
+        Ok(Snapshot { segments, device_traces, stacks: builder.stacks })
     }
 
     /// The devices that have a trace or a segment.
@@ -238,163 +242,140 @@ impl Snapshot {
     }
 }
 
-fn intern_frames(frames: Vec<RawFrame>) -> StackId {
-    INTERNER.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let stacks = slot.get_or_insert_with(Stacks::default);
-        let ids: Vec<u32> =
-            frames.iter().map(|frame| stacks.intern_frame(&frame.filename, frame.line, &frame.name)).collect();
-        stacks.intern_stack(&ids)
-    })
-}
-
-fn intern_annotation(text: &str) -> Option<u32> {
-    (!text.is_empty())
-        .then(|| INTERNER.with(|cell| cell.borrow_mut().get_or_insert_with(Stacks::default).intern_string(text)))
-}
-
-#[derive(serde::Deserialize, Default)]
-#[serde(default)]
-struct RawSnapshot {
-    segments: Vec<Segment>,
-    device_traces: Vec<Vec<Event>>,
-}
-
-#[derive(serde::Deserialize, Default)]
-#[serde(default)]
-struct RawFrame {
-    filename: String,
-    line: u32,
-    name: String,
-}
-
-/// A stack read and interned on the spot.
+/// Turns each event dict into an `Event` as soon as the reader appends it to its trace, and
+/// interns frames: a shared frame dict is read once.
 #[derive(Default)]
-struct Interned(StackId);
-
-impl<'de> Deserialize<'de> for Interned {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Interned, D::Error> {
-        let frames = Option::<Vec<RawFrame>>::deserialize(deserializer)?.unwrap_or_default();
-        Ok(Interned(intern_frames(frames)))
-    }
+struct Builder {
+    stacks: Stacks,
+    events: Vec<Event>,
+    /// Frame dicts seen, by identity (each kept alive here so its address is never reused).
+    frames: pickle::AddressMap<(Value, u32)>,
+    scratch: Vec<u32>,
 }
 
-/// `user_metadata` is a string in torch; anything else there is not ours to read.
-#[derive(Default)]
-struct Annotation(Option<u32>);
+fn int(value: &Value, key: &str) -> i64 {
+    value.get(key).and_then(|v| v.as_int()).unwrap_or(0)
+}
 
-impl<'de> Deserialize<'de> for Annotation {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Annotation, D::Error> {
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum Text {
-            Text(String),
-            Other(IgnoredAny),
+impl Builder {
+    fn frame(&mut self, frame: &Value) -> u32 {
+        let key = pickle::container_key(frame);
+        if let Some(&(_, id)) = key.and_then(|key| self.frames.get(&key)) {
+            return id;
         }
-        Ok(Annotation(match Text::deserialize(deserializer)? {
-            Text::Text(text) => intern_annotation(&text),
-            Text::Other(_) => None,
-        }))
+        let (mut filename, mut line, mut name) = (None, 0, None);
+        frame.for_each_entry(|key, value| match key {
+            "filename" => filename = value.as_str().map(str::to_string),
+            "line" => line = value.as_int().unwrap_or(0).clamp(0, u32::MAX as i64) as u32,
+            "name" => name = value.as_str().map(str::to_string),
+            _ => {}
+        });
+        let id = self.stacks.intern_frame(filename.as_deref().unwrap_or(""), line, name.as_deref().unwrap_or(""));
+        if let Some(key) = key {
+            self.frames.insert(key, (frame.clone(), id));
+        }
+        id
     }
-}
 
-/// A number torch may write as None (an oom's address, a stream).
-fn number<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(
-    deserializer: D,
-) -> std::result::Result<T, D::Error> {
-    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
-}
-
-#[derive(serde::Deserialize, Default)]
-#[serde(default)]
-struct RawEvent {
-    action: String,
-    #[serde(deserialize_with = "number")]
-    addr: u64,
-    #[serde(deserialize_with = "number")]
-    size: u64,
-    #[serde(deserialize_with = "number")]
-    stream: i64,
-    #[serde(deserialize_with = "number")]
-    time_us: i64,
-    frames: Interned,
-    #[serde(deserialize_with = "number")]
-    device_free: u64,
-    user_metadata: Annotation,
-}
-
-impl<'de> Deserialize<'de> for Event {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Event, D::Error> {
-        let raw = RawEvent::deserialize(deserializer)?;
-        Ok(Event {
-            action: Action::named(&raw.action),
-            addr: raw.addr,
-            size: raw.size,
-            stream: raw.stream,
-            time_us: raw.time_us,
-            stack: raw.frames.0,
-            device_free: raw.device_free,
-            annotation: raw.user_metadata.0,
-        })
+    fn stack(&mut self, frames: Option<&Value>) -> StackId {
+        let mut ids = std::mem::take(&mut self.scratch);
+        ids.clear();
+        match frames {
+            Some(Value::List(list)) => ids.extend(list.borrow().iter().map(|frame| self.frame(frame))),
+            Some(other) => ids.extend(other.items().iter().map(|frame| self.frame(frame))),
+            None => {}
+        }
+        let stack = self.stacks.intern_stack(&ids);
+        self.scratch = ids;
+        stack
     }
-}
 
-#[derive(serde::Deserialize, Default)]
-#[serde(default)]
-struct RawBlock {
-    #[serde(deserialize_with = "number")]
-    address: u64,
-    #[serde(deserialize_with = "number")]
-    size: u64,
-    #[serde(deserialize_with = "number")]
-    requested_size: u64,
-    state: String,
-    frames: Interned,
-}
+    fn event_of(&mut self, item: Value) -> Option<Event> {
+        match item {
+            Value::Kept(index) => self.events.get(index as usize).copied(),
+            dict @ Value::Dict(_) => Some(self.event(&dict).0),
+            _ => None,
+        }
+    }
 
-impl<'de> Deserialize<'de> for SegmentBlock {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<SegmentBlock, D::Error> {
-        let raw = RawBlock::deserialize(deserializer)?;
-        let state = match raw.state.as_str() {
-            "active_allocated" => BlockState::ActiveAllocated,
-            "active_pending_free" => BlockState::ActivePendingFree,
-            _ => BlockState::Inactive,
+    /// One pass over the event's entries (events are most of a snapshot); with its frames list.
+    fn event(&mut self, dict: &Value) -> (Event, Option<Value>) {
+        let mut event = Event {
+            action: Action::Other,
+            addr: 0,
+            size: 0,
+            stream: 0,
+            time_us: 0,
+            stack: 0,
+            device_free: 0,
+            annotation: None,
         };
-        Ok(SegmentBlock {
-            address: raw.address,
-            size: raw.size,
-            requested_size: raw.requested_size,
-            state,
-            stack: raw.frames.0,
-        })
+        let mut frames = None;
+        let mut annotation = None;
+        let number = |value: &Value| value.as_int().unwrap_or(0);
+        dict.for_each_entry(|key, value| match key {
+            "action" => event.action = Action::named(value.as_str().unwrap_or("")),
+            "addr" => event.addr = number(value) as u64,
+            "size" => event.size = number(value) as u64,
+            "stream" => event.stream = number(value),
+            "time_us" => event.time_us = number(value),
+            "device_free" => event.device_free = number(value) as u64,
+            "frames" => frames = Some(value.clone()),
+            "user_metadata" => annotation = value.as_str().filter(|text| !text.is_empty()).map(str::to_string),
+            _ => {}
+        });
+        event.stack = self.stack(frames.as_ref());
+        event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
+        (event, frames)
+    }
+
+    fn segment(&mut self, dict: &Value) -> Segment {
+        let blocks = dict.get("blocks").map(|b| b.items()).unwrap_or_default();
+        let segment_type = dict.get("segment_type");
+        Segment {
+            device: int(dict, "device").max(0) as usize,
+            address: int(dict, "address") as u64,
+            total_size: int(dict, "total_size") as u64,
+            stream: int(dict, "stream"),
+            segment_type: segment_type.as_ref().and_then(Value::as_str).unwrap_or("").to_string(),
+            blocks: blocks
+                .iter()
+                .map(|block| {
+                    let state = block.get("state");
+                    SegmentBlock {
+                        address: int(block, "address") as u64,
+                        size: int(block, "size") as u64,
+                        requested_size: int(block, "requested_size") as u64,
+                        state: match state.as_ref().and_then(Value::as_str) {
+                            Some("active_allocated") => BlockState::ActiveAllocated,
+                            Some("active_pending_free") => BlockState::ActivePendingFree,
+                            _ => BlockState::Inactive,
+                        },
+                        stack: self.stack(block.get("frames").as_ref()),
+                    }
+                })
+                .collect(),
+        }
     }
 }
 
-#[derive(serde::Deserialize, Default)]
-#[serde(default)]
-struct RawSegment {
-    #[serde(deserialize_with = "number")]
-    device: usize,
-    #[serde(deserialize_with = "number")]
-    address: u64,
-    #[serde(deserialize_with = "number")]
-    total_size: u64,
-    #[serde(deserialize_with = "number")]
-    stream: i64,
-    segment_type: Option<String>,
-    blocks: Vec<SegmentBlock>,
-}
-
-impl<'de> Deserialize<'de> for Segment {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Segment, D::Error> {
-        let raw = RawSegment::deserialize(deserializer)?;
-        Ok(Segment {
-            device: raw.device,
-            address: raw.address,
-            total_size: raw.total_size,
-            stream: raw.stream,
-            segment_type: raw.segment_type.unwrap_or_default(),
-            blocks: raw.blocks,
-        })
+impl Finish for Builder {
+    /// An event (a dict with an `action`) becomes an `Event` at once; it and its frames list
+    /// leave the memo (torch never shares them), its frame dicts stay.
+    fn finish(&mut self, item: Value, released: &mut Vec<usize>) -> Value {
+        // Torch writes `action` first; a dict that does not start with it (a frame, a block)
+        // is kept as it is, and an event written otherwise is still read, at the end.
+        let starts_with_action = match &item {
+            Value::Dict(dict) => dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action")),
+            _ => false,
+        };
+        if !starts_with_action {
+            return item;
+        }
+        let (event, frames) = self.event(&item);
+        released.extend(pickle::container_key(&item));
+        released.extend(frames.as_ref().and_then(pickle::container_key));
+        self.events.push(event);
+        Value::Kept((self.events.len() - 1) as u32)
     }
 }

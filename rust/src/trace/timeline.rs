@@ -7,7 +7,6 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::peak::TOP_SITES;
 use super::replay::{Peak, Replay};
 use super::sites::{Attribution, SiteKey};
 use crate::grid::escape;
@@ -69,7 +68,7 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
     }
     let mut ranked: Vec<(SiteKey, u64)> = at_peak.into_iter().collect();
     ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    ranked.truncate(top.min(TOP_SITES.max(top)));
+    ranked.truncate(top);
     let series_of: HashMap<SiteKey, usize> = ranked.iter().enumerate().map(|(i, (key, _))| (*key, i)).collect();
     let other = ranked.len();
     // Per event, what each block adds or takes away, by series.

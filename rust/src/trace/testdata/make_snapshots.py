@@ -1,7 +1,9 @@
 """Writes the snapshot fixtures of rust/src/trace/tests: torch's snapshot shape, pickled by
-Python itself (protocols 2, 4 and 5), with fields this reader ignores and a None where torch
-writes one. Run from this folder: python3 make_snapshots.py"""
+Python itself (protocols 2, 4 and 5), with fields this reader ignores, a None where torch
+writes one, frame dicts shared among stacks (as torch shares them) and an object the reader
+must not run. Run from this folder: python3 make_snapshots.py"""
 
+import collections
 import pickle
 
 FILE = "/home/u/train.py"
@@ -9,8 +11,12 @@ TORCH = {"filename": "/usr/lib/python3.11/site-packages/torch/nn/functional.py",
 BASE = 1 << 30
 
 
+USER_FRAMES = {}
+
+
 def frames(line):
-    return [dict(TORCH), {"filename": FILE, "line": line, "name": "forward"}]
+    user = USER_FRAMES.setdefault(line, {"filename": FILE, "line": line, "name": "forward"})
+    return [TORCH, user]
 
 
 def event(action, addr, size, time_us, line, **more):
@@ -36,8 +42,13 @@ segments = [{
         {"address": BASE + 5120, "size": (2 << 20) - 5120, "requested_size": 0, "state": "inactive"},
     ],
 }]
-snapshot = {"segments": segments, "device_traces": traces, "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": None},
+snapshot = {"segments": segments, "device_traces": traces, "allocator_settings": collections.OrderedDict(conf=None),
             "external_annotations": []}
 for protocol in (2, 4, 5):
     with open(f"snapshot_p{protocol}.pickle", "wb") as f:
         f.write(pickle.dumps(snapshot, protocol=protocol))
+
+# The same events with `action` last: read all the same, only later.
+reordered = dict(snapshot, device_traces=[[dict(reversed(list(e.items()))) for e in traces[0]]])
+with open("snapshot_reordered.pickle", "wb") as f:
+    f.write(pickle.dumps(reordered, protocol=4))
