@@ -79,6 +79,7 @@ mod core_module {
     use super::status::{GpuStatusPy, WatchPy};
     #[pymodule_export]
     use super::trace::{load_snapshot, SiteDiffPy, TimelinePy, TracePy};
+    #[pymodule_export]
     use super::training::{begin_run, note_run_error, run_batch, run_peaks, run_step, runs_in_flight};
     #[pymodule_export]
     use super::units::{parse_interval, parse_size};
