@@ -13,10 +13,10 @@ pub mod explain;
 pub mod finder;
 /// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.
 pub mod fork;
-/// The leak hunter's walk: roots, their order, path names, each storage counted once.
-pub mod holders_walk;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
+/// The leak hunter's walk: roots, their order, path names, each storage counted once.
+pub mod holders_walk;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.

@@ -100,7 +100,7 @@ pub(super) fn explain(py: Python, memory: Option<u32>, adapter: Option<Bound<PyA
     let roles = roles_of(py, &survey.owners, &memory)?;
     let sums = sum_roles(&survey, &roles, &none);
     let holders = survey.held.iter().filter(|(b, _)| !roles.contains_key(b)).map(|(_, h)| h.clone()).collect();
-    let reached: HashSet<&Buffer> = survey.held.iter().map(|(b, _)| b).chain(roles.keys()).collect();
+    let reached: HashSet<&Buffer> = survey.found.keys().chain(roles.keys()).collect();
     let unreachable = survey.live.iter().filter(|(b, _)| !reached.contains(b)).map(|(_, bytes)| bytes).sum();
     let reading = match memory {
         Memory::Cuda(index) => Reading::Gpu(gpu_figures(py, index)?),

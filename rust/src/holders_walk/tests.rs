@@ -115,16 +115,14 @@ fn a_user_name_names_a_path_before_a_shorter_one_from_a_module() {
     let t = g.tensor(1, 64 * MIB);
     let inner = g.list(&[t]);
     let outer = g.list(&[inner]);
-    let survey = hunt(
-        &mut g,
-        vec![root(RootKind::LibraryModule, "somelib.CACHE", t), root(RootKind::Name, "runs", outer)],
-    );
+    let survey =
+        hunt(&mut g, vec![root(RootKind::LibraryModule, "somelib.CACHE", t), root(RootKind::Name, "runs", outer)]);
     assert_eq!(paths(&survey), vec![("runs[0][0]".into(), 64 * MIB, 0)]);
 }
 
 #[test]
 fn root_kinds_go_in_their_order_whatever_order_they_come_in() {
-    let mut kinds = vec![
+    let mut kinds = [
         RootKind::Hook,
         RootKind::LibraryModule,
         RootKind::Suspended,
@@ -294,8 +292,11 @@ fn dict_keys_read_as_text_or_as_the_path_to_the_object() {
     let unknown_key = g.add(Fake::Leaf);
     let lost = g.tensor(3, 2 * MIB);
     let other = g.add(Fake::Plain(vec![(Edge::Key(unknown_key), lost)]));
-    let roots =
-        vec![root(RootKind::Name, "model", model), root(RootKind::Name, "opt", state), root(RootKind::Name, "d", other)];
+    let roots = vec![
+        root(RootKind::Name, "model", model),
+        root(RootKind::Name, "opt", state),
+        root(RootKind::Name, "d", other),
+    ];
     let found = paths(&hunt(&mut g, roots));
     assert!(found.contains(&("opt[model.weight]['exp_avg']".into(), 4 * MIB, 0)), "{found:?}");
     assert!(found.contains(&(format!("d[<object {unknown_key}>]"), 2 * MIB, 0)), "{found:?}");
@@ -329,15 +330,21 @@ fn bounds_on_depth_and_objects_end_the_walk_with_a_flag() {
     for _ in 0..50 {
         chain = g.list(&[chain]);
     }
-    let deep = walk(&mut g, vec![root(RootKind::Name, "chain", chain)], None, &HashSet::new(), Bounds {
-        objects: 1000,
-        depth: 10,
-    });
+    let deep = walk(
+        &mut g,
+        vec![root(RootKind::Name, "chain", chain)],
+        None,
+        &HashSet::new(),
+        Bounds { objects: 1000, depth: 10 },
+    );
     assert!(deep.held.is_empty() && deep.truncated);
-    let many = walk(&mut g, vec![root(RootKind::Name, "chain", chain)], None, &HashSet::new(), Bounds {
-        objects: 20,
-        depth: 1000,
-    });
+    let many = walk(
+        &mut g,
+        vec![root(RootKind::Name, "chain", chain)],
+        None,
+        &HashSet::new(),
+        Bounds { objects: 20, depth: 1000 },
+    );
     assert!(many.held.is_empty() && many.truncated && many.objects_visited == 20);
     let all = hunt(&mut g, vec![root(RootKind::Name, "chain", chain)]);
     assert!(!all.truncated && all.held.len() == 1 && all.held[0].1.path.ends_with("[0][0]"));

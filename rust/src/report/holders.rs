@@ -270,7 +270,10 @@ mod tests {
             path(vec![Root("thread \"Thread-3 (worker)\": worker(), line 4".into()), Local("buf".into())]),
             "thread \"Thread-3 (worker)\": worker(), line 4: buf"
         );
-        assert_eq!(path(vec![Root("table".into()), CacheEntry("(268435456,)".into())]), "table (lru_cache entry for (268435456,))");
+        assert_eq!(
+            path(vec![Root("table".into()), CacheEntry("(268435456,)".into())]),
+            "table (lru_cache entry for (268435456,))"
+        );
         assert_eq!(path(vec![Root("p".into()), Referent("partial".into()), Index(0)]), "p (via partial)[0]");
     }
 }

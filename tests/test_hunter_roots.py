@@ -1,0 +1,120 @@
+"""The leak hunter finds holders that are not plain containers: caches kept in C, running
+threads, suspended generators and tasks, and autograd graphs. CPU tensors, in real kernels."""
+
+import re
+
+MiB = 1 << 20
+
+SETUP = """\
+import asyncio, functools, threading, weakref
+import torch
+import gpuexp
+"""
+
+
+def holders(kernel):
+    return kernel.value("gpuexp.holders('cpu').to_dict()['holders']")
+
+
+def test_lru_cache_results_are_named_by_the_call_that_made_them(kernel):
+    kernel.run(SETUP)
+    kernel.run(
+        "@functools.lru_cache(maxsize=8)\n"
+        "def table(n):\n"
+        "    return torch.ones(n, dtype=torch.uint8)\n"
+        "@functools.cache\n"
+        "def rows(n, scale=1):\n"
+        "    return [torch.ones(n, dtype=torch.uint8)]\n"
+        "table(3 << 20); table(5 << 20); rows(7 << 20, scale=2);"
+    )
+    found = {h["path"]: h["bytes"] for h in holders(kernel)}
+    assert found.get("table (lru_cache entry for (3145728,))") == 3 * MiB, found
+    assert found.get("table (lru_cache entry for (5242880,))") == 5 * MiB, found
+    assert found.get("rows (lru_cache entry for (7340032, scale=2))[0]") == 7 * MiB, found
+
+
+def test_a_running_threads_local_is_named_by_thread_function_and_line(kernel):
+    kernel.run(SETUP)
+    kernel.run(
+        "stop, ready = threading.Event(), threading.Event()\n"
+        "def worker():\n"
+        "    buf = torch.ones(24 << 20, dtype=torch.uint8)\n"
+        "    ready.set(); stop.wait()\n"
+        "prefetcher = threading.Thread(target=worker, name='prefetcher', daemon=True)\n"
+        "prefetcher.start(); ready.wait()"
+    )
+    found = {h["path"]: h["bytes"] for h in holders(kernel)}
+    kernel.run("stop.set(); prefetcher.join()")
+    assert found.get('thread "prefetcher": worker(), line 4: buf') == 24 * MiB, found
+
+
+def test_suspended_generators_and_pending_tasks_are_walked(kernel):
+    kernel.run(SETUP)
+    kernel.run(
+        "def stream():\n"
+        "    held = torch.ones(12 << 20, dtype=torch.uint8)\n"
+        "    yield 1\n"
+        "g = stream(); next(g)\n"
+        "async def fetch():\n"
+        "    pending = torch.ones(20 << 20, dtype=torch.uint8)\n"
+        "    await asyncio.sleep(3600)\n"
+        "asyncio.get_event_loop().create_task(fetch(), name='fetcher');\n"  # no name keeps the task
+    )
+    found = {h["path"]: h["bytes"] for h in holders(kernel)}
+    assert found.get("g → stream(), line 3 → local held") == 12 * MiB, found
+    assert found.get('task "fetcher": fetch(), line 7: pending') == 20 * MiB, found
+
+
+def test_a_graphs_saved_tensors_are_charged_to_the_tensor_whose_grad_fn_holds_them(kernel):
+    kernel.run(SETUP + "preds = []")
+    kernel.run(
+        "model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))\n"
+        "for _ in range(2):\n"
+        "    x = torch.randn(4096, 1024)\n"
+        "    preds.append(model(x))\n"
+        "weak = weakref.ref(x)\n"
+        "del x"
+    )
+    found = {h["path"]: h for h in holders(kernel)}
+    # Each forward saved its input (16 MiB), the first layer's output (16 MiB) and ReLU's
+    # result (16 MiB); the weights the graph reaches are the model's, named from `model`.
+    for i in range(2):
+        pred = found[f"preds[{i}]"]
+        assert pred["bytes"] == 16 * MiB and pred["saved_for_backward"] >= 32 * MiB, found
+    assert "model.0.weight" in found and found["model.0.weight"]["saved_for_backward"] == 0
+    text = kernel.run("print(gpuexp.holders('cpu'))").text
+    assert re.search(r"tensor \[4096, 1024\] cpu, and \d+\.\d\d MiB saved for its backward", text), text
+    # The hunt kept nothing: dropping the predictions frees their graphs.
+    kernel.run("preds.clear()\nimport gc; gc.collect()")
+    assert kernel.value("weak() is None")
+
+
+def test_a_finished_experiment_names_a_thread_that_still_holds_its_memory(kernel):
+    kernel.run(SETUP + "import numpy as np\nstop, ready = threading.Event(), threading.Event()")
+    kernel.run('exp = gpuexp.CPUExperiment("prefetch")')
+    kernel.run(
+        "def worker():\n"
+        "    batch = np.ones(256 << 20, dtype=np.uint8)\n"
+        "    ready.set(); stop.wait()\n"
+        "threading.Thread(target=worker, name='loader', daemon=True).start()\n"
+        "ready.wait()"
+    )
+    shown = kernel.run("del exp").text
+    kernel.run("stop.set()")
+    assert "still held on host: thread \"loader\": worker(), line 3: batch (256.00 MiB)" in shown, shown
+    assert "still held on host: ;" not in shown
+
+
+def test_an_object_that_raises_when_inspected_is_skipped_and_counted(kernel):
+    kernel.run(SETUP)
+    kernel.run(
+        "class Hostile:\n"
+        "    @property\n"
+        "    def __dict__(self):\n"
+        "        raise RuntimeError('no')\n"
+        "bad = Hostile()\n"
+        "kept = [torch.ones(4 << 20, dtype=torch.uint8)]"
+    )
+    found = kernel.value("gpuexp.holders('cpu').to_dict()")
+    assert "kept[0]" in [h["path"] for h in found["holders"]]
+    assert found["skipped"] >= 1
