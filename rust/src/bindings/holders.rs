@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::hunt_roots::{namespace_roots, world_roots, PyRoot};
-use super::python_heap::{tensor_piece, PythonHeap};
+use super::python_heap::{tensor_piece, Collected, PythonHeap};
 use super::report::HoldersPy;
 use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
@@ -58,16 +58,18 @@ struct CollectorView<'py> {
     suspended: Vec<Bound<'py, PyAny>>,
 }
 
-fn collector_view<'py>(py: Python<'py>, heap: &PythonHeap<'py>, memory: &Memory) -> PyResult<CollectorView<'py>> {
+fn collector_view<'py>(py: Python<'py>, heap: &mut PythonHeap<'py>, memory: &Memory) -> PyResult<CollectorView<'py>> {
     let mut view = CollectorView { live: HashMap::new(), suspended: Vec::new() };
     let objects = py.import("gc")?.call_method0("get_objects")?.cast_into::<PyList>()?;
     for object in objects.iter() {
-        if heap.is_tensor(&object) {
-            if let Ok(Some(piece)) = tensor_piece(&object, memory) {
-                view.live.insert(piece.buffer, piece.bytes);
+        match heap.collected(&object) {
+            Collected::Tensor => {
+                if let Ok(Some(piece)) = tensor_piece(&object, memory) {
+                    view.live.insert(piece.buffer, piece.bytes);
+                }
             }
-        } else if heap.is_suspended(&object) {
-            view.suspended.push(object);
+            Collected::Suspended => view.suspended.push(object),
+            Collected::Other => {}
         }
     }
     Ok(view)
@@ -96,7 +98,7 @@ pub fn survey<'py>(
 ) -> PyResult<Survey<'py>> {
     quietly(py, || {
         let mut heap = PythonHeap::new(py, memory.clone())?;
-        let CollectorView { live, suspended } = collector_view(py, &heap, memory)?;
+        let CollectorView { live, suspended } = collector_view(py, &mut heap, memory)?;
         roots.extend(world_roots(py, suspended)?);
         // Arrays are not known in advance, so a host hunt walks everything it can reach.
         let wanted: HashSet<Buffer> = live.keys().copied().filter(|b| !exclude.contains(b)).collect();

@@ -20,6 +20,12 @@ mod lru_cache;
 pub(super) use buffers::tensor_piece;
 use buffers::{array_piece, shape_text};
 
+pub(super) enum Collected {
+    Tensor,
+    Suspended,
+    Other,
+}
+
 #[derive(Clone)]
 enum Class {
     /// Refers to nothing worth following: numbers, strings, code, descriptors, weak references.
@@ -168,18 +174,16 @@ impl<'py> PythonHeap<'py> {
         })
     }
 
-    pub(super) fn is_tensor(&self, object: &Bound<'py, PyAny>) -> bool {
-        self.known.tensor.as_ref().is_some_and(|t| object.is_instance(t).unwrap_or(false))
-    }
-
-    /// A generator or coroutine paused at a `yield` or an `await` (not running, not finished).
-    pub(super) fn is_suspended(&self, object: &Bound<'py, PyAny>) -> bool {
-        let class = object.get_type();
-        self.known.exact.iter().any(|(t, kind)| {
-            class.is(t)
-                && matches!(kind, Class::Suspendable { frame, .. }
-                    if object.getattr(*frame).is_ok_and(|f| !f.is_none()))
-        })
+    /// Whether the collector's `object` is a tensor, or a generator or coroutine paused at a
+    /// `yield` or an `await` (not running, not finished). By its type: never its `__class__`.
+    pub(super) fn collected(&mut self, object: &Bound<'py, PyAny>) -> Collected {
+        match self.class(object) {
+            Class::Tensor => Collected::Tensor,
+            Class::Suspendable { frame, .. } if object.getattr(frame).is_ok_and(|f| !f.is_none()) => {
+                Collected::Suspended
+            }
+            _ => Collected::Other,
+        }
     }
 
     fn class(&mut self, object: &Bound<'py, PyAny>) -> Class {
@@ -398,7 +402,8 @@ impl<'py> PythonHeap<'py> {
     /// A value as a person reads it, never by running its own `__repr__`.
     fn short(&self, value: &Bound<'py, PyAny>) -> String {
         let type_name = || format!("<{}>", value.get_type().name().map(|n| n.to_string()).unwrap_or_default());
-        if self.known.tensor.as_ref().is_some_and(|t| value.is_instance(t).unwrap_or(false)) {
+        let tensor = self.known.tensor.as_ref().and_then(|t| t.cast::<PyType>().ok());
+        if tensor.is_some_and(|t| value.get_type().is_subclass(t).unwrap_or(false)) {
             return format!("<tensor {}>", value.getattr("shape").map(|s| shape_text(&s)).unwrap_or_default());
         }
         let plain = value.is_none() || self.known.atomic.iter().any(|t| value.get_type().is(t));
