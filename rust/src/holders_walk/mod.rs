@@ -325,22 +325,30 @@ impl<H: Heap> Walk<'_, H> {
     }
 
     fn finish(self, exclude: &HashSet<Buffer>) -> Survey<H::Object> {
-        let mut saved: HashMap<usize, u64> = HashMap::new();
+        // What each graph's tensor is charged, and on which device the charged memory sits.
+        let mut saved: HashMap<usize, (u64, &str)> = HashMap::new();
         for found in self.found.values() {
             if let Some(owner) = found.charged_to.filter(|_| !exclude.contains(&found.piece.buffer)) {
-                *saved.entry(owner).or_default() += found.piece.bytes;
+                saved.entry(owner).or_insert((0, &found.piece.device)).0 += found.piece.bytes;
             }
         }
         let mut held: Vec<(Buffer, Holder)> = Vec::new();
         for found in self.found.values().filter(|f| f.charged_to.is_none() && !exclude.contains(&f.piece.buffer)) {
-            let saved = saved.remove(&found.node).unwrap_or(0);
+            let saved = saved.remove(&found.node).map_or(0, |(bytes, _)| bytes);
             held.push((found.piece.buffer, self.holder(found.node, &found.piece, found.piece.bytes, saved)));
         }
-        // A tensor whose own storage is not its to name (a view, or older) still holds its graph.
-        for (owner, saved) in saved {
-            if let Some(piece) = self.pieces.get(&owner) {
-                held.push((piece.buffer, self.holder(owner, piece, 0, saved)));
-            }
+        // A tensor whose own storage is not its to name (a view, older, on another device), or a
+        // `grad_fn` held by itself, still holds its graph.
+        for (owner, (bytes, device)) in saved {
+            let graph = Piece {
+                buffer: Buffer::Storage(0),
+                bytes: 0,
+                kind: "autograd graph",
+                shape: String::new(),
+                device: device.to_string(),
+            };
+            let piece = self.pieces.get(&owner).filter(|p| p.device == device).unwrap_or(&graph);
+            held.push((piece.buffer, self.holder(owner, piece, 0, bytes)));
         }
         held.sort_by(|(_, a), (_, b)| {
             (b.bytes + b.saved_for_backward).cmp(&(a.bytes + a.saved_for_backward)).then_with(|| a.path.cmp(&b.path))

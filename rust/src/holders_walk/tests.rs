@@ -349,3 +349,16 @@ fn bounds_on_depth_and_objects_end_the_walk_with_a_flag() {
     let all = hunt(&mut g, vec![root(RootKind::Name, "chain", chain)]);
     assert!(!all.truncated && all.held.len() == 1 && all.held[0].1.path.ends_with("[0][0]"));
 }
+
+#[test]
+fn a_graph_held_by_a_tensor_elsewhere_or_by_its_grad_fn_alone_is_still_charged() {
+    let mut g = Graph::default();
+    let saved = g.tensor(1, 64 * MIB);
+    let grad_fn = g.add(Fake::Plain(vec![(Edge::Backward(Name::Fixed("_saved_self")), saved)]));
+    // A tensor the hunt does not count (on the host, say), whose graph saved memory it does.
+    let elsewhere = g.add(Fake::Plain(vec![(Edge::Backward(Name::Fixed("grad_fn")), grad_fn)]));
+    let survey = hunt(&mut g, vec![root(RootKind::Name, "loss_on_cpu", elsewhere)]);
+    let (_, holder) = &survey.held[0];
+    assert_eq!((holder.path.as_str(), holder.bytes, holder.saved_for_backward), ("loss_on_cpu", 0, 64 * MIB));
+    assert_eq!((holder.kind.as_str(), holder.device.as_str()), ("autograd graph", "cuda:0"));
+}

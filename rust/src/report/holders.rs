@@ -106,9 +106,10 @@ impl Holders {
 impl Holder {
     /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`.
     pub fn phrase(&self) -> String {
-        match self.saved_for_backward {
-            0 => format!("{} ({})", self.path, bytes(self.bytes)),
-            saved => format!("{} ({}, and {} saved for its backward)", self.path, bytes(self.bytes), bytes(saved)),
+        match (self.bytes, self.saved_for_backward) {
+            (own, 0) => format!("{} ({})", self.path, bytes(own)),
+            (0, saved) => format!("{} ({} saved for its backward)", self.path, bytes(saved)),
+            (own, saved) => format!("{} ({}, and {} saved for its backward)", self.path, bytes(own), bytes(saved)),
         }
     }
 }
@@ -256,6 +257,11 @@ mod tests {
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB); \
              1.00 GiB with no reachable referrer"
         );
+        held.holders.push(tensor("loss_on_cpu", 0, 64 << 20));
+        assert!(held
+            .line()
+            .ends_with(", loss_on_cpu (64.00 MiB saved for its backward); 1.00 GiB with no reachable referrer"));
+        held.holders.pop();
         held.unreachable = 0;
         assert_eq!(
             held.line(),
