@@ -118,3 +118,26 @@ def test_an_object_that_raises_when_inspected_is_skipped_and_counted(kernel):
     found = kernel.value("gpuexp.holders('cpu').to_dict()")
     assert "kept[0]" in [h["path"] for h in found["holders"]]
     assert found["skipped"] >= 1
+
+
+def test_saved_tensor_hooks_never_run_so_a_checkpoint_is_not_recomputed(kernel):
+    kernel.run(SETUP + "import torch.utils.checkpoint as checkpoint\nunpacked = []")
+    kernel.run(
+        "layer = torch.nn.Linear(1024, 1024)\n"
+        "runs = []\n"
+        "def segment(a):\n"
+        "    runs.append(1)\n"
+        "    return layer(a).relu()\n"
+        "out = checkpoint.checkpoint(segment, torch.randn(4096, 1024, requires_grad=True), use_reentrant=False)\n"
+        "def pack(t):\n"
+        "    return t\n"
+        "def unpack(t):\n"
+        "    unpacked.append(1)\n"
+        "    return t\n"
+        "with torch.autograd.graph.saved_tensors_hooks(pack, unpack):\n"
+        "    hooked = torch.randn(4096, 1024, requires_grad=True).exp()"
+    )
+    found = {h["path"]: h for h in holders(kernel)}
+    assert kernel.value("[len(runs), len(unpacked)]") == [1, 0]
+    # What the hook packed is walked as it is: exp saved its result, which `hooked` names itself.
+    assert found["hooked"]["bytes"] == 16 * MiB, found

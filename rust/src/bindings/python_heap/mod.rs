@@ -15,10 +15,12 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use crate::holders_walk::{Edge, Heap, Kind, Memory, Name, Refs, Unreadable};
 
 mod buffers;
+mod classes;
 mod lru_cache;
 
 pub(super) use buffers::tensor_piece;
 use buffers::{array_piece, shape_text};
+use classes::{is_heap_type, saved_names, slot_names};
 
 pub(super) enum Collected {
     Tensor,
@@ -52,6 +54,8 @@ enum Class {
     LruCache,
     /// An autograd function: the attributes that hold what it saved.
     GradFn(Rc<Vec<Py<PyString>>>),
+    /// What an autograd function saved, as autograd keeps it.
+    SavedTensor,
     /// A class: its own attributes, if it was defined in Python.
     Type,
     /// An instance of a class defined in Python: its `__dict__` and slots.
@@ -77,6 +81,7 @@ struct Known<'py> {
     tensor: Option<Bound<'py, PyAny>>,
     ndarray: Option<Bound<'py, PyAny>>,
     grad_fn: Option<Bound<'py, PyAny>>,
+    saved_tensor: Option<Bound<'py, PyAny>>,
     owners: Vec<Bound<'py, PyAny>>,
 }
 
@@ -144,6 +149,7 @@ impl<'py> Known<'py> {
             tensor: imported(py, "torch", &["Tensor"]),
             ndarray: imported(py, "numpy", &["ndarray"]),
             grad_fn: imported(py, "torch", &["autograd", "graph", "Node"]),
+            saved_tensor: imported(py, "torch", &["_C", "_autograd", "SavedTensor"]),
             owners: [imported(py, "torch", &["nn", "Module"]), imported(py, "torch", &["optim", "Optimizer"])]
                 .into_iter()
                 .flatten()
@@ -229,6 +235,8 @@ impl<'py> PythonHeap<'py> {
             Class::LruCache
         } else if is(&k.grad_fn) {
             Class::GradFn(Rc::new(saved_names(class)?))
+        } else if k.saved_tensor.as_ref().is_some_and(|t| class.is(t)) {
+            Class::SavedTensor
         } else if is_heap_type(class) {
             Class::Instance { slots: Rc::new(slot_names(class)?), owner: k.owners.iter().any(sub) }
         } else {
@@ -351,9 +359,16 @@ impl<'py> PythonHeap<'py> {
                 self.add(refs, attr(awaits), object.getattr(awaits)?);
             }
             Class::LruCache => self.look_lru_cache(object, refs)?,
+            // Its `data` is what was saved, as packed: never unpacked, so no saved-tensor hook
+            // runs (a checkpoint's would recompute the forward, an offload's copy back to the
+            // GPU). None once the graph ran backward; absent in a torch too old to tell.
+            Class::SavedTensor => {
+                if let Ok(data) = object.getattr("data") {
+                    self.add(refs, Edge::Backward(Name::Fixed("data")), data);
+                }
+            }
             Class::GradFn(names) => {
                 for name in names.iter() {
-                    // A graph already run backward has freed what it saved: reading it raises.
                     if let Ok(saved) = object.getattr(name.bind(self.py)) {
                         self.add(refs, Edge::Backward(Name::Of(name.bind(self.py).clone().into_any())), saved);
                     }
@@ -446,48 +461,6 @@ impl<'py> Heap for PythonHeap<'py> {
     fn call(&self, key: &Bound<'py, PyAny>) -> String {
         self.cache_call(key)
     }
-}
-
-fn is_heap_type(class: &Bound<PyType>) -> bool {
-    const HEAP_TYPE: u64 = 1 << 9;
-    class.getattr("__flags__").and_then(|f| f.extract::<u64>()).is_ok_and(|flags| flags & HEAP_TYPE != 0)
-}
-
-/// The names of a class's slots, across its bases (`__dict__` and `__weakref__` left out).
-fn slot_names<'py>(class: &Bound<'py, PyType>) -> PyResult<Vec<Py<PyString>>> {
-    let mut names = Vec::new();
-    for base in class.getattr("__mro__")?.try_iter()? {
-        let Ok(slots) = base?.getattr("__dict__")?.get_item("__slots__") else { continue };
-        let slots: Vec<Bound<PyAny>> = if slots.is_instance_of::<PyString>() {
-            vec![slots]
-        } else {
-            slots.try_iter()?.collect::<PyResult<_>>()?
-        };
-        for slot in slots {
-            let slot = slot.cast_into::<PyString>()?;
-            if !matches!(slot.to_string().as_str(), "__dict__" | "__weakref__") {
-                names.push(slot.unbind());
-            }
-        }
-    }
-    Ok(names)
-}
-
-/// The attributes of an autograd function's type that hold what it saved for backward.
-fn saved_names<'py>(class: &Bound<'py, PyType>) -> PyResult<Vec<Py<PyString>>> {
-    let mut names = Vec::new();
-    for name in class.dir()?.iter() {
-        let name = name.cast_into::<PyString>()?;
-        let text = name.to_string();
-        let text = text.as_str();
-        if (text.starts_with("_saved_") && !text.ends_with("sym_sizes"))
-            || text == "saved_tensors"
-            || text == "variable"
-        {
-            names.push(name.unbind());
-        }
-    }
-    Ok(names)
 }
 
 /// "worker(), line 4".
