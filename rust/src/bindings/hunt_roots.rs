@@ -31,7 +31,7 @@ pub(super) fn world_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>
     let library = Library::new(py)?;
     let mut roots = thread_roots(py, &library)?;
     roots.extend(module_roots(py, &library)?);
-    roots.extend(suspended_roots(py, suspended)?);
+    roots.extend(suspended_roots(py, suspended, &library)?);
     roots.extend(hook_roots(py));
     Ok(roots)
 }
@@ -128,8 +128,13 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
 }
 
 /// The frames of pending asyncio tasks (by task name), then of other suspended generators and
-/// coroutines.
-fn suspended_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<PyRoot<'py>>> {
+/// coroutines: user code's among the suspended roots, library code's after the libraries'
+/// globals. A running one is on the hunter's own call stack (IPython running this cell).
+fn suspended_roots<'py>(
+    py: Python<'py>,
+    suspended: Vec<Bound<'py, PyAny>>,
+    library: &Library,
+) -> PyResult<Vec<PyRoot<'py>>> {
     let mut tasks: HashMap<usize, String> = HashMap::new();
     if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("asyncio.tasks") {
         // The registries of live tasks (a WeakSet each); their names differ across versions.
@@ -145,22 +150,25 @@ fn suspended_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>>) -> P
     }
     let mut roots = Vec::new();
     for object in suspended {
-        let (frame_name, what) = match object.get_type().name()?.to_string().as_str() {
-            "generator" => ("gi_frame", "generator"),
-            "coroutine" => ("cr_frame", "coroutine"),
-            _ => ("ag_frame", "async generator"),
+        let (prefix, what) = match object.get_type().name()?.to_string().as_str() {
+            "generator" => ("gi", "generator"),
+            "coroutine" => ("cr", "coroutine"),
+            _ => ("ag", "async generator"),
         };
-        let Ok(frame) = object.getattr(frame_name) else { continue };
-        if frame.is_none() {
+        let Ok(frame) = object.getattr(format!("{prefix}_frame").as_str()) else { continue };
+        let running = object.getattr(format!("{prefix}_running").as_str()).and_then(|r| r.is_truthy());
+        if frame.is_none() || running.unwrap_or(true) {
             continue;
         }
+        let file: Option<String> = frame.getattr("f_code")?.getattr("co_filename")?.extract().ok();
+        let kind = if library.holds(file.as_deref()) { RootKind::LibraryModule } else { RootKind::Suspended };
         let line = frame.getattr("f_lineno")?.extract::<u32>().unwrap_or(0);
         let at = frame_label(&frame, line);
         let label = match tasks.get(&(object.as_ptr() as usize)) {
             Some(task) => format!("task \"{task}\": {at}"),
             None => format!("suspended {what} {at}"),
         };
-        roots.push((!tasks.contains_key(&(object.as_ptr() as usize)), root(RootKind::Suspended, label, frame)));
+        roots.push((!tasks.contains_key(&(object.as_ptr() as usize)), root(kind, label, frame)));
     }
     roots.sort_by_key(|(untasked, _)| *untasked);
     Ok(roots.into_iter().map(|(_, root)| root).collect())
