@@ -141,3 +141,23 @@ def test_saved_tensor_hooks_never_run_so_a_checkpoint_is_not_recomputed(kernel):
     assert kernel.value("[len(runs), len(unpacked)]") == [1, 0]
     # What the hook packed is walked as it is: exp saved its result, which `hooked` names itself.
     assert found["hooked"]["bytes"] == 16 * MiB, found
+
+
+def test_interpreter_hooks_are_roots_signal_handlers_and_weakref_finalizers(kernel):
+    kernel.run(SETUP + "import signal")
+    kernel.run(
+        "def install():\n"
+        "    buf = torch.ones(6 << 20, dtype=torch.uint8)\n"
+        "    def on_usr1(signum, frame):\n"
+        "        return buf\n"
+        "    return signal.signal(signal.SIGUSR1, on_usr1)\n"
+        "previous = install()\n"
+        "class Resource:\n"
+        "    pass\n"
+        "resource = Resource()\n"
+        "weakref.finalize(resource, print, torch.ones(10 << 20, dtype=torch.uint8));"
+    )
+    found = {h["path"]: h["bytes"] for h in holders(kernel)}
+    kernel.run("signal.signal(signal.SIGUSR1, previous)")
+    assert found.get("signal handler SIGUSR1 (closure cell buf)") == 6 * MiB, found
+    assert found.get("weakref.finalize._registry[<finalize>].args[0]") == 10 * MiB, found

@@ -174,9 +174,10 @@ fn suspended_roots<'py>(
     Ok(roots.into_iter().map(|(_, root)| root).collect())
 }
 
-/// The interpreter's hooks that hold user functions (and what their closures hold): trace and
-/// profile functions, signal handlers, weakref finalizers. Others (`sys.excepthook`,
-/// `sys.meta_path`, `gc.callbacks`) are module globals, walked with their modules.
+/// The interpreter's hooks that hold user functions (and what their closures hold) where no
+/// module global does: trace and profile functions, signal handlers. Others (`sys.excepthook`,
+/// `sys.meta_path`, `gc.callbacks`, `weakref.finalize._registry`) are module globals or class
+/// attributes, walked with their modules.
 fn hook_roots(py: Python<'_>) -> Vec<PyRoot<'_>> {
     let mut roots = Vec::new();
     let Ok(sys) = py.import("sys") else { return roots };
@@ -195,9 +196,6 @@ fn hook_roots(py: Python<'_>) -> Vec<PyRoot<'_>> {
                 roots.push(root(RootKind::Hook, format!("signal handler {name}"), handler));
             }
         }
-    }
-    if let Ok(registry) = py.import("weakref").and_then(|w| w.getattr("finalize")?.getattr("_registry")) {
-        roots.push(root(RootKind::Hook, "weakref.finalize registry".into(), registry));
     }
     roots
 }

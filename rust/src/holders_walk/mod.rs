@@ -54,8 +54,8 @@ pub enum RootKind {
     Suspended,
     /// Globals of installed packages and the standard library.
     LibraryModule,
-    /// The interpreter's hooks and registries: trace and profile functions, signal handlers,
-    /// weakref finalizers.
+    /// The interpreter's hooks that no module global holds: trace and profile functions,
+    /// signal handlers.
     Hook,
 }
 
