@@ -322,9 +322,11 @@ pub(super) fn sum_roles(
             sums.add(Some(*role), *bytes);
         }
     }
-    for (buffer, bytes) in &survey.found {
-        if !exclude.contains(buffer) && counted.insert(*buffer) {
-            sums.add(None, *bytes);
+    // Named holders and live tensors only: what a graph saved without a Python tensor of its
+    // own stays in explain's "no Python tensor", as torch's figures see it.
+    for (buffer, holder) in &survey.held {
+        if counted.insert(*buffer) {
+            sums.add(None, holder.bytes);
         }
     }
     for (buffer, bytes) in &survey.live {
