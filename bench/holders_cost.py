@@ -3,17 +3,20 @@
     python bench/holders_cost.py [--objects N] [--repeats R] [--json PATH]
 
 Builds N small live objects (dicts, lists and instances, as a notebook's data and libraries
-leave behind), a model with an optimizer, a few tensors held in containers, and then times
+leave behind), a model with an optimizer, a few tensors held in containers, an lru_cache, a
+running thread and autograd graphs, and then times
 holders() for the GPU (when CUDA is available: the walk stops once every tensor is found) and
 for the host (numpy arrays are not known in advance, so that walk visits everything
 reachable). Target: about a second. Plain Python, no kernel: the walk is the same.
 """
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import sys
+import threading
 import time
 
 
@@ -48,6 +51,19 @@ def main(argv=None):
     opt.step()
     notebook["cache"] = [torch.ones(1 << 20, device=device) for _ in range(4)]
     notebook["arrays"] = {"a": np.ones(16 << 20, dtype=np.uint8)}
+    # Holders that are no plain container: a cache kept in C, a running thread, autograd graphs.
+    notebook["table"] = functools.lru_cache(maxsize=8)(lambda n: torch.ones(n, device=device))
+    notebook["table"](1 << 20)
+    notebook["preds"] = [model(torch.randn(64, 1024, device=device)) for _ in range(4)]
+    stop, ready = threading.Event(), threading.Event()
+
+    def prefetch():
+        batch = torch.ones(1 << 20, device=device)  # noqa: F841 (held by the frame, as a prefetcher does)
+        ready.set()
+        stop.wait()
+
+    threading.Thread(target=prefetch, daemon=True).start()
+    ready.wait()
     live = len(gc.get_objects())
     namespace = gpuexp.ipython.ModuleNamespace(notebook)
 
@@ -73,6 +89,7 @@ def main(argv=None):
     print("| memory | seconds (median) | objects visited | holders ≥ 1 MiB |")
     print("|---|---:|---:|---:|")
     print("\n".join(rows))
+    stop.set()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -91,7 +91,11 @@ def save_history(path):
 def holders(device=None, min_bytes=1 << 20):
     """What still holds memory, largest first, each with the path a person would write to reach
     it: ``cache[0]``, ``Out[12]``, ``model.encoder.layers.3.weight``, ``opt.state[...]['exp_avg']``,
-    a closure cell, a module global ``mymod.CACHE``, a frame of the stored traceback.
+    a closure cell, a module global ``mymod.CACHE``, a frame of the stored traceback, an
+    ``lru_cache`` entry ``table (lru_cache entry for (1024,))``, a running thread's local
+    ``thread "loader": worker(), line 4: buf``, a suspended generator or a pending asyncio task.
+    What a tensor's autograd graph saved is charged to it: ``preds[0] (8.00 MiB, and 144.00 MiB
+    saved for its backward)``. See docs/leak-hunter.md.
 
     device: a GPU (``0``, ``'cuda:1'``, ``'cuda'`` for torch's current one, a ``torch.device``)
         or ``'cpu'`` for host memory (CPU tensors and numpy arrays). By default, torch's current

@@ -411,6 +411,7 @@ mod tests {
                 device: "cuda:0".into(),
                 kind: "tensor".into(),
                 shape: "[1073741824]".into(),
+                saved_for_backward: 0,
             }],
             unreachable: 8 * MIB,
             objects_visited: 1000,

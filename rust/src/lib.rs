@@ -17,6 +17,8 @@ pub mod finder;
 pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
+/// The leak hunter's walk: roots, their order, path names, each storage counted once.
+pub mod holders_walk;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.

@@ -418,6 +418,7 @@ mod tests {
                     device: "cpu".into(),
                     kind: "tensor".into(),
                     shape: "[1]".into(),
+                    saved_for_backward: 0,
                 })
                 .collect(),
             ..Default::default()

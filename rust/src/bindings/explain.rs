@@ -14,6 +14,7 @@ use super::report::json_to_python;
 use super::snapshot::take_snapshot;
 use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading};
 use crate::snapshot::{host, nvml, own_pids, GpuSelection};
+use crate::uninspectable::Uninspectable;
 
 fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
     let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![index]));
@@ -102,7 +103,7 @@ pub(super) fn explain(py: Python, memory: Option<u32>, adapter: Option<Bound<PyA
     let roles = roles_of(py, &survey.owners, &memory)?;
     let sums = sum_roles(&survey, &roles, &none);
     let holders = survey.held.iter().filter(|(b, _)| !roles.contains_key(b)).map(|(_, h)| h.clone()).collect();
-    let reached: HashSet<&Buffer> = survey.held.iter().map(|(b, _)| b).chain(roles.keys()).collect();
+    let reached: HashSet<&Buffer> = survey.found.keys().chain(roles.keys()).collect();
     let unreachable = survey.live.iter().filter(|(b, _)| !reached.contains(b)).map(|(_, bytes)| bytes).sum();
     let reading = match memory {
         Memory::Cuda(index) => Reading::Gpu(gpu_figures(py, index)?),
@@ -116,6 +117,6 @@ pub(super) fn explain(py: Python, memory: Option<u32>, adapter: Option<Bound<PyA
         seconds: started.elapsed().as_secs_f64(),
     };
     let mut explanation = Explanation::new(&device, reading, found);
-    explanation.notes.extend(survey.skipped.note());
+    explanation.notes.extend(Uninspectable { count: survey.skipped, first: None }.note());
     Ok(ExplanationPy(explanation))
 }

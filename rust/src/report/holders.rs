@@ -13,6 +13,9 @@ pub struct Holder {
     /// How to reach it: `cache[0]`, `model.encoder.layers.3.weight`, `Out[12]`, …
     pub path: String,
     pub bytes: u64,
+    /// Memory its autograd graph saved for backward that nothing else holds: dropping it frees that too.
+    #[serde(default)]
+    pub saved_for_backward: u64,
     /// "cuda:0", "cpu".
     pub device: String,
     /// "tensor", "ndarray".
@@ -34,10 +37,13 @@ pub struct Holders {
     /// What the memory found is to training (parameters, gradients, ...), when it holds any.
     pub roles: Option<TensorRoles>,
     pub objects_visited: u64,
+    /// Objects the walk skipped because they raised when inspected.
+    #[serde(default)]
+    pub skipped: u64,
+    /// Whether the walk stopped at a bound before it saw everything.
+    #[serde(default)]
+    pub truncated: bool,
     pub seconds: f64,
-    /// What the walk could not do: objects it could not inspect and skipped.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub notes: Vec<String>,
 }
 
 impl Holders {
@@ -45,7 +51,13 @@ impl Holders {
         let mut rows: Vec<Vec<String>> = self
             .holders
             .iter()
-            .map(|h| vec![h.path.clone(), bytes(h.bytes), format!("{} {} {}", h.kind, h.shape, h.device)])
+            .map(|h| {
+                let mut what = format!("{} {} {}", h.kind, h.shape, h.device);
+                if h.saved_for_backward > 0 {
+                    what.push_str(&format!(", and {} saved for its backward", bytes(h.saved_for_backward)));
+                }
+                vec![h.path.clone(), bytes(h.bytes), what]
+            })
             .collect();
         let mut extra = |label: &str, value: Option<u64>, what: &str| {
             if let Some(value) = value.filter(|v| *v > 0) {
@@ -60,13 +72,44 @@ impl Holders {
             lines: Vec::new(),
             header: ["held by", "size", "what"].map(String::from).to_vec(),
             rows,
-            notes: self
-                .notes
-                .iter()
-                .map(|note| format!("note: {note}"))
-                .chain([format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)])
-                .collect(),
+            notes: self.notes(),
             compact: false,
+        }
+    }
+}
+
+impl Holders {
+    /// The hunt's own figures, and what it could not see.
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = vec![format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)];
+        if self.skipped > 0 {
+            notes.push(format!("{} objects skipped: they raised when inspected", self.skipped));
+        }
+        if self.truncated {
+            notes.push("the walk stopped at its bound (objects or depth): some holders may be missing".into());
+        }
+        notes
+    }
+
+    /// The report's line for this device: the largest holders, then what no path reaches.
+    pub fn line(&self) -> String {
+        let named: Vec<String> = self.holders.iter().take(5).map(Holder::phrase).collect();
+        let mut parts = vec![named.join(", ")];
+        if self.unreachable > 0 {
+            parts.push(format!("{} with no reachable referrer", bytes(self.unreachable)));
+        }
+        parts.retain(|part| !part.is_empty());
+        format!("still held on {}: {}", self.device, parts.join("; "))
+    }
+}
+
+impl Holder {
+    /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`.
+    pub fn phrase(&self) -> String {
+        match (self.bytes, self.saved_for_backward) {
+            (own, 0) => format!("{} ({})", self.path, bytes(own)),
+            (0, saved) => format!("{} ({} saved for its backward)", self.path, bytes(saved)),
+            (own, saved) => format!("{} ({}, and {} saved for its backward)", self.path, bytes(own), bytes(saved)),
         }
     }
 }
@@ -95,7 +138,13 @@ pub fn render_path(edges: &[PathEdge]) -> String {
             (PathEdge::Index(n), _) => out.push_str(&format!("[{n}]")),
             (PathEdge::Closure(name), _) => out.push_str(&format!(" (closure cell {name})")),
             (PathEdge::Frame(name), _) => out.push_str(&format!(" → {name}")),
+            // A local of a root frame (a thread's): `thread "worker": run(), line 4: buf`.
+            (PathEdge::Local(name), _) if i > 0 && matches!(edges[i - 1], PathEdge::Root(_)) => {
+                out.push_str(&format!(": {name}"))
+            }
             (PathEdge::Local(name), _) => out.push_str(&format!(" → local {name}")),
+            (PathEdge::CacheEntry(call), _) => out.push_str(&format!(" (lru_cache entry for {call})")),
+            (PathEdge::Referent(holder), _) => out.push_str(&format!(" (via {holder})")),
         }
         i += 1;
     }
@@ -115,6 +164,10 @@ pub enum PathEdge {
     /// A frame of a traceback: "step(), line 3".
     Frame(String),
     Local(String),
+    /// A result an `lru_cache` keeps, by its call: "(268435456,)".
+    CacheEntry(String),
+    /// A reference with no name, by the holder's type.
+    Referent(String),
 }
 
 #[cfg(test)]
@@ -152,8 +205,8 @@ mod tests {
         );
         assert_eq!(path(vec![Root("fn".into()), Closure("buf".into())]), "fn (closure cell buf)");
         assert_eq!(
-            path(vec![Root("traceback: step, line 3".into()), Local("held".into())]),
-            "traceback: step, line 3 → local held"
+            path(vec![Root("last traceback".into()), Frame("step(), line 3".into()), Local("held".into())]),
+            "last traceback → step(), line 3 → local held"
         );
     }
 
@@ -167,21 +220,66 @@ mod tests {
                 device: "cuda:0".into(),
                 kind: "tensor".into(),
                 shape: "[1073741824]".into(),
+                saved_for_backward: 0,
             }],
             unreachable: 0,
             no_python_tensor: Some(64 << 20),
             cached: Some(0),
             roles: None,
             objects_visited: 10,
+            skipped: 0,
+            truncated: false,
             seconds: 0.01,
-            notes: vec!["2 objects in the namespace could not be inspected and were skipped".into()],
         };
         let text = holders.grid("holders").to_text();
-        assert!(text.contains("note: 2 objects in the namespace could not be inspected"), "{text}");
         assert!(
             text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"),
             "{text}"
         );
         assert!(!text.contains("(reserved, unallocated)") && !text.contains("(no reachable referrer)"), "{text}");
+    }
+
+    #[test]
+    fn the_report_line_reads_well_with_or_without_named_holders() {
+        let tensor = |path: &str, bytes: u64, saved: u64| Holder {
+            path: path.into(),
+            bytes,
+            saved_for_backward: saved,
+            device: "cuda:0".into(),
+            kind: "tensor".into(),
+            shape: "[1]".into(),
+        };
+        let mut held = Holders { device: "cuda:0".into(), unreachable: 1 << 30, ..Holders::default() };
+        assert_eq!(held.line(), "still held on cuda:0: 1.00 GiB with no reachable referrer");
+        held.holders = vec![tensor("preds[0]", 8 << 20, 144 << 20), tensor("cache[0]", 1 << 20, 0)];
+        assert_eq!(
+            held.line(),
+            "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB); \
+             1.00 GiB with no reachable referrer"
+        );
+        held.holders.push(tensor("loss_on_cpu", 0, 64 << 20));
+        assert!(held
+            .line()
+            .ends_with(", loss_on_cpu (64.00 MiB saved for its backward); 1.00 GiB with no reachable referrer"));
+        held.holders.pop();
+        held.unreachable = 0;
+        assert_eq!(
+            held.line(),
+            "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB)"
+        );
+    }
+
+    #[test]
+    fn thread_locals_cache_entries_and_unnamed_references() {
+        use PathEdge::*;
+        assert_eq!(
+            path(vec![Root("thread \"Thread-3 (worker)\": worker(), line 4".into()), Local("buf".into())]),
+            "thread \"Thread-3 (worker)\": worker(), line 4: buf"
+        );
+        assert_eq!(
+            path(vec![Root("table".into()), CacheEntry("(268435456,)".into())]),
+            "table (lru_cache entry for (268435456,))"
+        );
+        assert_eq!(path(vec![Root("p".into()), Referent("partial".into()), Index(0)]), "p (via partial)[0]");
     }
 }

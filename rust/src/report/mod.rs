@@ -265,13 +265,7 @@ impl Report {
             lines.push(format!("limit: torch could allocate {} per GPU (a smaller card, rehearsed)", bytes(limit)));
         }
         for held in &self.holders {
-            let named: Vec<String> =
-                held.holders.iter().take(5).map(|h| format!("{} ({})", h.path, bytes(h.bytes))).collect();
-            let mut line = format!("still held on {}: {}", held.device, named.join(", "));
-            if held.unreachable > 0 {
-                line.push_str(&format!("; {} with no reachable referrer", bytes(held.unreachable)));
-            }
-            lines.push(line);
+            lines.push(held.line());
             if let Some(roles) = held.roles {
                 lines.push(format!("  that is {}", roles.summary()));
             }

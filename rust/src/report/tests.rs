@@ -578,6 +578,7 @@ fn a_finished_report_names_what_holds_its_memory_and_what_that_is_to_training() 
             device: "cpu".into(),
             kind: "tensor".into(),
             shape: "[16777216]".into(),
+            saved_for_backward: 0,
         }],
         roles: Some(roles),
         ..Holders::default()
