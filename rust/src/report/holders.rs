@@ -82,9 +82,7 @@ impl Holders {
     /// The hunt's own figures, and what it could not see.
     pub fn notes(&self) -> Vec<String> {
         let mut notes = vec![format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)];
-        if self.skipped > 0 {
-            notes.push(format!("{} objects skipped: they raised when inspected", self.skipped));
-        }
+        notes.extend(crate::uninspectable::Uninspectable { count: self.skipped, first: None }.note());
         if self.truncated {
             notes.push("the walk stopped at its bound (objects or depth): some holders may be missing".into());
         }
