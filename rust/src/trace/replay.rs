@@ -196,8 +196,12 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
             peak = Peak { event: Some(index), bytes, time_us: events[index].time_us };
         }
     }
-    completeness.may_have_wrapped =
-        completeness.unknown_frees > 0 || max_entries.is_some_and(|cap| events.len() >= cap);
+    // With the cap known, only a full buffer wrapped: frees of older blocks then mean the
+    // recording began after them (as when an experiment starts it). Without it, they may mean either.
+    completeness.may_have_wrapped = match max_entries {
+        Some(cap) => events.len() >= cap,
+        None => completeness.unknown_frees > 0,
+    };
     completeness.unknown = unknown_in_words(&completeness);
     before.append(&mut blocks);
     Replay {
