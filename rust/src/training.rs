@@ -7,8 +7,10 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::scope::ScopeId;
 use crate::snapshot::{Gauge, Snapshot};
+
+/// A run is known by its experiment's scope id (`scope::ScopeId`).
+pub type RunId = u64;
 
 /// One tensor (or array) of a batch: the path a person would write to reach it from the batch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -86,57 +88,57 @@ struct Failure {
 /// The runs being trained, and where the last one that raised stood.
 #[derive(Default, Debug)]
 pub struct Runs {
-    open: HashMap<ScopeId, Run>,
+    open: HashMap<RunId, Run>,
     failure: Option<Failure>,
 }
 
 impl Runs {
     /// The scope `id` is a run from now on; `windows` are the peak windows of its first epoch
     /// and of its first steps. A failure kept until now belongs to an exception already handled: it goes.
-    pub fn begin(&mut self, id: ScopeId, windows: [u64; 2]) {
+    pub fn begin(&mut self, id: RunId, windows: [u64; 2]) {
         self.failure = None;
         self.open.insert(id, Run { position: Position::default(), windows });
     }
 
-    pub fn is_run(&self, id: ScopeId) -> bool {
+    pub fn is_run(&self, id: RunId) -> bool {
         self.open.contains_key(&id)
     }
 
     /// The runs still training, oldest first.
-    pub fn open_ids(&self) -> Vec<ScopeId> {
-        let mut ids: Vec<ScopeId> = self.open.keys().copied().collect();
+    pub fn open_ids(&self) -> Vec<RunId> {
+        let mut ids: Vec<RunId> = self.open.keys().copied().collect();
         ids.sort_unstable();
         ids
     }
 
     /// The run moved to a new step; the batch stays until a new one is seen.
-    pub fn step(&mut self, id: ScopeId, epoch: u64, step: u64) {
+    pub fn step(&mut self, id: RunId, epoch: u64, step: u64) {
         if let Some(run) = self.open.get_mut(&id) {
             run.position.epoch = epoch;
             run.position.step = step;
         }
     }
 
-    pub fn batch(&mut self, id: ScopeId, parts: Vec<BatchPart>, skipped: u64) {
+    pub fn batch(&mut self, id: RunId, parts: Vec<BatchPart>, skipped: u64) {
         if let Some(run) = self.open.get_mut(&id) {
             run.position.batch = parts;
             run.position.batch_skipped = skipped;
         }
     }
 
-    pub fn position(&self, id: ScopeId) -> Option<&Position> {
+    pub fn position(&self, id: RunId) -> Option<&Position> {
         self.open.get(&id).map(|run| &run.position)
     }
 
     /// Swaps the window of the run's `interval` for `next`; returns the one that ended.
-    pub fn next_interval(&mut self, id: ScopeId, interval: Interval, next: u64) -> Option<u64> {
+    pub fn next_interval(&mut self, id: RunId, interval: Interval, next: u64) -> Option<u64> {
         let window = &mut self.open.get_mut(&id)?.windows[interval as usize];
         Some(std::mem::replace(window, next))
     }
 
     /// The run raised `error` (an exception's address, alive while it is handled): its position
     /// is kept for the OOM diagnosis of that exception.
-    pub fn failed(&mut self, id: ScopeId, error: usize) {
+    pub fn failed(&mut self, id: RunId, error: usize) {
         if let Some(run) = self.open.get(&id) {
             self.failure = Some(Failure { error, position: run.position.clone() });
         }
@@ -153,7 +155,7 @@ impl Runs {
     }
 
     /// The run ended (its scope finished); returns its interval windows to close.
-    pub fn end(&mut self, id: ScopeId) -> Option<[u64; 2]> {
+    pub fn end(&mut self, id: RunId) -> Option<[u64; 2]> {
         Some(self.open.remove(&id)?.windows)
     }
 }

@@ -16,7 +16,7 @@ use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
 use super::ledger_mode::{self, Ledgered};
 use super::snapshot::take_snapshot;
-use super::step_state::StepState;
+use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
 use crate::finder::{Search, Seed};
@@ -212,11 +212,6 @@ fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<(Roots
     }
     Ok((roots, assigned))
 }
-
-/// Objects a walk starts from, each with the name a person knows it by.
-pub(super) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
-/// A global name a step assigns to, and the namespace it is in.
-pub(super) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
 /// The globals a code object and the code nested in it (inner functions, lambdas) load; not
 /// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).

@@ -8,11 +8,15 @@
 use std::collections::HashSet;
 
 use pyo3::prelude::*;
-
-use super::estimate::{AssignedGlobal, Roots};
 use pyo3::types::{
     PyBool, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple, PyType,
 };
+
+/// Objects a walk starts from, each with the name a person knows it by.
+pub(super) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
+
+/// A global name a step assigns to, and the namespace it is in.
+pub(super) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
 /// Enough for a large model's modules and the step's own objects; a walk that stops says so.
 const MOST_OBJECTS: usize = 200_000;
