@@ -9,7 +9,7 @@ first when both or neither are): import your Lightning before this name.
 
 import sys
 
-from .run import TrainingRun, checkpointing, experiment_options
+from .run import TrainingRun, checkpointing, settle
 
 
 class _Hooks:
@@ -22,13 +22,7 @@ class _Hooks:
 
     def __init__(self, name=None, *, every_n_steps=None, **experiment):
         super().__init__()
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                          or every_n_steps < 1):
-            raise ValueError(f"every_n_steps must be a positive int, e.g. every_n_steps=50; got {every_n_steps!r}")
-        self.name = name
-        self.every_n_steps = every_n_steps
-        self.experiment = experiment_options(experiment)
-        self.run = None
+        settle(self, name, every_n_steps, experiment)
 
     def on_train_start(self, trainer, pl_module):
         if self.run is not None and self.run.is_open:  # a run that ended without its hooks

@@ -52,6 +52,18 @@ def checkpointing(model):
     return callable(modules) and any(getattr(m, "gradient_checkpointing", False) is True for m in modules())
 
 
+def settle(callback, name, every_n_steps, experiment):
+    """What both callbacks take, checked when the callback is made: the run's name, how often to
+    log between epochs, and the ``GPUExperiment`` keywords; no run is open yet."""
+    if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                                      or every_n_steps < 1):
+        raise ValueError(f"every_n_steps must be a positive int, e.g. every_n_steps=50; got {every_n_steps!r}")
+    callback.name = name
+    callback.every_n_steps = every_n_steps
+    callback.experiment = experiment_options(experiment)
+    callback.run = None
+
+
 def experiment_options(options):
     """The ``GPUExperiment`` keywords a callback passes through (``limit``, ``monitor``,
     ``devices``, ``cell_log``...), checked when the callback is made rather than when training starts."""

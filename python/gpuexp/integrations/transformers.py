@@ -10,7 +10,7 @@ import sys
 
 from transformers import Trainer, TrainerCallback
 
-from .run import TrainingRun, checkpointing, experiment_options
+from .run import TrainingRun, checkpointing, settle
 
 
 class GPUExperimentCallback(TrainerCallback):
@@ -24,13 +24,7 @@ class GPUExperimentCallback(TrainerCallback):
     """
 
     def __init__(self, name=None, *, every_n_steps=None, **experiment):
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                          or every_n_steps < 1):
-            raise ValueError(f"every_n_steps must be a positive int, e.g. every_n_steps=50; got {every_n_steps!r}")
-        self.name = name
-        self.every_n_steps = every_n_steps
-        self.experiment = experiment_options(experiment)
-        self.run = None
+        settle(self, name, every_n_steps, experiment)
         self._trainer = None
         self._hook = None
         self._pending = {}
