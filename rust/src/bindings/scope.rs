@@ -130,8 +130,7 @@ pub(super) fn open_scope(
             check_devices(py, wanted)?;
         }
         // Before the start snapshot: a trace may initialise CUDA, whose context is no scope's doing.
-        let trace =
-            (gpu && trace.unwrap_or_else(|| registry().trace_by_default)).then(|| trace_recording::open(py, None));
+        let trace = (gpu && trace.unwrap_or_else(|| registry().trace_by_default)).then(|| trace_recording::open(py));
         let (trace, trace_notes) = match trace {
             Some((window, notes)) => (Some(window), notes),
             None => (None, Vec::new()),

@@ -11,10 +11,10 @@ use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
 
-/// Entries the ring buffer keeps by default: a GPT-2 training step records about 1,700, a
-/// resnet50 step about 2,000 (bench/trace_cost.py), so 200,000 cover about a hundred steps at a
-/// few hundred bytes of host memory each.
-pub(super) const DEFAULT_MAX_ENTRIES: u64 = 200_000;
+/// Entries the ring buffer keeps: a GPT-2 training step recorded about 1,700 and a resnet50
+/// step about 2,000 on an H100 (../shared/gpu/README.md's measurements of torch's history), so
+/// 200,000 cover about a hundred steps at a few hundred bytes of host memory each.
+const MAX_ENTRIES: u64 = 200_000;
 
 /// What this process's traced experiments share: how many are open, and whether gpuexp
 /// started the recording (then it stops it after the last one).
@@ -74,7 +74,7 @@ fn history_enabled(torch: &PyTorch) -> bool {
 /// Joins (or starts) the recording for an experiment that opens now. Torch's allocator keeps no
 /// setting for devices it has not initialised, so CUDA is initialised first: its context then
 /// belongs to the start figures, not to the experiment.
-pub(super) fn open(py: Python, max_entries: Option<u64>) -> (TraceWindow, Vec<String>) {
+pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
     let mut notes = Vec::new();
     let opened_us = now_us();
     let unavailable = |why: String| TraceWindow { opened_us, max_entries: None, unavailable: Some(why) };
@@ -100,7 +100,7 @@ pub(super) fn open(py: Python, max_entries: Option<u64>) -> (TraceWindow, Vec<St
         notes.push("trace: shares the allocation history already being recorded, and leaves it as it was".into());
         return (TraceWindow { opened_us, max_entries: None, unavailable: None }, notes);
     }
-    let max_entries = max_entries.unwrap_or(DEFAULT_MAX_ENTRIES);
+    let max_entries = MAX_ENTRIES;
     let started = (|| -> PyResult<()> {
         let kwargs = PyDict::new(py);
         kwargs.set_item("max_entries", max_entries)?;

@@ -2,8 +2,6 @@
 //! left held and where it ran out of memory. A recording shared with the user (or with an outer
 //! traced experiment) holds more than the scope: its window starts at the scope's opening.
 
-use std::collections::HashSet;
-
 use serde::Serialize;
 
 use super::held::{oom, still_held, HeldBlock, OomSites};
@@ -71,11 +69,9 @@ pub fn scope_traces(
                 .collect();
             let mut held = still_held(&replayed, attribution, Some(&in_scope));
             held.sort_by_key(|block| std::cmp::Reverse(block.bytes));
-            let in_window: HashSet<usize> =
-                (0..replayed.time_us.len()).filter(|&e| replayed.time_us[e] >= since_us).collect();
             let ooms = oom(snapshot, &replayed, attribution, TOP_SITES)
                 .into_iter()
-                .filter(|o| in_window.contains(&o.event))
+                .filter(|o| o.time_us >= since_us)
                 .collect();
             DeviceTrace {
                 torch_index,
