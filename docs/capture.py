@@ -5,12 +5,12 @@ makes it, so that no output in README.md or docs/ is typed by hand.
     python docs/capture.py NAME [NAME ...]  # retake these
     python docs/capture.py --cpu            # retake every capture that runs without a GPU
     python docs/capture.py --gpu            # retake every capture that needs one (on a GPU machine)
-    python docs/capture.py --readme         # copy the README's example from its capture
+    python docs/capture.py --readme         # copy the README's examples from their captures
 
 Each capture is a text file, docs/captures/NAME.txt, that the pages include as it is
 (pymdownx.snippets); docs/captures/machines.json says on which machine and when each was taken.
 A notebook's capture is the text of its cells tagged ``capture`` (a report, a table, a printed
-line; never a traceback). tests/test_docs.py checks that the README's example is its capture and
+line; never a traceback). tests/test_docs.py checks that the README's examples are their captures and
 that no page shows a gpuexp table outside a capture. Run it with the environment's bin/ first on
 PATH, so that the notebooks' kernel is the Python that has gpuexp (``make docs-captures`` does).
 """
@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CAPTURES_DIR = ROOT / "docs" / "captures"
 MACHINES = CAPTURES_DIR / "machines.json"
 README = ROOT / "README.md"
-README_CAPTURE = "quickstart-report"
+# The README's examples, in the order it shows them.
+README_CAPTURES = ("quickstart-report", "trace")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ CAPTURES = {
                              command="python docs/examples/estimate.py cuda"),
     "status": Capture("the gpuexp status command", gpu=True, command="gpuexp status"),
     "watch-csv": Capture("gpuexp watch's CSV log", gpu=True, command="gpuexp watch -n 0.3 --csv | head -3"),
+    "trace": Capture("a traced experiment's peak by source line, and why bs=16 peaks higher than bs=8", gpu=True,
+                     notebook="docs/examples/trace.ipynb"),
     "ranks": Capture("gpuexp.ranks() after four gloo ranks launched from a notebook", gpu=False,
                      notebook="docs/examples/ranks.ipynb"),
 }
@@ -161,7 +164,7 @@ def main(argv=None):
     parser.add_argument("names", nargs="*", metavar="NAME", help="captures to retake: " + ", ".join(CAPTURES))
     parser.add_argument("--cpu", action="store_true", help="retake every capture that runs without a GPU")
     parser.add_argument("--gpu", action="store_true", help="retake every capture that needs a GPU")
-    parser.add_argument("--readme", action="store_true", help="copy the README's example from its capture")
+    parser.add_argument("--readme", action="store_true", help="copy the README's examples from their captures")
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in CAPTURES]
     if unknown:
@@ -179,9 +182,9 @@ def main(argv=None):
         raise SystemExit("these captures need a GPU machine: " + ", ".join(n for n in names if CAPTURES[n].gpu))
     for name in dict.fromkeys(names):
         retake(name)
-    if args.readme or README_CAPTURE in names:
+    if args.readme or set(README_CAPTURES) & set(names):
         README.write_text(readme_with_captures(README.read_text(encoding="utf-8")), encoding="utf-8")
-        print("README.md: its example is the capture", README_CAPTURE)
+        print("README.md: its examples are the captures", ", ".join(README_CAPTURES))
     return 0
 
 

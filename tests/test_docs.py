@@ -30,13 +30,14 @@ def test_the_readme_starts_with_the_two_commands_and_stays_a_tour():
     assert len(text.splitlines()) <= 250
 
 
-def test_the_readme_example_is_its_capture_to_the_character():
+def test_the_readme_examples_are_their_captures_to_the_character():
     capture = capture_module()
     readme = README.read_text(encoding="utf-8")
     blocks = list(capture.README_BLOCK.finditer(readme))
-    assert [block["name"] for block in blocks] == [capture.README_CAPTURE]
-    expected = (capture.CAPTURES_DIR / f"{capture.README_CAPTURE}.txt").read_text(encoding="utf-8")
-    assert blocks[0]["body"] == expected, "run `python docs/capture.py --readme`"
+    assert [block["name"] for block in blocks] == list(capture.README_CAPTURES)
+    for block in blocks:
+        expected = (capture.CAPTURES_DIR / f"{block['name']}.txt").read_text(encoding="utf-8")
+        assert block["body"] == expected, "run `python docs/capture.py --readme`"
     assert capture.readme_with_captures(readme) == readme
 
 

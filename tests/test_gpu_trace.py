@@ -111,3 +111,19 @@ def test_an_oom_names_its_line_with_the_trace_on(kernel):
     (oom,) = device["ooms"]
     assert oom["site"]["label"] == f"In [{number}], line 2", oom["site"]
     assert f"out of memory on cuda:0 at In [{number}], line 2" in shown.text
+
+
+def test_allocations_carry_their_module_path_in_forward_and_backward(kernel):
+    kernel.run("import torch, gpuexp")
+    kernel.run(MODEL)
+    kernel.run("with gpuexp.GPUExperiment('paths', trace=True, cell_log=False) as e:\n    step(8)")
+    assert not [n for n in kernel.value("e.data.notes") if "module paths" in n]
+    (device,) = kernel.value("e.data.to_dict()['trace']")
+    peak = device["peak"]
+    labels = [row["label"] for row in peak["sites"]]
+    print(kernel.run("print(e.data.trace)").text)
+    assert any(" in model.qkv.* (4 modules)" in label for label in labels), labels
+    assert any(label.startswith("backward of model") for label in labels), labels
+    assert sum(row["bytes"] for row in peak["sites"]) + peak["rest"]["bytes"] == peak["peak"]["bytes"]
+    assert kernel.value("len(torch.nn.modules.module._global_forward_hooks)") == 0, "no hook outlives the trace"
+    assert kernel.value("torch.cuda.memory._get_memory_metadata()") == ""

@@ -2,7 +2,8 @@
 //! `torch.cuda.memory` (looked up, never imported). gpuexp starts the recording where none runs
 //! and stops it when the last traced experiment that needed it finishes, so no allocator hook
 //! outlives the experiments (pytorch #153571: hooks left behind slow every later allocation).
-//! A recording the user or a framework started is shared and left exactly as it was.
+//! A recording the user or a framework started is shared and left exactly as it was. While any
+//! traced experiment is open, module hooks mark allocations with their `nn.Module` path.
 
 use std::sync::Mutex;
 
@@ -63,6 +64,16 @@ fn memory_module<'py>(py: Python<'py>) -> Result<(PyTorch<'py>, Bound<'py, PyAny
     Ok((torch, memory))
 }
 
+/// Marks allocations with module paths (python/gpuexp/module_paths.py: torch hooks, so that
+/// `torch.compile` skips them); `uninstall` removes the hooks. Returns why not, as a note.
+fn module_paths(py: Python, method: &str) -> Option<String> {
+    let called = py.import("gpuexp.module_paths").and_then(|module| module.call_method0(method));
+    match called {
+        Ok(why) => why.extract::<Option<String>>().ok().flatten().map(|why| format!("trace: {why}")),
+        Err(e) => Some(format!("trace: module paths failed ({e})")),
+    }
+}
+
 fn history_enabled(torch: &PyTorch) -> bool {
     torch
         .torch
@@ -95,6 +106,7 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
         let max_entries = running.started_by_gpuexp.then_some(running.max_entries);
         return (TraceWindow { opened_us, max_entries, unavailable: None }, notes);
     }
+    notes.extend(module_paths(py, "install"));
     if history_enabled(&torch) {
         *shared = Some(Recording { pid: crate::fork::pid(), open: 1, started_by_gpuexp: false, max_entries: 0 });
         notes.push("trace: shares the allocation history already being recorded, and leaves it as it was".into());
@@ -113,7 +125,10 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
             *shared = Some(Recording { pid: crate::fork::pid(), open: 1, started_by_gpuexp: true, max_entries });
             (TraceWindow { opened_us, max_entries: Some(max_entries), unavailable: None }, notes)
         }
-        Err(e) => (unavailable(format!("trace=True: torch did not start recording ({e})")), notes),
+        Err(e) => {
+            notes.extend(module_paths(py, "uninstall"));
+            (unavailable(format!("trace=True: torch did not start recording ({e})")), notes)
+        }
     }
 }
 
@@ -135,14 +150,16 @@ pub(super) fn close(py: Python) -> Option<String> {
     let mut shared = recording();
     let running = shared.as_mut()?;
     running.open = running.open.saturating_sub(1);
-    if running.open > 0 || !running.started_by_gpuexp {
-        if running.open == 0 {
-            *shared = None;
-        }
+    if running.open > 0 {
         return None;
     }
+    let started_by_gpuexp = running.started_by_gpuexp;
     *shared = None;
     drop(shared);
+    let unhooked = module_paths(py, "uninstall");
+    if !started_by_gpuexp {
+        return unhooked;
+    }
     let (_, memory) = memory_module(py).ok()?;
     let kwargs = PyDict::new(py);
     kwargs

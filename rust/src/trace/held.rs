@@ -24,7 +24,7 @@ pub fn still_held(replay: &Replay, attribution: &Attribution, addresses: Option<
     let held = |block: &Block| HeldBlock {
         addr: block.addr,
         bytes: block.bytes,
-        site: attribution.site(attribution.key(replay, block), block.stack),
+        site: attribution.site(replay, attribution.key(replay, block), block.stack),
     };
     match addresses {
         None => replay.live_at_end().map(held).collect(),
@@ -66,6 +66,7 @@ pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top:
                 stack: event.stack,
                 alloc_event: Some(index),
                 free_event: Some(index),
+                module: None,
             };
             let live: Vec<&Block> = replay.live_at(index).collect();
             OomSites {
@@ -73,7 +74,7 @@ pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top:
                 time_us: event.time_us,
                 requested: event.size,
                 device_free: event.device_free,
-                site: attribution.site(attribution.key(replay, &failed), event.stack),
+                site: attribution.site(replay, attribution.key(replay, &failed), event.stack),
                 live: site_table(replay, attribution, &live, top),
             }
         })

@@ -4,6 +4,7 @@
 //! - `pickle`: a reader of plain-data pickles that runs nothing;
 //! - `parse`: the snapshot pickle into typed events with interned stacks;
 //! - `replay`: one device's `memory_allocated` after every event, its peak, the live blocks;
+//! - `modules`: the `nn.Module` (path, forward or backward) gpuexp's hooks marked an allocation with;
 //! - `sites`: a block's site (the innermost user frame, else its phase) and category;
 //! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
 //! - `diff`: why one trace peaks higher than another, site by site, against the params;
@@ -12,6 +13,7 @@
 
 pub mod diff;
 pub mod held;
+pub mod modules;
 pub mod parse;
 pub mod peak;
 pub mod pickle;
@@ -22,6 +24,7 @@ pub mod timeline;
 
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use modules::{ModuleFamily, ModuleMark, Modules};
 pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, Replay};

@@ -85,7 +85,7 @@ pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block],
     let mut all: Vec<SiteRow> = by_site
         .into_iter()
         .map(|(key, (site_bytes, count, largest))| {
-            let site = attribution.site(key, largest.stack);
+            let site = attribution.site(replay, key, largest.stack);
             SiteRow {
                 label: site.label,
                 source: site.source,

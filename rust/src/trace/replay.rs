@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::modules::Modules;
 use super::parse::{Action, BlockState, Snapshot, StackId};
 
 /// One allocation's life in the trace.
@@ -28,6 +29,8 @@ pub struct Block {
     pub alloc_event: Option<usize>,
     /// The event that freed it (`free_requested`); None when alive at the end.
     pub free_event: Option<usize>,
+    /// The module it was made in (an index into `Replay::modules`), where the hooks marked one.
+    pub module: Option<u32>,
 }
 
 impl Block {
@@ -84,6 +87,8 @@ pub struct Replay {
     pub time_us: Vec<i64>,
     pub peak: Peak,
     pub completeness: Completeness,
+    /// The module families the blocks' marks name.
+    pub modules: Modules,
 }
 
 /// Walks `device`'s trace. `max_entries` is the cap the recording ran with, when known: a trace
@@ -105,11 +110,13 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
     let mut context = Vec::with_capacity(events.len());
     let mut completeness = Completeness { events: events.len(), max_entries, ..Completeness::default() };
     let mut last_stack = 0;
+    let mut modules = Modules::default();
     for (index, event) in events.iter().enumerate() {
         if !snapshot.stacks.is_bare(event.stack) {
             last_stack = event.stack;
         }
         context.push(last_stack);
+        let module = modules.observe(&snapshot.stacks, event.annotation);
         let mut delta = 0i64;
         match event.action {
             Action::Alloc => {
@@ -126,6 +133,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
                     stack: event.stack,
                     alloc_event: Some(index),
                     free_event: None,
+                    module,
                 });
                 delta += bytes as i64;
             }
@@ -146,6 +154,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
                         stack: 0,
                         alloc_event: None,
                         free_event: Some(index),
+                        module: None,
                     });
                     delta -= bytes as i64;
                 }
@@ -170,6 +179,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         stack: block.stack,
         alloc_event: None,
         free_event: None,
+        module: None,
     }));
     // Blocks still alive take their exact size from the segments.
     for &index in live.values() {
@@ -213,6 +223,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         time_us: events.iter().map(|event| event.time_us).collect(),
         peak,
         completeness,
+        modules,
     }
 }
 

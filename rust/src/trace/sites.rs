@@ -110,14 +110,16 @@ impl Phase {
     }
 }
 
-/// What a block's site is, by identity (strings are the snapshot's interned ids).
+/// What a block's site is, by identity (strings are the snapshot's interned ids; `module` is a
+/// family in the replay's `Modules`, where gpuexp's hooks marked one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SiteKey {
-    /// A line of the user's code.
-    Line { filename: u32, line: u32 },
-    /// No user frame: the phase, and the user's line that started it when one is known
-    /// (`opt.step()` at In [7], line 5).
-    Phase { phase: Phase, from: Option<(u32, u32)> },
+    /// A line of the user's code, within a module's forward where one was marked: a model
+    /// from a library allocates on the user's `model(x)` line, and its modules tell the rows apart.
+    Line { filename: u32, line: u32, module: Option<u32> },
+    /// No user frame: the phase, the module (`backward of model.layers.*.attn`), and the user's
+    /// line that started it when one is known (`opt.step()` at In [7], line 5).
+    Phase { phase: Phase, from: Option<(u32, u32)>, module: Option<u32> },
     /// Allocated before recording began and freed in it: nothing is known of where.
     BeforeRecording,
     /// No frame at all and no phase to go by.
@@ -150,7 +152,7 @@ impl Attribution<'_> {
     /// The site of `block` in `replay`.
     pub fn key(&self, replay: &Replay, block: &Block) -> SiteKey {
         if let Some((filename, line)) = self.line_key(block.stack) {
-            return SiteKey::Line { filename, line };
+            return SiteKey::Line { filename, line, module: block.module };
         }
         // Without its own user frame, a block goes by the stack it was made under: its own
         // (torch's frames inside opt.step()), else the last one recorded before it (autograd's
@@ -164,30 +166,49 @@ impl Attribution<'_> {
         if self.stacks.is_bare(context) {
             return SiteKey::NoFrame;
         }
-        SiteKey::Phase { phase: Phase::of(self.stacks, context), from: self.line_key(context) }
+        let phase = match block.module {
+            Some(module) if replay.modules.family(module).backward => Phase::Backward,
+            _ => Phase::of(self.stacks, context),
+        };
+        SiteKey::Phase { phase, from: self.line_key(context), module: block.module }
     }
 
     /// How `key` reads; `stack` is one of its blocks' stacks.
-    pub fn site(&self, key: SiteKey, stack: StackId) -> Site {
+    pub fn site(&self, replay: &Replay, key: SiteKey, stack: StackId) -> Site {
         let stack_lines = self
             .stacks
             .frames(stack)
             .map(|frame| format!("{}:{} in {}", frame.filename, frame.line, frame.name))
             .collect();
+        let module = |id: Option<u32>| id.map(|id| replay.modules.family(id));
         let (label, source) = match key {
-            SiteKey::Line { filename, line } => {
-                let file = self.stacks.string(filename);
-                (self.namer.label(file, line), self.namer.source(file, line))
-            }
-            SiteKey::Phase { phase, from: Some((filename, line)) } => {
+            SiteKey::Line { filename, line, module: id } => {
                 let file = self.stacks.string(filename);
                 let at = self.namer.label(file, line);
-                match self.namer.source(file, line) {
-                    Some(source) => (format!("{}, `{source}` at {at}", phase.label()), None),
-                    None => (format!("{} at {at}", phase.label()), None),
-                }
+                let label = match module(id) {
+                    Some(family) => format!("{at} in {}", family.label()),
+                    None => at,
+                };
+                (label, self.namer.source(file, line))
             }
-            SiteKey::Phase { phase, from: None } => (phase.label().to_string(), None),
+            SiteKey::Phase { phase, from, module: id } => {
+                let what = match module(id) {
+                    Some(family) => format!("{} of {}", phase.label(), family.label()),
+                    None => phase.label().to_string(),
+                };
+                let label = match from {
+                    Some((filename, line)) => {
+                        let file = self.stacks.string(filename);
+                        let at = self.namer.label(file, line);
+                        match self.namer.source(file, line) {
+                            Some(source) => format!("{what}, `{source}` at {at}"),
+                            None => format!("{what} at {at}"),
+                        }
+                    }
+                    None => what,
+                };
+                (label, None)
+            }
             SiteKey::BeforeRecording => ("(allocated before recording)".to_string(), None),
             SiteKey::NoFrame => ("(no Python frame)".to_string(), None),
         };

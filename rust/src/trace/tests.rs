@@ -23,6 +23,8 @@ pub(super) struct Program {
     by_site: Vec<HashMap<String, u64>>,
     /// Whether to keep `by_site` (a bench's million events skip it).
     pub keep_sites: bool,
+    /// The memory metadata the next events carry (gpuexp's module marks).
+    pub metadata: Option<u32>,
     now: u64,
     time: i64,
 }
@@ -33,6 +35,11 @@ fn block_of(requested: u64) -> u64 {
 }
 
 impl Program {
+    /// Marks the next events as the hooks would (`forward 3: model.layers.0`); "" clears.
+    pub fn mark(&mut self, text: &str) {
+        self.metadata = (!text.is_empty()).then(|| self.stacks.intern_string(text));
+    }
+
     pub fn new() -> Program {
         Program {
             stacks: Stacks::default(),
@@ -42,6 +49,7 @@ impl Program {
             truth: Vec::new(),
             by_site: Vec::new(),
             keep_sites: true,
+            metadata: None,
             now: 0,
             time: 1_000,
         }
@@ -69,7 +77,7 @@ impl Program {
             time_us: self.time,
             stack,
             device_free: 0,
-            annotation: None,
+            annotation: self.metadata,
         });
         self.truth.push(self.now);
         let mut sites: HashMap<String, u64> = HashMap::new();
@@ -132,12 +140,16 @@ impl Program {
                 self.stacks.frames(stack).map(|f| stacks.intern_frame(f.filename, f.line, f.name)).collect();
             assert_eq!(stacks.intern_stack(&ids), stack);
         }
-        let snapshot = Snapshot { segments: vec![segment], device_traces: vec![self.events[start..].to_vec()], stacks };
+        let mut events = self.events[start..].to_vec();
+        for event in &mut events {
+            event.annotation = event.annotation.map(|text| stacks.intern_string(self.stacks.string(text)));
+        }
+        let snapshot = Snapshot { segments: vec![segment], device_traces: vec![events], stacks };
         (snapshot, self.truth[start..].to_vec(), self.by_site[start..].to_vec())
     }
 }
 
-fn attribution<'a>(snapshot: &'a Snapshot, rule: &'a SiteRule, namer: &'a PlainNamer) -> Attribution<'a> {
+pub(super) fn attribution<'a>(snapshot: &'a Snapshot, rule: &'a SiteRule, namer: &'a PlainNamer) -> Attribution<'a> {
     Attribution { stacks: &snapshot.stacks, rule, namer }
 }
 

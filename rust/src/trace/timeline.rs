@@ -116,7 +116,7 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
         .zip(values.iter())
         .map(|(key_stack, y)| {
             let (key, stack) = key_stack.expect("every ranked site has a block");
-            TimelineSeries { label: attribution.site(key, stack).label, y: y.clone() }
+            TimelineSeries { label: attribution.site(replay, key, stack).label, y: y.clone() }
         })
         .collect();
     series.push(TimelineSeries { label: "other sites".into(), y: values[other].clone() });
