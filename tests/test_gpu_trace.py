@@ -120,8 +120,9 @@ def test_allocations_carry_their_module_path_in_forward_and_backward(kernel):
     assert not [n for n in kernel.value("e.data.notes") if "module paths" in n]
     labels = [row["label"] for row in kernel.value("e.data.to_dict()['trace'][0]['peak']['sites']")]
     assert any(label.endswith(" in model.head") for label in labels), labels
-    # The gradients of four big layers, made in autograd's thread while each layer's backward runs.
-    kernel.run("mlp = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()")
+    # The gradients of four big blocks, made in autograd's thread while each block's backward runs.
+    kernel.run("mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())\n"
+               "                            for _ in range(4)]).cuda()")
     kernel.run("with gpuexp.GPUExperiment('grads', trace=True, cell_log=False) as g:\n"
                "    mlp(torch.randn(8, 4096, device='cuda')).sum().backward()")
     number = kernel.nb.cells[-1].execution_count

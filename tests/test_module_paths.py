@@ -55,10 +55,10 @@ def test_each_module_is_marked_by_its_path_in_forward_and_backward(marks, monkey
     assert forward[:3] == ["forward 1: model", "forward 1: model.layers.0", "forward 1: model.layers.0.attn"]
     assert "forward 1: model.layers.1.mlp.0" in forward and marks[len(forward)] == ""
     backward = [m.removeprefix("backward 1: ") for m in marks[len(forward) + 1:]]
-    # Innermost first where modules share an output node, and in reverse order of the forward.
+    # Blocks only (modules with submodules), innermost first where they share an output node, in
+    # reverse order of the forward; a layer's backward goes to its block.
     firsts = list(dict.fromkeys(backward))
-    assert firsts == ["model.head", "model.layers.1.mlp.1", "model.layers.1.mlp.0", "model.layers.1.attn",
-                      "model.layers.0.mlp.1", "model.layers.0.mlp.0", "model.layers.0.attn"]
+    assert firsts == ["model", "model.layers.1.mlp", "model.layers.1", "model.layers.0.mlp", "model.layers.0"]
     count = len(marks)
     module_paths.uninstall()
     assert marks[-1] == "" and not torch.nn.modules.module._global_forward_hooks

@@ -9,7 +9,8 @@ graph (and fail ``fullgraph=True``). What the marks mean is decided by the core
 
 - ``forward N: PATH`` while ``PATH``'s forward runs, in the thread that calls the model;
 - ``backward N: PATH`` in autograd's thread, from the moment the gradient reaches ``PATH``'s
-  output until it leaves through ``PATH``'s input. Autograd's thread keeps its mark after a
+  output until it leaves through ``PATH``'s input, for a block (a module with submodules): a
+  layer's backward goes to its block. Autograd's thread keeps its mark after a
   backward ends; ``N``, the forward pass the mark belongs to, lets the core drop such a stale
   mark when a later pass's backward (the loss's own) runs before any module's.
 """
@@ -22,6 +23,8 @@ _handles = []
 _state = threading.local()
 _paths = weakref.WeakKeyDictionary()
 _pass = [0]
+# torch's functions the hooks call, bound by install().
+_set = _is_compiling = _grad_enabled = None
 
 
 def _torch():
@@ -51,16 +54,23 @@ def _root_name(root):
     return type(root).__name__
 
 
-def _path_of(module, parent):
-    stack = _state.stack
-    root = stack[0][0] if stack else module
-    paths = _paths.get(root)
-    if paths is None or id(module) not in paths:
-        prefix = _root_name(root)
-        paths = {id(sub): name or prefix for name, sub in root.named_modules(prefix=prefix)}
-        _paths[root] = paths
-    # A module outside the root's tree (made on the fly) is named once, under its caller.
-    return paths.setdefault(id(module), f"{parent}.{type(module).__name__}")
+def _named_tree(root):
+    prefix = _root_name(root)
+    paths = {id(sub): name or prefix for name, sub in root.named_modules(prefix=prefix)}
+    _paths[root] = paths
+    return paths
+
+
+def _path_of(module, stack):
+    if not stack:
+        paths = _paths.get(module)
+        _state.paths = paths if paths is not None else _named_tree(module)
+    path = _state.paths.get(id(module))
+    if path is None:
+        # A module added since the root was named, or one outside its tree (made on the fly).
+        _state.paths = _named_tree(stack[0][0])
+        path = _state.paths.setdefault(id(module), f"{stack[-1][1]}.{type(module).__name__}")
+    return path
 
 
 def _first_grad_fn(value):
@@ -76,10 +86,6 @@ def _first_grad_fn(value):
         if hasattr(item, "grad_fn") and item.grad_fn is not None:
             return item.grad_fn
     return None
-
-
-def _set(mark):
-    _torch().cuda.memory._set_memory_metadata(mark)
 
 
 def _backward_enter(path, number, is_root):
@@ -115,34 +121,44 @@ def _mark_backward(stack):
     _set(f"backward {stack[-1][0]}: {stack[-1][1]}" if stack else "")
 
 
+def _is_leaf_without_weights(module):
+    # ReLU, Dropout, pooling: what they allocate goes to the module that calls them, and
+    # skipping them halves the hooks' work in a conv net.
+    return not module._parameters and not module._modules
+
+
+# Backward is marked by blocks (modules with submodules), not by every layer: a hook on an
+# autograd node runs Python in autograd's thread, and one per layer cost a launch-bound conv
+# net's step 1 to 4% more on an H100 (bench/RESULTS.md); per block it stays within the
+# history's own cost.
+
+
 def _forward_pre(module, args):
-    torch = _torch()
-    if torch.compiler.is_compiling():
+    if _is_compiling() or _is_leaf_without_weights(module):
         return
     stack = getattr(_state, "stack", None)
     if stack is None:
         stack = _state.stack = []
     if not stack:
         _pass[0] += 1
-    path = _path_of(module, stack[-1][1] if stack else "")
+    path = _path_of(module, stack)
     stack.append((module, path))
     _set(f"forward {_pass[0]}: {path}")
-    if torch.is_grad_enabled():
+    if module._modules and _grad_enabled():
         grad_fn = _first_grad_fn(args)
         if grad_fn is not None:
             grad_fn.register_prehook(_backward_leave(path, _pass[0]))
 
 
 def _forward_post(module, _args, output):
-    torch = _torch()
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return
     stack = getattr(_state, "stack", None)
     if not stack or stack[-1][0] is not module:
         return
     _, path = stack.pop()
     _set(f"forward {_pass[0]}: {stack[-1][1]}" if stack else "")
-    if torch.is_grad_enabled():
+    if module._modules and _grad_enabled():
         grad_fn = _first_grad_fn(output)
         if grad_fn is not None:
             grad_fn.register_prehook(_backward_enter(path, _pass[0], not stack))
@@ -155,7 +171,13 @@ def install():
     why = available()
     if why is not None:
         return why
-    hooks = _torch().nn.modules.module
+    global _set, _is_compiling, _grad_enabled
+    torch = _torch()
+    # Bound once: the hooks run on every module call.
+    _set = torch.cuda.memory._set_memory_metadata
+    _is_compiling = torch.compiler.is_compiling
+    _grad_enabled = torch.is_grad_enabled
+    hooks = torch.nn.modules.module
     _handles.append(hooks.register_module_forward_pre_hook(_forward_pre))
     _handles.append(hooks.register_module_forward_hook(_forward_post, always_call=True))
     return None
@@ -170,6 +192,4 @@ def uninstall():
         handle.remove()
     _handles.clear()
     _state.stack = []
-    torch = _torch()
-    if torch is not None:
-        _set("")
+    _set("")
