@@ -1,6 +1,9 @@
 """Host memory by source line (`trace="host"`), in a real kernel on the CPU: cells allocate known
 sizes at known lines, and the report's host table names those lines with their bytes;
-tracemalloc is started and stopped by gpuexp, or shared with the user and left running."""
+tracemalloc is started and stopped by gpuexp, or shared with the user and left running.
+`trace="all"` on a real GPU is the one test marked gpu."""
+
+import pytest
 
 MiB = 1 << 20
 
@@ -75,3 +78,22 @@ def test_bad_values_name_the_accepted_ones_and_the_setting_reads_back(kernel):
     kernel.run("exp.finish()")
     assert kernel.value("exp.data.to_dict()['host_trace'] is not None")
     assert kernel.value("gpuexp.config(trace=False)['trace']") is False
+
+
+@pytest.mark.gpu
+def test_all_traces_the_gpu_and_the_host_side_by_side(kernel):
+    kernel.run("import torch, tracemalloc, gpuexp")
+    kernel.run("exp = gpuexp.GPUExperiment('both', trace='all')")
+    kernel.run("x = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\nblob = bytearray(32 << 20)")
+    number = kernel.nb.cells[-1].execution_count
+    shown = kernel.run("exp.finish()")
+    report, sites = host_sites(kernel)
+    assert close_to(sites[f"In [{number}], line 2"]["bytes"], 32 * MiB)
+    (device,) = report["trace"]
+    cuda = {row["label"]: row["bytes"] for row in device["peak"]["sites"]}
+    assert cuda[f"In [{number}], line 1"] == 64 * MiB
+    line_1 = sites.get(f"In [{number}], line 1", {"bytes": 0})
+    assert line_1["bytes"] < MiB, "torch's CUDA memory is not the host's (its Python object is)"
+    assert shown.text.index("At the peak on GPU") < shown.text.index("Host: Python's allocations")
+    assert kernel.value("tracemalloc.is_tracing()") is False
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False
