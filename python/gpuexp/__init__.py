@@ -227,11 +227,10 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         shows every cell's.
     live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
         None or False: no live view.
-    trace: every GPU experiment records where in the code it allocates, as
-        ``GPUExperiment(..., trace=True)`` does (default False).
+    trace: every experiment records where in the code it allocates, as
+        ``GPUExperiment(..., trace=...)`` does: True or "cuda" (torch's CUDA allocations), "host"
+        (Python's, through tracemalloc; CPU experiments too), "all" (both), False (default).
     """
-    if trace is not None and not isinstance(trace, bool):
-        raise TypeError(f"trace must be True or False, e.g. gpuexp.config(trace=True); got {trace!r}")
     for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} is True or False, e.g. gpuexp.config({name}=True); got {flag!r}")

@@ -46,7 +46,7 @@ class _Settings(TypedDict):
     oom_rescue: bool
     cell_log_min_change: int
     live_view_after_s: float | None
-    trace: bool
+    trace: bool | Literal["host", "all"]
     host_peak: Literal["exact", "sampled"]
 
 class _Progress(Protocol):
@@ -362,7 +362,7 @@ def open_scope(
     in_use: Iterable[str] = ...,
     on_stack: Iterable[_ScopeId] = ...,
     params: dict[str, int | float | bool | str] | None = None,
-    trace: bool | None = None,
+    trace: bool | Literal["cuda", "host", "all"] | None = None,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
     """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
 def scope_name(id: _ScopeId) -> str: ...
@@ -410,7 +410,7 @@ def config(
     oom_rescue: bool | None = None,
     cell_log_min_change: int | None = None,
     live_view_after_s: float | Literal[False] | None = None,
-    trace: bool | None = None,
+    trace: bool | Literal["cuda", "host", "all"] | None = None,
 ) -> _Settings:
     """``live_view_after_s``: seconds, False for no live view, None to leave it."""
 def shutdown() -> None: ...

@@ -33,7 +33,9 @@ class GPUExperiment:
     allocation history while it is open, and the report then says where in the code each GPU
     peaked (``report.trace``), where what is still held was allocated, and why it peaks higher
     than another traced experiment (``report.diff(other)``); ``gpuexp.config(trace=True)`` turns
-    it on for every experiment. ``delete=False``
+    it on for every experiment. ``trace="host"`` instead traces Python's allocations
+    (tracemalloc: objects, NumPy's buffers) and the report says which lines grew the host's
+    memory; ``trace="all"`` does both (``"cuda"`` is ``True``). ``delete=False``
     measures and reports but deletes nothing: the names stay their owner's (a trainer's callback
     opens one so).
     """
@@ -47,8 +49,6 @@ class GPUExperiment:
         self._entered = 0  # open `with` blocks over this experiment
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
-        if trace is not None and not isinstance(trace, bool):
-            raise TypeError(f"trace must be True or False, e.g. GPUExperiment('bs=64', trace=True); got {trace!r}")
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         if not isinstance(delete, bool):
@@ -77,7 +77,7 @@ class GPUExperiment:
             in_use=ipython.names_bound_before(creator.f_lineno) if delete else set(),
             on_stack=_on_stack(),
             params=params,
-            trace=trace if self._gpu else False,
+            trace=trace,
         )
         for report in replaced:
             ipython.show(report)
@@ -183,12 +183,13 @@ class GPUExperiment:
 
 
 class CPUExperiment(GPUExperiment):
-    """A memory experiment over host RAM only: no GPU rows, no NVML, no torch allocator."""
+    """A memory experiment over host RAM only: no GPU rows, no NVML, no torch allocator.
+    ``trace="host"`` says which lines grew the host's memory (tracemalloc)."""
 
     _gpu = False
 
-    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None, delete=True):
-        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params, delete=delete)
+    def __init__(self, name=None, *, cell_log=True, monitor=False, params=None, trace=None, delete=True):
+        super().__init__(name, cell_log=cell_log, monitor=monitor, params=params, trace=trace, delete=delete)
 
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,

@@ -115,7 +115,8 @@ USAGE = """\
 %gpuexp log all          a memory block after every cell
 %gpuexp log off          stop the cell log
 %%gpuexp [name]          run one cell as a whole experiment: scope, teardown, report
-%%gpuexp --trace [name]  the same, and where in the code it peaked (GPUExperiment(trace=True))"""
+%%gpuexp --trace [name]  the same, and where in the code it peaked (GPUExperiment(trace=True))
+%%gpuexp --trace=host [name]  which lines grew the host's memory (--trace=all: both)"""
 
 
 def _magics():
@@ -129,8 +130,11 @@ def _magics():
         def gpuexp(self, line, cell=None):
             if cell is not None:
                 words = line.split()
-                trace = True if "--trace" in words else None
-                line = " ".join(w for w in words if w != "--trace")
+                # `--trace` is True; `--trace=host` hands "host" on, for the core to check.
+                traces = [True if w == "--trace" else w.removeprefix("--trace=") for w in words
+                          if w == "--trace" or w.startswith("--trace=")]
+                trace = traces[-1] if traces else None
+                line = " ".join(w for w in words if w != "--trace" and not w.startswith("--trace="))
                 return _run_as_experiment(self.shell, line, cell, trace=trace)
             words = line.split()
             if words == ["status"]:

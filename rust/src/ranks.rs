@@ -122,6 +122,7 @@ impl Record {
         report.cells.clear();
         report.monitor.clear();
         report.trace.clear();
+        report.host_trace = None;
         for held in &mut report.holders {
             held.holders.truncate(PUBLISHED_HOLDERS);
         }

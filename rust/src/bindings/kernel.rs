@@ -6,6 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
+use super::host_trace;
 use super::live_view::schedule;
 use super::registry::registry;
 use super::report::ReportPy;
@@ -25,8 +26,9 @@ pub(super) fn config<'py>(
     oom_rescue: Option<bool>,
     cell_log_min_change: Option<u64>,
     live_view_after_s: Option<Bound<'py, PyAny>>,
-    trace: Option<bool>,
+    trace: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
     if let Some(after) = live_view_after_s {
         schedule().set_after(live_view_after(&after)?);
     }
@@ -56,7 +58,10 @@ pub(super) fn config<'py>(
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
     settings.set_item("oom_rescue", registry.oom_rescue)?;
     settings.set_item("cell_log_min_change", registry.cell_log_min_change)?;
-    settings.set_item("trace", registry.trace_by_default)?;
+    match registry.trace_by_default.setting() {
+        Some(kinds) => settings.set_item("trace", kinds)?,
+        None => settings.set_item("trace", registry.trace_by_default.cuda())?,
+    }
     settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     Ok(settings)

@@ -13,6 +13,7 @@ mod fakes;
 mod finder;
 mod fork;
 mod holders;
+mod host_trace;
 mod hunt_roots;
 mod interrupts;
 mod kernel;

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
+use super::host_trace::{self, HostWindow};
 use super::interrupts;
 use super::namespace::{system_names, user_names, Baseline, Judged};
 use super::rank_gpu;
@@ -25,6 +26,7 @@ use crate::report::{Details, Param, Params, Report};
 use crate::scope::{Finishing, Kind, Opening, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
+use crate::trace::TraceKinds;
 use crate::uninspectable::Uninspectable;
 use crate::units;
 
@@ -45,6 +47,8 @@ struct Held {
     monitor: Option<monitor::Monitor>,
     /// The scope's share of torch's allocation history (`trace=True`), read at finish.
     trace: Option<TraceWindow>,
+    /// Its tracemalloc snapshot at opening (`trace="host"`), compared at finish.
+    host_trace: Option<HostWindow>,
 }
 
 static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -106,9 +110,11 @@ pub(super) fn open_scope(
     in_use: BTreeSet<String>,
     on_stack: BTreeSet<ScopeId>,
     params: Option<Bound<PyDict>>,
-    trace: Option<bool>,
+    trace: Option<Bound<PyAny>>,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
     let params = params.as_ref().map(params_from).transpose()?;
+    let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
+    let kinds = TraceKinds::for_scope(trace, registry().trace_by_default, gpu)?;
     // Before interrupts are held: opening a rank's store may wait on the network or a disk.
     ranks::prepare_publishing(py)?;
     let interrupt = interrupts::hold(py);
@@ -130,8 +136,8 @@ pub(super) fn open_scope(
             check_devices(py, wanted)?;
         }
         // Before the start snapshot: a trace may initialise CUDA, whose context is no scope's doing.
-        let trace = (gpu && trace.unwrap_or_else(|| registry().trace_by_default)).then(|| trace_recording::open(py));
-        let (trace, trace_notes) = match trace {
+        let trace = kinds.cuda().then(|| trace_recording::open(py));
+        let (trace, mut trace_notes) = match trace {
             Some((window, notes)) => (Some(window), notes),
             None => (None, Vec::new()),
         };
@@ -153,7 +159,15 @@ pub(super) fn open_scope(
                 None => None,
             },
             trace,
+            host_trace: None,
         };
+        // After the pins and the inventory: gpuexp's own objects are not the experiment's growth.
+        let host_trace = kinds.host().then(|| {
+            let (window, notes) = host_trace::open(py);
+            trace_notes.extend(notes);
+            window
+        });
+        let scope_held = Held { host_trace, ..scope_held };
         let (mut start, torch) = opening_snapshot(py, &selection, take_snapshot);
         start.notes.extend(trace_notes);
         if let Some((index, because)) = own {
@@ -349,6 +363,8 @@ fn finish_with_inner(
     let mut scope_held = held().remove(&id);
     let (before, _) = take_snapshot(py, &scope.selection);
     registry().peaks.observe(&before);
+    // Before the teardown: what the experiment's code made and still held, not what it leaked.
+    let host = scope_held.as_mut().and_then(|h| h.host_trace.take()).map(|window| host_trace::finish(py, window));
 
     let mut judged = scope_held
         .as_ref()
@@ -387,6 +403,9 @@ fn finish_with_inner(
     drop(scope_held);
     if let Some(window) = trace {
         trace::complete_report(py, window, &mut report);
+    }
+    if let Some(host) = host {
+        host.complete_report(&mut report);
     }
     ranks::complete_report(py, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));

@@ -22,14 +22,14 @@ type Named = (Option<String>, Option<String>);
 
 /// Names sites as a person reads them: a notebook cell's line as `In [12], line 4` (through
 /// `gpuexp.ipython.source_line`), a file's as `path:line` relative to the working directory.
-struct PyNamer<'py> {
+pub(super) struct PyNamer<'py> {
     source_line: Option<Bound<'py, PyAny>>,
     cwd: Option<PathBuf>,
     seen: RefCell<HashMap<(String, u32), Named>>,
 }
 
 impl<'py> PyNamer<'py> {
-    fn new(py: Python<'py>) -> PyNamer<'py> {
+    pub(super) fn new(py: Python<'py>) -> PyNamer<'py> {
         let source_line = py.import("gpuexp.ipython").and_then(|m| m.getattr("source_line")).ok();
         PyNamer { source_line, cwd: std::env::current_dir().ok(), seen: RefCell::default() }
     }

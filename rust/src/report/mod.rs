@@ -123,6 +123,10 @@ pub struct Report {
     /// and its OOMs (not published to other ranks).
     #[serde(default, skip_deserializing, skip_serializing_if = "Vec::is_empty")]
     pub trace: Vec<crate::trace::DeviceTrace>,
+    /// With `trace="host"` or `"all"`: Python's allocations grown by source line (tracemalloc;
+    /// not published to other ranks).
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub host_trace: Option<crate::trace::HostTrace>,
 }
 
 /// What a report holds beside its figures: what teardown did and what the scope recorded.
@@ -238,6 +242,7 @@ impl Report {
             rank: Default::default(),
             child_processes: Vec::new(),
             trace: Vec::new(),
+            host_trace: None,
         }
     }
 

@@ -1,5 +1,6 @@
 //! How a traced report shows where in the code: lines under its table for what the scope left
-//! held and where it ran out of memory, and each GPU's peak by source line below it.
+//! held and where it ran out of memory, each GPU's peak by source line below it, and the host's
+//! growth by source line (`trace="host"`) last.
 
 use std::collections::BTreeMap;
 
@@ -44,12 +45,17 @@ impl Report {
         lines
     }
 
-    /// The report as text: its table, then each traced GPU's peak by source line.
+    /// The report as text: its table, then each traced GPU's peak by source line, then the
+    /// host's growth by source line.
     pub fn to_text(&self) -> String {
         let mut text = self.grid().to_text();
         for device in &self.trace {
             text.push_str("\n\n");
             text.push_str(&device.peak.to_text());
+        }
+        if let Some(host) = &self.host_trace {
+            text.push_str("\n\n");
+            text.push_str(&host.to_text());
         }
         text
     }
@@ -59,6 +65,9 @@ impl Report {
         let mut html = self.grid().to_html();
         for device in &self.trace {
             html.push_str(&device.peak.to_html());
+        }
+        if let Some(host) = &self.host_trace {
+            html.push_str(&host.to_html());
         }
         html
     }

@@ -145,8 +145,8 @@ pub struct Registry {
     pub cell_log_min_change: u64,
     /// `%gpuexp log all`: every cell's block shows, whatever moved.
     pub cell_log_every_cell: bool,
-    /// `gpuexp.config(trace=True)`: every GPU experiment records where in the code it allocates.
-    pub trace_by_default: bool,
+    /// `gpuexp.config(trace=...)`: what every experiment records of where in the code it allocates.
+    pub trace_by_default: crate::trace::TraceKinds,
     /// The scopes that are training runs measured by a framework's callback.
     pub runs: Runs,
 }
@@ -168,7 +168,7 @@ impl Default for Registry {
             standalone_log: false,
             cell_log_all_gpus: false,
             oom_rescue: true,
-            trace_by_default: false,
+            trace_by_default: crate::trace::TraceKinds::Off,
             cell_log_min_change: CELL_LOG_MIN_CHANGE,
             cell_log_every_cell: false,
             runs: Runs::default(),

@@ -9,10 +9,14 @@
 //! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
 //! - `diff`: why one trace peaks higher than another, site by site, against the params;
 //! - `timeline`: allocated over time stacked by the top sites, as data and as SVG;
-//! - `held`: the sites of blocks alive at the end (leaks) and at an OOM.
+//! - `held`: the sites of blocks alive at the end (leaks) and at an OOM;
+//! - `kinds`: what `trace=` records (CUDA, host, both);
+//! - `host`: the host's Python allocations (tracemalloc) grown by site.
 
 pub mod diff;
 pub mod held;
+pub mod host;
+pub mod kinds;
 pub mod modules;
 pub mod parse;
 pub mod peak;
@@ -24,6 +28,8 @@ pub mod timeline;
 
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
+pub use kinds::TraceKinds;
 pub use modules::{ModuleFamily, ModuleMark, Modules};
 pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};

@@ -82,7 +82,7 @@ pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block],
         }
         *by_category.entry(attribution.category(replay, block)).or_default() += block.bytes;
     }
-    let mut all: Vec<SiteRow> = by_site
+    let all: Vec<SiteRow> = by_site
         .into_iter()
         .map(|(key, (site_bytes, count, largest))| {
             let site = attribution.site(replay, key, largest.stack);
@@ -91,21 +91,11 @@ pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block],
                 source: site.source,
                 bytes: site_bytes,
                 blocks: count,
-                share: share(site_bytes),
+                share: 0.0,
                 stack: site.stack,
             }
         })
         .collect();
-    all.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
-    let sites: Vec<SiteRow> = all.iter().take(top).cloned().collect();
-    let past = &all[sites.len()..];
-    let rest_bytes = past.iter().map(|row| row.bytes).sum();
-    let rest = Rest {
-        sites: past.len(),
-        bytes: rest_bytes,
-        blocks: past.iter().map(|row| row.blocks).sum(),
-        share: share(rest_bytes),
-    };
     let mut categories: Vec<CategoryRow> = Category::ALL
         .iter()
         .map(|&category| Some(category))
@@ -117,7 +107,7 @@ pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block],
         })
         .collect();
     categories.sort_by_key(|row| std::cmp::Reverse(row.bytes));
-    SiteTable { total, sites, rest, categories, all }
+    SiteTable::ranked(all, total, top, categories)
 }
 
 /// The peak of `replay`, by site.
@@ -136,8 +126,32 @@ fn percent(share: f64) -> String {
 }
 
 impl SiteTable {
+    /// `all` sites largest first: the top `top`, the rest together, each with its share of `total`.
+    pub fn ranked(mut all: Vec<SiteRow>, total: u64, top: usize, categories: Vec<CategoryRow>) -> SiteTable {
+        let share = |part: u64| if total == 0 { 0.0 } else { part as f64 / total as f64 };
+        for row in &mut all {
+            row.share = share(row.bytes);
+        }
+        all.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
+        let sites: Vec<SiteRow> = all.iter().take(top).cloned().collect();
+        let past = &all[sites.len()..];
+        let rest_bytes = past.iter().map(|row| row.bytes).sum();
+        let rest = Rest {
+            sites: past.len(),
+            bytes: rest_bytes,
+            blocks: past.iter().map(|row| row.blocks).sum(),
+            share: share(rest_bytes),
+        };
+        SiteTable { total, sites, rest, categories, all }
+    }
+
     /// The sites as a table under `title`.
     pub fn grid(&self, title: String, notes: Vec<String>) -> Grid {
+        self.grid_counting("blocks", title, notes)
+    }
+
+    /// The same, its count column named `counted` (blocks, allocations).
+    pub fn grid_counting(&self, counted: &str, title: String, notes: Vec<String>) -> Grid {
         let mut rows: Vec<Vec<String>> = self
             .sites
             .iter()
@@ -163,7 +177,7 @@ impl SiteTable {
         Grid {
             title,
             lines: Vec::new(),
-            header: ["site", "line", "bytes", "blocks", "share"].map(String::from).to_vec(),
+            header: ["site", "line", "bytes", counted, "share"].map(String::from).to_vec(),
             rows,
             notes,
             compact: false,
