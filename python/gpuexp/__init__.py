@@ -228,7 +228,8 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
         None or False: no live view.
     trace: every GPU experiment records where in the code it allocates, as
-        ``GPUExperiment(..., trace=True)`` does (default False).
+        ``GPUExperiment(..., trace=True)`` does, and the cell log names the line behind a
+        cell's torch peak ("cuda:0 peak +2.10 GiB, 71% at In [9], line 14") (default False).
     """
     if trace is not None and not isinstance(trace, bool):
         raise TypeError(f"trace must be True or False, e.g. gpuexp.config(trace=True); got {trace!r}")

@@ -9,6 +9,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
+use super::cell_trace;
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::interrupts;
 use super::namespace::{system_names, user_names, Baseline, Judged};
@@ -379,19 +380,27 @@ fn finish_with_inner(
     // The hunt runs Python code, so the registry is not held (see `registry`).
     let adapter = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|b| b.adapter(py));
     let buffers = scope_held.as_ref().map(|h| &h.buffers);
-    match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
-        Ok(found) => report.holders = found,
-        Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
-    }
+    let storages = match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
+        Ok((found, storages)) => {
+            report.holders = found;
+            storages
+        }
+        Err(e) => {
+            report.notes.push(format!("the leak hunt failed: {e}"));
+            Vec::new()
+        }
+    };
     let trace = scope_held.as_mut().and_then(|h| h.trace.take());
     drop(scope_held);
     if let Some(window) = trace {
-        trace::complete_report(py, window, &mut report);
+        trace::complete_report(py, window, &mut report, &storages);
     }
     ranks::complete_report(py, &mut report);
     finished.push(ReportPy(registry().complete(id, report)));
     to_publish.push(id);
     update_sampler(py, None);
+    // The cell log this scope kept on may have held a share of the recording.
+    cell_trace::settle(py);
     Ok(finished)
 }
 

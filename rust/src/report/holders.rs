@@ -91,7 +91,13 @@ impl Holders {
 
     /// The report's line for this device: the largest holders, then what no path reaches.
     pub fn line(&self) -> String {
-        let named: Vec<String> = self.holders.iter().take(5).map(Holder::phrase).collect();
+        self.line_with(|_| None)
+    }
+
+    /// The same, each holder with where its memory was allocated when `allocated_at` knows
+    /// (the trace): `cache[0] (1.00 GiB, allocated at In [3], line 2)`.
+    pub fn line_with(&self, allocated_at: impl Fn(&Holder) -> Option<String>) -> String {
+        let named: Vec<String> = self.holders.iter().take(5).map(|h| h.phrase_at(allocated_at(h))).collect();
         let mut parts = vec![named.join(", ")];
         if self.unreachable > 0 {
             parts.push(format!("{} with no reachable referrer", bytes(self.unreachable)));
@@ -102,12 +108,14 @@ impl Holders {
 }
 
 impl Holder {
-    /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`.
-    pub fn phrase(&self) -> String {
+    /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`, with
+    /// where it was allocated when known: `cache[0] (1.00 GiB, allocated at In [3], line 2)`.
+    pub fn phrase_at(&self, allocated_at: Option<String>) -> String {
+        let at = allocated_at.map(|site| format!(", allocated at {site}")).unwrap_or_default();
         match (self.bytes, self.saved_for_backward) {
-            (own, 0) => format!("{} ({})", self.path, bytes(own)),
-            (0, saved) => format!("{} ({} saved for its backward)", self.path, bytes(saved)),
-            (own, saved) => format!("{} ({}, and {} saved for its backward)", self.path, bytes(own), bytes(saved)),
+            (own, 0) => format!("{} ({}{at})", self.path, bytes(own)),
+            (0, saved) => format!("{} ({} saved for its backward{at})", self.path, bytes(saved)),
+            (own, saved) => format!("{} ({}, and {} saved for its backward{at})", self.path, bytes(own), bytes(saved)),
         }
     }
 }

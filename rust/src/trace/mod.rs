@@ -8,10 +8,14 @@
 //! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
 //! - `diff`: why one trace peaks higher than another, site by site, against the params;
 //! - `timeline`: allocated over time stacked by the top sites, as data and as SVG;
-//! - `held`: the sites of blocks alive at the end (leaks) and at an OOM.
+//! - `held`: the sites of blocks alive at the end (leaks) and at an OOM;
+//! - `holders`: which holder the leak hunter named keeps each block alive at the end;
+//! - `cell`: a notebook cell's peak by site, for the cell log.
 
+pub mod cell;
 pub mod diff;
 pub mod held;
+pub mod holders;
 pub mod parse;
 pub mod peak;
 pub mod pickle;
@@ -20,8 +24,10 @@ pub mod scope;
 pub mod sites;
 pub mod timeline;
 
+pub use cell::{cell_peak_sites, cell_top_site, CellPeakSite};
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use holders::{name_holders, HolderStorages};
 pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, Replay};
@@ -31,5 +37,9 @@ pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 
 #[cfg(test)]
 mod bench;
+#[cfg(test)]
+mod cell_tests;
+#[cfg(test)]
+mod holders_tests;
 #[cfg(test)]
 mod tests;
