@@ -149,9 +149,11 @@ def test_the_cell_log_s_recording_ends_with_the_experiment_that_kept_the_log_on(
 def test_memory_still_held_is_named_with_its_holder_and_its_allocation_line(kernel):
     kernel.run("import torch, gpuexp\nkept = []")
     kernel.run("exp = gpuexp.GPUExperiment('leaky', trace=True)")
-    kernel.run("n = 256 << 20\nkept.append(torch.empty(n, dtype=torch.uint8, device='cuda'))")
+    cell = kernel.run("n = 256 << 20\nkept.append(torch.empty(n, dtype=torch.uint8, device='cuda'))")
     number = kernel.nb.cells[-1].execution_count
+    assert f"100% at In [{number}], line 2" in cell.text, "a traced experiment's cells name their peak's line"
     shown = kernel.run("exp.finish()")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "neither the log's nor the experiment's is left"
     assert f"kept[0] (256.00 MiB, allocated at In [{number}], line 2)" in shown.text, shown.text
     assert f"allocated at: In [{number}], line 2" not in shown.text, "told next to its holder, not apart"
     (device,) = kernel.value("exp.data.to_dict()['trace']")

@@ -1,14 +1,16 @@
-//! The cell log's share of torch's allocation history (`gpuexp.config(trace=True)` with the log
-//! on): joined once, at the first logged cell that starts with CUDA initialised (the log never
-//! creates a CUDA context), kept across cells, and given back as soon as the log or the trace
-//! is turned off, so no recording outlives them. A cell reads the history only when its torch
-//! peak moved; with the trace off, nothing here runs but a look at the settings.
+//! The cell log's share of torch's allocation history, with the log on and the trace on (for
+//! every experiment by `gpuexp.config(trace=True)`, or for one that is open): joined once, at
+//! the first logged cell that starts with CUDA initialised (the log never creates a CUDA
+//! context), kept across cells, and given back as soon as the log or the trace is turned off,
+//! so no recording outlives them. A cell reads the history only when its torch peak moved; with
+//! the trace off, nothing here runs but a look at the settings.
 
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
 use super::registry::registry;
+use super::scope;
 use super::torch::PyTorch;
 use super::trace;
 use super::trace_recording;
@@ -38,10 +40,14 @@ fn share() -> std::sync::MutexGuard<'static, Option<Share>> {
     guard
 }
 
-/// Whether the cell log should record: the trace is on, and the log is on over GPUs.
+/// Whether the cell log should record: the log is on over GPUs, and the trace is on (for every
+/// experiment, or for one that is open).
 fn wanted() -> bool {
-    let registry = registry();
-    registry.trace_by_default && registry.cell_log_active() && registry.cell_selection() != GpuSelection::None
+    let (by_default, logging) = {
+        let registry = registry();
+        (registry.trace_by_default, registry.cell_log_active() && registry.cell_selection() != GpuSelection::None)
+    };
+    logging && (by_default || scope::traced_scope_open())
 }
 
 /// At a logged cell's start, once its window is open: joins the recording where the log wants
