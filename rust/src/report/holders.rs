@@ -89,13 +89,8 @@ impl Holders {
         notes
     }
 
-    /// The report's line for this device: the largest holders, then what no path reaches.
-    pub fn line(&self) -> String {
-        self.line_with(|_| None)
-    }
-
-    /// The same, each holder with where its memory was allocated when `allocated_at` knows
-    /// (the trace): `cache[0] (1.00 GiB, allocated at In [3], line 2)`.
+    /// The report's line for this device: the largest holders, each with where its memory was
+    /// allocated when `allocated_at` knows (the trace), then what no path reaches.
     pub fn line_with(&self, allocated_at: impl Fn(&Holder) -> Option<String>) -> String {
         let named: Vec<String> = self.holders.iter().take(5).map(|h| h.phrase_at(allocated_at(h))).collect();
         let mut parts = vec![named.join(", ")];
@@ -256,21 +251,26 @@ mod tests {
             shape: "[1]".into(),
         };
         let mut held = Holders { device: "cuda:0".into(), unreachable: 1 << 30, ..Holders::default() };
-        assert_eq!(held.line(), "still held on cuda:0: 1.00 GiB with no reachable referrer");
+        assert_eq!(held.line_with(|_| None), "still held on cuda:0: 1.00 GiB with no reachable referrer");
         held.holders = vec![tensor("preds[0]", 8 << 20, 144 << 20), tensor("cache[0]", 1 << 20, 0)];
         assert_eq!(
-            held.line(),
+            held.line_with(|_| None),
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB); \
              1.00 GiB with no reachable referrer"
         );
         held.holders.push(tensor("loss_on_cpu", 0, 64 << 20));
         assert!(held
-            .line()
+            .line_with(|_| None)
             .ends_with(", loss_on_cpu (64.00 MiB saved for its backward); 1.00 GiB with no reachable referrer"));
         held.holders.pop();
+        let at = |h: &Holder| (h.path == "preds[0]").then(|| "In [3], line 2".to_string());
+        assert!(held.line_with(at).starts_with(
+            "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward, allocated at In [3], \
+             line 2), cache[0] (1.00 MiB);"
+        ));
         held.unreachable = 0;
         assert_eq!(
-            held.line(),
+            held.line_with(|_| None),
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB)"
         );
     }
