@@ -134,3 +134,49 @@ def test_allocations_carry_their_module_path_in_forward_and_backward(kernel):
     assert grads and grads[0] >= 4 * 64 * MiB, sites
     assert kernel.value("len(torch.nn.modules.module._global_forward_hooks)") == 0, "no hook outlives the trace"
     assert kernel.value("torch.cuda.memory._get_memory_metadata()") == ""
+def test_the_cell_log_names_the_line_behind_a_cell_s_peak_with_the_trace_on(kernel):
+    # CUDA first: the cell log joins the recording only where CUDA is initialised already.
+    kernel.run("import torch, gpuexp\ntorch.zeros(1, device='cuda')\ngpuexp.config(trace=True)")
+    kernel.run("%gpuexp log on")
+    shown = kernel.run("small = torch.empty(8 << 20, dtype=torch.uint8, device='cuda')\n"
+                       "big = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+                       "del big")
+    number = kernel.nb.cells[-1].execution_count
+    (site,) = kernel.value("gpuexp.cells()[-1].to_dict()['peak_sites']")
+    assert site["label"] == f"In [{number}], line 2", site
+    assert site["bytes"] == 1 << 30 and site["peak_above_start"] == (1 << 30) + 8 * MiB, site
+    assert abs(site["share"] - (1 << 30) / ((1 << 30) + 8 * MiB)) < 1e-3, "of what the cell had live at its peak"
+    assert f"99% at In [{number}], line 2: big = torch.empty" in shown.text, shown.text
+    # One recording across cells: the next cell is named from the same one.
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is True
+    again = kernel.run("more = torch.empty(256 << 20, dtype=torch.uint8, device='cuda')")
+    number = kernel.nb.cells[-1].execution_count
+    assert f"100% at In [{number}], line 1" in again.text, again.text
+    kernel.run("%gpuexp log off")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "the log's recording ends with it"
+
+
+def test_the_cell_log_s_recording_ends_with_the_experiment_that_kept_the_log_on(kernel):
+    kernel.run("import torch, gpuexp\ntorch.zeros(1, device='cuda')\ngpuexp.config(trace=True)")
+    kernel.run("exp = gpuexp.GPUExperiment('cells')")
+    shown = kernel.run("t = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')")
+    number = kernel.nb.cells[-1].execution_count
+    assert f"at In [{number}], line 1" in shown.text, shown.text
+    kernel.run("del exp")
+    kernel.run("pass")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "no recording outlives the log"
+
+
+def test_memory_still_held_is_named_with_its_holder_and_its_allocation_line(kernel):
+    kernel.run("import torch, gpuexp\nkept = []")
+    kernel.run("exp = gpuexp.GPUExperiment('leaky', trace=True)")
+    cell = kernel.run("n = 256 << 20\nkept.append(torch.empty(n, dtype=torch.uint8, device='cuda'))")
+    number = kernel.nb.cells[-1].execution_count
+    assert f"100% at In [{number}], line 2" in cell.text, "a traced experiment's cells name their peak's line"
+    shown = kernel.run("exp.finish()")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "neither the log's nor the experiment's is left"
+    assert f"kept[0] (256.00 MiB, allocated at In [{number}], line 2)" in shown.text, shown.text
+    assert f"allocated at: In [{number}], line 2" not in shown.text, "told next to its holder, not apart"
+    (device,) = kernel.value("exp.data.to_dict()['trace']")
+    (block,) = [b for b in device["still_held"] if b["label"] == f"In [{number}], line 2"]
+    assert block["holders"] == ["kept[0]"] and block["bytes"] == 256 * MiB, block

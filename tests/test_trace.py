@@ -107,3 +107,16 @@ def test_trace_is_a_setting_and_a_report_without_one_says_how_to_get_it(kernel):
     assert kernel.value("exp.data.trace is None")
     error = kernel.run("exp.data.diff(exp.data)", expect_error=True).error
     assert "trace=True" in error
+
+
+def test_the_cell_log_with_the_trace_on_and_no_cuda_shows_what_it_showed_with_it_off(kernel):
+    kernel.run("import torch, gpuexp\n%gpuexp log on")
+    off = kernel.run("a = bytearray(64 << 20)")
+    kernel.run("gpuexp.config(trace=True)")
+    on = kernel.run("b = bytearray(64 << 20)")
+    for shown in (off, on):
+        assert "host RSS" in shown.text and "% at" not in shown.text, shown.text
+    assert kernel.value("[sorted(c.to_dict()) for c in gpuexp.cells()[-3:]]") == [
+        kernel.value("sorted(gpuexp.cells()[-3].to_dict())")] * 3, "no key added: the record is as before"
+    assert kernel.value("any('peak_sites' in c.to_dict() for c in gpuexp.cells())") is False
+    assert kernel.value("torch.cuda.is_initialized()") is False, "the log created no CUDA context to trace"

@@ -230,6 +230,8 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     trace: every experiment records where in the code it allocates, as
         ``GPUExperiment(..., trace=...)`` does: True or "cuda" (torch's CUDA allocations), "host"
         (Python's, through tracemalloc; CPU experiments too), "all" (both), False (default).
+        With the CUDA part on, the cell log names the line behind a cell's torch peak
+        ("cuda:0 peak +2.10 GiB, 71% at In [9], line 14").
     """
     for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue)):
         if flag is not None and not isinstance(flag, bool):

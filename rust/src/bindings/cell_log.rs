@@ -1,8 +1,10 @@
 //! The per-cell log: a peak window from `pre_run_cell` to `post_run_cell`, its records, and
-//! whether a cell's block shows.
+//! whether a cell's block shows; with the trace on, the top site of a cell's torch peak
+//! (`cell_trace`).
 
 use pyo3::prelude::*;
 
+use super::cell_trace;
 use super::live_view::schedule;
 use super::registry::registry;
 use super::report::CellRecordPy;
@@ -29,6 +31,7 @@ pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
     }
     if !on {
         update_sampler(py, None);
+        cell_trace::settle(py);
     }
 }
 
@@ -44,6 +47,7 @@ pub(super) fn begin_cell(py: Python) {
         reset_counters(&torch, &start);
         window
     });
+    cell_trace::begin_cell(py, carried.is_some());
     schedule().cell_began(window);
 }
 
@@ -55,9 +59,11 @@ pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy
     let drawn = schedule().cell_ended();
     let Some(selection) = registry().open_cell_selection() else { return (None, drawn) };
     let (end, torch) = take_cell_snapshot(py, &selection);
+    let record = registry().end_cell(execution_count, &end);
+    // The trace is read without the registry held: naming a site calls into Python.
+    let record = record.map(|record| cell_trace::end_cell(py, record));
     let (shown, next_selection) = {
-        let mut registry = registry();
-        let record = registry.end_cell(execution_count, &end);
+        let registry = registry();
         let shown = record
             .filter(|r| registry.shows(r))
             .map(|record| CellRecordPy { record, all_gpus: registry.cell_log_all_gpus });
@@ -69,6 +75,7 @@ pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy
         registry().keep_cell_end(end, next_selection, other_readings());
     }
     update_sampler(py, None);
+    cell_trace::settle(py);
     (shown, drawn)
 }
 

@@ -21,6 +21,7 @@ use crate::holders_walk::{self, Root, RootKind, BOUNDS};
 pub(super) use crate::holders_walk::{Buffer, Memory};
 use crate::report::{self, Holder, Holders, Report};
 use crate::snapshot::GpuSelection;
+use crate::trace::HolderStorages;
 use crate::uninspectable::Uninspectable;
 
 /// What a walk from every root reached in `memory`.
@@ -117,16 +118,37 @@ pub fn survey<'py>(
     })
 }
 
+/// The storages each holder in `named` keeps on a GPU (by data pointer), for the trace to say
+/// where they were allocated.
+fn storages_of(survey: &Survey, memory: &Memory, named: &Holders) -> Vec<HolderStorages> {
+    let Memory::Cuda(torch_index) = *memory else { return Vec::new() };
+    let mut by_path: Vec<HolderStorages> = Vec::new();
+    for (buffer, holder) in &survey.held {
+        // An autograd graph charged to its tensor has no storage of its own (pointer 0).
+        let Buffer::Storage(pointer) = *buffer else { continue };
+        if pointer == 0 || !named.holders.iter().any(|h| h.path == holder.path) {
+            continue;
+        }
+        let storage = (pointer as u64, holder.bytes);
+        match by_path.iter_mut().find(|h| h.path == holder.path) {
+            Some(known) => known.storages.push(storage),
+            None => by_path.push(HolderStorages { torch_index, path: holder.path.clone(), storages: vec![storage] }),
+        }
+    }
+    by_path
+}
+
 /// Finds what holds the memory of `memory`, largest first; `exclude` are buffers that existed
 /// before (an experiment's start), `min_bytes` the smallest worth naming. Also returns the
-/// bytes of every Python tensor there, for what no Python tensor accounts for.
+/// bytes of every Python tensor there, for what no Python tensor accounts for, and the storages
+/// each named holder keeps on a GPU.
 pub fn hunt<'py>(
     py: Python<'py>,
     memory: Memory,
     roots: Vec<PyRoot<'py>>,
     min_bytes: u64,
     exclude: &HashSet<Buffer>,
-) -> PyResult<(Holders, u64)> {
+) -> PyResult<(Holders, u64, Vec<HolderStorages>)> {
     let started = Instant::now();
     let survey = survey(py, &memory, roots, exclude)?;
     let roles = tensor_roles(&survey, &memory, exclude)?;
@@ -147,7 +169,8 @@ pub fn hunt<'py>(
             .filter(|h| h.bytes + h.saved_for_backward >= min_bytes)
             .collect(),
     };
-    Ok((holders, survey.python_bytes()))
+    let storages = storages_of(&survey, &memory, &holders);
+    Ok((holders, survey.python_bytes(), storages))
 }
 
 /// Walks from `roots` only (no modules, threads or hooks), to every buffer on any device.
@@ -185,18 +208,21 @@ pub(super) fn tensors_or_arrays_imported(py: Python) -> bool {
     ["torch", "numpy"].iter().any(|name| modules.contains(*name).unwrap_or(false))
 }
 
+/// What a leak hunt found: the holders on each memory, and the storages each keeps on a GPU.
+pub(super) type Leaks = (Vec<Holders>, Vec<HolderStorages>);
+
 /// Names what still holds memory the scope created, where its end shows memory not back.
 pub(super) fn hunt_leaks(
     py: Python,
     report: &Report,
     adapter: Option<&Bound<PyAny>>,
     before: &HashSet<Buffer>,
-) -> PyResult<Vec<Holders>> {
+) -> PyResult<Leaks> {
     const GPU_SLACK: i64 = 1 << 20;
     const HOST_SLACK: i64 = 64 << 20;
-    let Some(adapter) = adapter else { return Ok(Vec::new()) };
+    let Some(adapter) = adapter else { return Ok(Leaks::default()) };
     if !tensors_or_arrays_imported(py) {
-        return Ok(Vec::new());
+        return Ok(Leaks::default());
     }
     let kept_above_start =
         |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
@@ -209,14 +235,15 @@ pub(super) fn hunt_leaks(
     if kept_above_start(&report.host.rss, HOST_SLACK) {
         memories.push(Memory::Host);
     }
-    let mut found = Vec::new();
+    let (mut found, mut storages) = Leaks::default();
     for memory in memories {
-        let (holders, _) = hunt(py, memory, hunt_roots(adapter)?, 1 << 20, before)?;
+        let (holders, _, kept) = hunt(py, memory, hunt_roots(adapter)?, 1 << 20, before)?;
         if !holders.holders.is_empty() || holders.unreachable > 0 {
             found.push(holders);
+            storages.extend(kept);
         }
     }
-    Ok(found)
+    Ok((found, storages))
 }
 
 /// What holds memory on a GPU (by torch index) or the host, largest first.
@@ -249,7 +276,7 @@ pub(super) fn holders(
         Some(a) => hunt_roots(a)?,
         None => Vec::new(),
     };
-    let (mut found, python_bytes) = hunt(py, memory.clone(), roots, min_bytes, &HashSet::new())?;
+    let (mut found, python_bytes, _) = hunt(py, memory.clone(), roots, min_bytes, &HashSet::new())?;
     if let Memory::Cuda(index) = memory {
         let torch = PyTorch::find(py);
         if torch.cuda().is_some() {

@@ -6,6 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
+use super::cell_trace;
 use super::host_trace;
 use super::live_view::schedule;
 use super::registry::registry;
@@ -64,6 +65,10 @@ pub(super) fn config<'py>(
     }
     settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
+    drop(registry);
+    if trace.is_some_and(|kinds| !kinds.cuda()) {
+        cell_trace::settle(py);
+    }
     Ok(settings)
 }
 

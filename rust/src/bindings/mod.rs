@@ -5,6 +5,7 @@
 #[macro_use]
 mod report; // first: the families below use its `shown_as_table!`
 mod cell_log;
+mod cell_trace;
 mod compare;
 mod error;
 mod estimate;

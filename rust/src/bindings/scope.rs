@@ -9,6 +9,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
+use super::cell_trace;
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::host_trace::{self, HostWindow};
 use super::interrupts;
@@ -55,6 +56,12 @@ static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::n
 
 fn held() -> MutexGuard<'static, HashMap<ScopeId, Held>> {
     HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Whether an open experiment records torch's allocation history (`trace=True`): the cell
+/// log then names its cells' peak sites too.
+pub(super) fn traced_scope_open() -> bool {
+    held().values().any(|h| h.trace.as_ref().is_some_and(|t| t.unavailable.is_none()))
 }
 
 /// In a forked child: the parent's open scopes are not the child's. Their monitors' threads
@@ -395,14 +402,20 @@ fn finish_with_inner(
     // The hunt runs Python code, so the registry is not held (see `registry`).
     let adapter = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|b| b.adapter(py));
     let buffers = scope_held.as_ref().map(|h| &h.buffers);
-    match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
-        Ok(found) => report.holders = found,
-        Err(e) => report.notes.push(format!("the leak hunt failed: {e}")),
-    }
+    let storages = match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
+        Ok((found, storages)) => {
+            report.holders = found;
+            storages
+        }
+        Err(e) => {
+            report.notes.push(format!("the leak hunt failed: {e}"));
+            Vec::new()
+        }
+    };
     let trace = scope_held.as_mut().and_then(|h| h.trace.take());
     drop(scope_held);
     if let Some(window) = trace {
-        trace::complete_report(py, window, &mut report);
+        trace::complete_report(py, window, &mut report, &storages);
     }
     if let Some(host) = host {
         host.complete_report(&mut report);
@@ -411,6 +424,8 @@ fn finish_with_inner(
     finished.push(ReportPy(registry().complete(id, report)));
     to_publish.push(id);
     update_sampler(py, None);
+    // The cell log this scope kept on may have held a share of the recording.
+    cell_trace::settle(py);
     Ok(finished)
 }
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use super::report::{json_to_python, ReportPy};
 use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
-use crate::trace::{self, Attribution, DeviceTrace, SiteNamer, SiteRule, Snapshot};
+use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
 
 /// A line's label (None: not a notebook cell) and its source text.
 type Named = (Option<String>, Option<String>);
@@ -95,9 +95,27 @@ fn analyse(
     Ok(trace::scope_traces(&snapshot, &devices, max_entries, since_us, &attribution))
 }
 
-/// Reads the trace of a finishing scope into its report; the recording then ends where this
-/// was its last traced scope.
-pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Report) {
+/// The top site of each GPU in `moved` (torch index, how far its torch peak rose) of a cell
+/// that began at `since_us`, from torch's history now.
+pub(super) fn cell_peak_sites(
+    py: Python,
+    moved: &[(u32, u64)],
+    max_entries: Option<u64>,
+    since_us: i64,
+) -> Result<Vec<CellPeakSite>, String> {
+    let pickle = trace_recording::snapshot_pickle(py)?;
+    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).map_err(|e| e.to_string())?;
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
+    Ok(trace::cell_peak_sites(&snapshot, moved, max_entries, since_us, &attribution))
+}
+
+/// Reads the trace of a finishing scope into its report, each block still held matched to the
+/// leak hunter's holder of it (`storages`); the recording then ends where this was its last
+/// traced scope.
+pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Report, storages: &[HolderStorages]) {
     if let Some(why) = &window.unavailable {
         report.notes.push(why.clone());
         return;
@@ -108,7 +126,8 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         Ok((pickle, traces))
     });
     match read {
-        Ok((pickle, traces)) => {
+        Ok((pickle, mut traces)) => {
+            trace::name_holders(&mut traces, storages);
             report.trace = traces;
             let mut kept = kept();
             kept.push_back((report_key(report), Arc::new(pickle)));

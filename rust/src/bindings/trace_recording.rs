@@ -47,7 +47,7 @@ pub(super) struct TraceWindow {
     pub(super) unavailable: Option<String>,
 }
 
-fn now_us() -> i64 {
+pub(super) fn now_us() -> i64 {
     let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     i64::try_from(since.as_micros()).unwrap_or(i64::MAX)
 }

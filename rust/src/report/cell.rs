@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::grid::{prefixed, Grid};
 use crate::snapshot::{Gauge, GpuReading, Snapshot};
+use crate::trace::CellPeakSite;
 use crate::units::{bytes, signed_bytes};
 
 /// One figure over one cell: how it moved, and how high it went above where the cell began.
@@ -64,6 +65,9 @@ pub struct CellRecord {
     pub host: CellMetric,
     pub gpus: Vec<CellGpu>,
     pub notes: Vec<String>,
+    /// With the trace on: for each GPU whose torch peak moved, the line most of it came from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peak_sites: Vec<CellPeakSite>,
 }
 
 impl CellRecord {
@@ -115,7 +119,20 @@ impl CellRecord {
             host: metric(Gauge::HostRss, &|s| Some(s.host.rss)).expect("host RSS is always read"),
             gpus,
             notes,
+            peak_sites: Vec::new(),
         }
+    }
+
+    /// The GPUs whose torch peak rose by at least `min_change` above where the cell began, with
+    /// that rise: the cells whose block the trace explains.
+    pub fn torch_peaks_moved(&self, min_change: u64) -> Vec<(u32, u64)> {
+        self.gpus
+            .iter()
+            .filter_map(|gpu| {
+                let rise = gpu.torch_allocated?.peak_above_start;
+                (rise >= min_change.max(1)).then_some((gpu.torch_index, rise))
+            })
+            .collect()
     }
 
     /// Whether the block is worth showing under its cell: some figure moved by at least
@@ -150,7 +167,7 @@ impl CellRecord {
             lines: Vec::new(),
             header: ["memory", "Δ", "peak above start", "now"].map(String::from).to_vec(),
             rows,
-            notes: prefixed("note", &self.notes),
+            notes: self.peak_sites.iter().map(CellPeakSite::line).chain(prefixed("note", &self.notes)).collect(),
             compact: true,
         }
     }
@@ -219,6 +236,29 @@ mod tests {
         assert!(!record().moved_by(4 * GIB));
         let noted = CellRecord::build(4, &at(0.0, GIB, GIB), &at(0.1, GIB, GIB), |_| None, vec!["a note".into()]);
         assert!(noted.moved_by(MIB), "a note is always told");
+    }
+
+    #[test]
+    fn a_traced_cell_s_block_names_the_top_site_of_each_gpu_whose_torch_peak_moved() {
+        let mut record = record();
+        assert_eq!(record.torch_peaks_moved(GIB), [(0, 3 * GIB)], "cuda:1 did not move");
+        assert!(record.torch_peaks_moved(4 * GIB).is_empty(), "below the threshold");
+        let quiet = record.grid(false).notes;
+        assert!(quiet.is_empty(), "the trace off changes nothing: {quiet:?}");
+        record.peak_sites.push(CellPeakSite {
+            torch_index: 0,
+            peak_above_start: 3 * GIB,
+            label: "In [7], line 2".into(),
+            source: None,
+            bytes: 2 * GIB,
+            share: 2.0 / 3.0,
+        });
+        record.notes.push("a note".into());
+        assert_eq!(record.grid(false).notes, ["cuda:0 peak +3.00 GiB, 67% at In [7], line 2", "note: a note"]);
+        let json = serde_json::to_value(&record).unwrap();
+        assert_eq!(json["peak_sites"][0]["label"], "In [7], line 2");
+        let back: CellRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back.peak_sites, record.peak_sites);
     }
 
     #[test]

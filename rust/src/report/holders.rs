@@ -89,9 +89,10 @@ impl Holders {
         notes
     }
 
-    /// The report's line for this device: the largest holders, then what no path reaches.
-    pub fn line(&self) -> String {
-        let named: Vec<String> = self.holders.iter().take(5).map(Holder::phrase).collect();
+    /// The report's line for this device: the largest holders, each with where its memory was
+    /// allocated when `allocated_at` knows (the trace), then what no path reaches.
+    pub fn line_with(&self, allocated_at: impl Fn(&Holder) -> Option<String>) -> String {
+        let named: Vec<String> = self.holders.iter().take(5).map(|h| h.phrase_at(allocated_at(h))).collect();
         let mut parts = vec![named.join(", ")];
         if self.unreachable > 0 {
             parts.push(format!("{} with no reachable referrer", bytes(self.unreachable)));
@@ -102,12 +103,14 @@ impl Holders {
 }
 
 impl Holder {
-    /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`.
-    pub fn phrase(&self) -> String {
+    /// `cache[0] (1.00 GiB)`, `preds[0] (8.00 MiB, and 144.00 MiB saved for its backward)`, with
+    /// where it was allocated when known: `cache[0] (1.00 GiB, allocated at In [3], line 2)`.
+    pub fn phrase_at(&self, allocated_at: Option<String>) -> String {
+        let at = allocated_at.map(|site| format!(", allocated at {site}")).unwrap_or_default();
         match (self.bytes, self.saved_for_backward) {
-            (own, 0) => format!("{} ({})", self.path, bytes(own)),
-            (0, saved) => format!("{} ({} saved for its backward)", self.path, bytes(saved)),
-            (own, saved) => format!("{} ({}, and {} saved for its backward)", self.path, bytes(own), bytes(saved)),
+            (own, 0) => format!("{} ({}{at})", self.path, bytes(own)),
+            (0, saved) => format!("{} ({} saved for its backward{at})", self.path, bytes(saved)),
+            (own, saved) => format!("{} ({}, and {} saved for its backward{at})", self.path, bytes(own), bytes(saved)),
         }
     }
 }
@@ -248,21 +251,26 @@ mod tests {
             shape: "[1]".into(),
         };
         let mut held = Holders { device: "cuda:0".into(), unreachable: 1 << 30, ..Holders::default() };
-        assert_eq!(held.line(), "still held on cuda:0: 1.00 GiB with no reachable referrer");
+        assert_eq!(held.line_with(|_| None), "still held on cuda:0: 1.00 GiB with no reachable referrer");
         held.holders = vec![tensor("preds[0]", 8 << 20, 144 << 20), tensor("cache[0]", 1 << 20, 0)];
         assert_eq!(
-            held.line(),
+            held.line_with(|_| None),
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB); \
              1.00 GiB with no reachable referrer"
         );
         held.holders.push(tensor("loss_on_cpu", 0, 64 << 20));
         assert!(held
-            .line()
+            .line_with(|_| None)
             .ends_with(", loss_on_cpu (64.00 MiB saved for its backward); 1.00 GiB with no reachable referrer"));
         held.holders.pop();
+        let at = |h: &Holder| (h.path == "preds[0]").then(|| "In [3], line 2".to_string());
+        assert!(held.line_with(at).starts_with(
+            "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward, allocated at In [3], \
+             line 2), cache[0] (1.00 MiB);"
+        ));
         held.unreachable = 0;
         assert_eq!(
-            held.line(),
+            held.line_with(|_| None),
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB)"
         );
     }

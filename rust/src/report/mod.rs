@@ -270,7 +270,7 @@ impl Report {
             lines.push(format!("limit: torch could allocate {} per GPU (a smaller card, rehearsed)", bytes(limit)));
         }
         for held in &self.holders {
-            lines.push(held.line());
+            lines.push(self.holders_line(held));
             if let Some(roles) = held.roles {
                 lines.push(format!("  that is {}", roles.summary()));
             }

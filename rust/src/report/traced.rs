@@ -1,23 +1,31 @@
 //! How a traced report shows where in the code: lines under its table for what the scope left
-//! held and where it ran out of memory, each GPU's peak by source line below it, and the host's
-//! growth by source line (`trace="host"`) last.
+//! held (next to the leak hunter's holder where one keeps it) and where it ran out of memory,
+//! each GPU's peak by source line below it, and the host's growth by source line
+//! (`trace="host"`) last.
 
 use std::collections::BTreeMap;
 
-use super::Report;
-use crate::trace::DeviceTrace;
+use super::{Holders, Report};
+use crate::trace::{DeviceTrace, HeldBlock};
 use crate::units::bytes;
 
 /// Sites named in a line of the report's table.
 const SITES_IN_A_LINE: usize = 5;
 
-fn held_line(device: &DeviceTrace) -> Option<String> {
+/// The sites of `blocks` with their bytes, largest first.
+fn by_site<'a>(blocks: impl Iterator<Item = &'a HeldBlock>) -> Vec<(&'a str, u64)> {
     let mut by_site: BTreeMap<&str, u64> = BTreeMap::new();
-    for block in &device.still_held {
+    for block in blocks {
         *by_site.entry(block.site.label.as_str()).or_default() += block.bytes;
     }
     let mut sites: Vec<(&str, u64)> = by_site.into_iter().collect();
     sites.sort_by_key(|site| std::cmp::Reverse(site.1));
+    sites
+}
+
+/// Where the blocks no named holder keeps were allocated (those a holder keeps are told next to it).
+fn held_line(device: &DeviceTrace) -> Option<String> {
+    let sites = by_site(device.still_held.iter().filter(|block| block.holders.is_empty()));
     let named: Vec<String> =
         sites.iter().take(SITES_IN_A_LINE).map(|(label, held)| format!("{label} ({})", bytes(*held))).collect();
     (!named.is_empty())
@@ -25,6 +33,17 @@ fn held_line(device: &DeviceTrace) -> Option<String> {
 }
 
 impl Report {
+    /// The leak hunter's line for one device, each holder with where the blocks it keeps were
+    /// allocated, where the trace matched them.
+    pub(super) fn holders_line(&self, held: &Holders) -> String {
+        let device = self.trace.iter().find(|d| format!("cuda:{}", d.torch_index) == held.device);
+        held.line_with(|holder| {
+            let blocks = device?.still_held.iter().filter(|block| block.holders.contains(&holder.path));
+            let sites: Vec<&str> = by_site(blocks).into_iter().map(|(label, _)| label).collect();
+            (!sites.is_empty()).then(|| sites.join(" and "))
+        })
+    }
+
     /// Under the table: where what is still held was allocated, and each out-of-memory's line.
     pub(super) fn trace_lines(&self) -> Vec<String> {
         let mut lines = Vec::new();

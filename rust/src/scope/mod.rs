@@ -442,6 +442,14 @@ impl Registry {
         Some(record)
     }
 
+    /// Completes the last cell record with what was read once the cell had ended (the sites
+    /// of its torch peaks, from the trace); returns the record as it now is.
+    pub fn update_last_cell(&mut self, update: impl FnOnce(&mut CellRecord)) -> Option<Arc<CellRecord>> {
+        let last = self.cells.last_mut()?;
+        update(Arc::make_mut(last));
+        Some(last.clone())
+    }
+
     /// Every cell record of this kernel, oldest first.
     pub fn cells(&self) -> &[Arc<CellRecord>] {
         &self.cells

@@ -15,6 +15,9 @@ pub struct HeldBlock {
     pub bytes: u64,
     #[serde(flatten)]
     pub site: Site,
+    /// The leak hunter's names for what keeps it alive (`cache[0]`), where they were matched.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
 }
 
 /// The blocks alive at the end with their sites; only those at `addresses` when given (the
@@ -25,6 +28,7 @@ pub fn still_held(replay: &Replay, attribution: &Attribution, addresses: Option<
         addr: block.addr,
         bytes: block.bytes,
         site: attribution.site(replay, attribution.key(replay, block), block.stack),
+        holders: Vec::new(),
     };
     match addresses {
         None => replay.live_at_end().map(held).collect(),

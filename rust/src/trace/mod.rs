@@ -11,10 +11,14 @@
 //! - `timeline`: allocated over time stacked by the top sites, as data and as SVG;
 //! - `held`: the sites of blocks alive at the end (leaks) and at an OOM;
 //! - `kinds`: what `trace=` records (CUDA, host, both);
-//! - `host`: the host's Python allocations (tracemalloc) grown by site.
+//! - `host`: the host's Python allocations (tracemalloc) grown by site;
+//! - `holders`: which holder the leak hunter named keeps each block alive at the end;
+//! - `cell`: a notebook cell's peak by site, for the cell log.
 
+pub mod cell;
 pub mod diff;
 pub mod held;
+pub mod holders;
 pub mod host;
 pub mod kinds;
 pub mod modules;
@@ -26,8 +30,10 @@ pub mod scope;
 pub mod sites;
 pub mod timeline;
 
+pub use cell::{cell_peak_sites, cell_top_site, CellPeakSite};
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use holders::{name_holders, HolderStorages};
 pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
 pub use modules::{ModuleFamily, ModuleMark, Modules};
@@ -40,5 +46,9 @@ pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 
 #[cfg(test)]
 mod bench;
+#[cfg(test)]
+mod cell_tests;
+#[cfg(test)]
+mod holders_tests;
 #[cfg(test)]
 mod tests;
