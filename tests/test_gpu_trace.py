@@ -103,9 +103,12 @@ def test_the_diff_of_two_batch_sizes_goes_to_the_lines_that_grew(kernel, tmp_pat
 def test_an_oom_names_its_line_with_the_trace_on(kernel):
     kernel.run("import torch, gpuexp")
     kernel.run("exp = gpuexp.GPUExperiment('oom', trace=True)")
-    kernel.run("held = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
-               "huge = torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
+    failed = kernel.run("held = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+                        "huge = torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
     number = kernel.nb.cells[-1].execution_count
+    # The rescue's diagnosis, right under the traceback, names the line and what was live.
+    assert f"failed at In [{number}], line 2 `huge = torch.empty(1 << 50" in failed.text, failed.text
+    assert f"live then: In [{number}], line 1 (1.00 GiB" in failed.text, failed.text
     shown = kernel.run("exp.finish()")
     (device,) = kernel.value("exp.data.to_dict()['trace']")
     (oom,) = device["ooms"]

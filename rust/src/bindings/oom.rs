@@ -7,6 +7,7 @@ use super::registry::registry;
 use super::report::OomPy;
 use super::snapshot::take_snapshot;
 use super::torch::{release, PyTorch};
+use super::trace;
 use crate::report;
 use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
 use crate::teardown;
@@ -43,6 +44,11 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
     let message = error.str()?.to_string();
     let (requested, device) = report::parse_oom_message(&message);
     let (before, _) = take_snapshot(py, &GpuSelection::AllVisible);
+    let sites = before
+        .gpus
+        .iter()
+        .find(|g| device.is_none_or(|index| g.torch_index == index))
+        .and_then(|g| trace::last_oom(py, g.torch_index));
     let cleared = match &adapter {
         Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
         None => Vec::new(),
@@ -84,6 +90,7 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         hints: Vec::new(),
         cleared,
         training,
+        sites,
     };
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(hints);

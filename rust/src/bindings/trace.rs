@@ -112,6 +112,22 @@ pub(super) fn cell_peak_sites(
     Ok(trace::cell_peak_sites(&snapshot, moved, max_entries, since_us, &attribution))
 }
 
+/// The latest out-of-memory error on `torch_index` in torch's allocation history, where one is
+/// being recorded (a traced experiment's, the cell log's or the user's own): the line that
+/// failed and what was live then, for the rescue's diagnosis.
+pub(super) fn last_oom(py: Python, torch_index: u32) -> Option<trace::OomSites> {
+    if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
+        return None;
+    }
+    let pickle = trace_recording::snapshot_pickle(py).ok()?;
+    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let replayed = trace::replay(&snapshot, torch_index as usize, None);
+    trace::oom(&snapshot, &replayed, &attribution, trace::TOP_SITES).pop()
+}
+
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
 /// leak hunter's holder of it (`storages`); the recording then ends where this was its last
 /// traced scope.

@@ -74,7 +74,7 @@ fn module_paths(py: Python, method: &str) -> Option<String> {
     }
 }
 
-fn history_enabled(torch: &PyTorch) -> bool {
+pub(super) fn history_enabled(torch: &PyTorch) -> bool {
     torch
         .torch
         .as_ref()

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
+use crate::trace::OomSites;
 use crate::training::Position;
 use crate::units::{bytes, size_in_bytes};
 
@@ -34,6 +35,8 @@ pub struct OomDiagnosis {
     pub cleared: Vec<String>,
     /// Where the training run that raised it stood, when a framework's callback measured it.
     pub training: Option<Position>,
+    /// The failed line and what was live then, where torch's allocation history was recording.
+    pub sites: Option<OomSites>,
 }
 
 /// Reads "Tried to allocate 2.00 GiB" and "GPU 0 has a total capacity" from torch's message.
@@ -122,6 +125,10 @@ impl OomDiagnosis {
         if let Some(position) = &self.training {
             lines.push(format!("raised in training at {}", position.describe()));
         }
+        if let Some(sites) = &self.sites {
+            lines.push(format!("failed at {}", sites.failed_at()));
+            lines.extend(sites.live_then(3).map(|live| format!("live then: {live}")));
+        }
         if !self.cleared.is_empty() {
             lines.push(format!("cleared: {}", self.cleared.join(", ")));
         }
@@ -171,6 +178,7 @@ mod tests {
             hints: Vec::new(),
             cleared: Vec::new(),
             training: None,
+            sites: None,
         }
     }
 
@@ -205,5 +213,36 @@ mod tests {
                 && text.contains("raised in training at epoch 1, step 4"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn with_the_trace_on_the_diagnosis_names_the_failed_line_and_what_was_live() {
+        use crate::trace::{Rest, Site, SiteRow, SiteTable};
+        let row = |label: &str, bytes: u64, share: f64| SiteRow {
+            label: label.into(),
+            source: None,
+            bytes,
+            blocks: 1,
+            share,
+            stack: Vec::new(),
+        };
+        let mut d = diagnosis();
+        d.sites = Some(OomSites {
+            event: 9,
+            time_us: 0,
+            requested: 1 << 50,
+            device_free: 0,
+            site: Site { label: "In [7], line 2".into(), source: Some("huge = alloc()".into()), stack: Vec::new() },
+            live: SiteTable {
+                total: 3 * GIB,
+                sites: vec![row("In [6], line 1", 2 * GIB, 2.0 / 3.0), row("In [7], line 1", GIB, 1.0 / 3.0)],
+                rest: Rest::default(),
+                categories: Vec::new(),
+                all: Vec::new(),
+            },
+        });
+        let text = d.grid().to_text();
+        assert!(text.contains("failed at In [7], line 2 `huge = alloc()`, asking 1.00 PiB"), "{text}");
+        assert!(text.contains("live then: In [6], line 1 (2.00 GiB, 67%); In [7], line 1 (1.00 GiB, 33%)"), "{text}");
     }
 }

@@ -50,15 +50,8 @@ impl Report {
         for device in &self.trace {
             lines.extend(held_line(device));
             for oom in &device.ooms {
-                let source = oom.site.source.as_deref().map(|s| format!(" `{s}`")).unwrap_or_default();
-                let top = oom.live.sites.first().map(|s| format!("; most live at {} ({})", s.label, bytes(s.bytes)));
-                lines.push(format!(
-                    "out of memory on cuda:{} at {}{source}, asking {}{}",
-                    device.torch_index,
-                    oom.site.label,
-                    bytes(oom.requested),
-                    top.unwrap_or_default()
-                ));
+                let top = oom.live_then(1).map(|live| format!("; most live at {live}")).unwrap_or_default();
+                lines.push(format!("out of memory on cuda:{} at {}{top}", device.torch_index, oom.failed_at()));
             }
         }
         lines

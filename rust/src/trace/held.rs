@@ -54,6 +54,26 @@ pub struct OomSites {
     pub live: SiteTable,
 }
 
+impl OomSites {
+    /// `In [7], line 2 `huge = torch.empty(...)`, asking 1.00 PiB`
+    pub fn failed_at(&self) -> String {
+        let source = self.site.source.as_deref().map(|s| format!(" `{s}`")).unwrap_or_default();
+        format!("{}{source}, asking {}", self.site.label, crate::units::bytes(self.requested))
+    }
+
+    /// The top `count` sites live when it failed: `In [6], line 1 (1.00 GiB, 97%); ...`.
+    pub fn live_then(&self, count: usize) -> Option<String> {
+        let sites: Vec<String> = self
+            .live
+            .sites
+            .iter()
+            .take(count)
+            .map(|s| format!("{} ({}, {:.0}%)", s.label, crate::units::bytes(s.bytes), s.share * 100.0))
+            .collect();
+        (!sites.is_empty()).then(|| sites.join("; "))
+    }
+}
+
 /// Every OOM in `replay`'s trace, in order.
 pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
     let events = snapshot.device_traces.get(replay.device).map(Vec::as_slice).unwrap_or(&[]);
