@@ -88,3 +88,9 @@ def test_bad_input_gets_a_clear_error(kernel):
     assert not_a_report.startswith("TypeError") and "compare([exp1, exp2])" in not_a_report
     bad_params = kernel.run("gpuexp.CPUExperiment('x', params={'bs': [1]})", expect_error=True).error
     assert bad_params.startswith("TypeError") and "params={\"bs\": 64}" in bad_params, bad_params
+
+
+def test_sites_needs_two_traced_experiments_and_says_how(kernel):
+    kernel.run(SETUP)
+    error = kernel.run("comparison.sites()", expect_error=True)
+    assert "0 of these 5 were traced" in error.text and "trace=True" in error.text, error.text

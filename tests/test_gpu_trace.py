@@ -95,6 +95,7 @@ def test_the_diff_of_two_batch_sizes_goes_to_the_lines_that_grew(kernel, tmp_pat
     stable = [r for r in diff["rows"] if "Linear" in (r.get("source") or "") or "AdamW" in (r.get("source") or "")]
     assert all(r["bytes_b"] == r["bytes_a"] for r in stable), stable
     print(kernel.run("print(e16.data.trace)\nprint(e16.data.diff(e8.data))").text)
+    assert kernel.value("gpuexp.compare([e8.data, e16.data]).sites().to_dict()") == diff, "the comparison's ends"
     out = tmp_path / "bs16.pickle"
     kernel.run(f"e16.data.save_snapshot({str(out)!r})\nloaded = gpuexp.load_snapshot({str(out)!r})")
     assert kernel.value("loaded.to_dict()[0]['peak']['peak']['bytes']") >= peaks[1]

@@ -311,6 +311,8 @@ class Comparison(_Table):
         """One row per experiment, one column per param and figure (a pandas DataFrame)."""
     def plot(self, x: str | None = None) -> Any:
         """Each layer's peak against a numeric param, the levels and a fit (a matplotlib Figure)."""
+    def sites(self) -> SiteDiff:
+        """Why the last traced experiment peaks higher than the first, by site (``last.diff(first)``)."""
 
 # ---- the monitor and the gpuexp command -------------------------------------------------------
 

@@ -8,13 +8,15 @@ use pyo3::prelude::*;
 
 use super::registry::registry;
 use super::report::{json_to_python, ReportPy};
+use super::trace::{diff_reports, SiteDiffPy};
 use crate::compare::Comparison;
 use crate::report::Report;
 
 /// Experiments side by side: `str()` and `_repr_html_` are the table, `to_dict()` is
-/// `{"rows": [...]}` with each report's figures in its own JSON shape.
+/// `{"rows": [...]}` with each report's figures in its own JSON shape. The reports are kept for
+/// `sites()`.
 #[pyclass(name = "Comparison", module = "gpuexp", frozen)]
-pub(super) struct ComparisonPy(Comparison);
+pub(super) struct ComparisonPy(Comparison, Vec<Arc<Report>>);
 
 shown_as_table!(ComparisonPy, |this| &this.0, this.0.grid());
 
@@ -43,6 +45,21 @@ impl ComparisonPy {
         super::error::optional(py, "matplotlib", "plot()")?;
         py.import("gpuexp.comparison")?.call_method1("draw", (spec,))
     }
+
+    /// Why the last traced experiment compared peaks higher (or lower) than the first, by site:
+    /// `last.diff(first)`, each site's growth related to the params that changed.
+    fn sites(&self) -> PyResult<SiteDiffPy> {
+        let traced: Vec<&Arc<Report>> = self.1.iter().filter(|report| !report.trace.is_empty()).collect();
+        match traced[..] {
+            [first, .., last] => diff_reports(last, first),
+            _ => Err(PyValueError::new_err(format!(
+                "sites() compares two traced experiments and {} of these {} were traced: open them with \
+                 GPUExperiment(..., trace=True)",
+                traced.len(),
+                self.1.len()
+            ))),
+        }
+    }
 }
 
 /// The comparison of `reports`, or of this kernel's finished experiments.
@@ -53,5 +70,5 @@ pub(super) fn compare(reports: Option<Vec<PyRef<ReportPy>>>) -> ComparisonPy {
         Some(reports) => reports.iter().map(|r| r.0.clone()).collect(),
         None => registry().history(),
     };
-    ComparisonPy(Comparison::of(reports.iter().map(|r| r.as_ref())))
+    ComparisonPy(Comparison::of(reports.iter().map(|r| r.as_ref())), reports)
 }

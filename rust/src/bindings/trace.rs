@@ -216,12 +216,7 @@ impl TracePy {
 
     /// Why this trace peaks higher (or lower) than `other`'s, by site, sorted by growth.
     fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
-        let other = trace_of(other)?;
-        let (Some(mine), Some(theirs)) = (self.devices.first(), other.devices.first()) else {
-            return Err(PyValueError::new_err("a trace with no GPU can't be compared"));
-        };
-        let theirs = other.devices.iter().find(|d| d.torch_index == mine.torch_index).unwrap_or(theirs);
-        Ok(SiteDiffPy(trace::diff(&theirs.peak, &mine.peak, &other.params, &self.params)))
+        self.diff_from(&trace_of(other)?)
     }
 
     /// Allocated over time stacked by the top sites, the peak marked: inline SVG in Jupyter;
@@ -238,6 +233,22 @@ impl TracePy {
         py.detach(|| write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
+}
+
+impl TracePy {
+    fn diff_from(&self, other: &TracePy) -> PyResult<SiteDiffPy> {
+        let (Some(mine), Some(theirs)) = (self.devices.first(), other.devices.first()) else {
+            return Err(PyValueError::new_err("a trace with no GPU can't be compared"));
+        };
+        let theirs = other.devices.iter().find(|d| d.torch_index == mine.torch_index).unwrap_or(theirs);
+        Ok(SiteDiffPy(trace::diff(&theirs.peak, &mine.peak, &other.params, &self.params)))
+    }
+}
+
+/// `b.diff(a)` of two traced reports.
+pub(super) fn diff_reports(b: &Report, a: &Report) -> PyResult<SiteDiffPy> {
+    let traced = |report: &Report| TracePy::of_report(report).ok_or_else(|| PyValueError::new_err("not traced"));
+    traced(b)?.diff_from(&traced(a)?)
 }
 
 fn trace_of(value: &Bound<PyAny>) -> PyResult<TracePy> {
