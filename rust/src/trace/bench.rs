@@ -112,11 +112,17 @@ fn parsing_a_large_snapshot_is_fast() {
     let peaks: Vec<u64> = traces.iter().map(|trace| trace.peak.table.total).collect();
     println!(
         "reading the file {read_cpu:?} CPU, replaying and attributing {analysed_cpu:?} CPU: load_snapshot's work {:?} \
-         CPU in all ({:?} since the read began); peak RSS {} MiB; peaks {peaks:?}, digest {:016x}",
+         CPU in all ({:?} since the read began); peak RSS {} MiB; peaks {peaks:?}, digest {:016x}, analysis {:016x}",
         read_cpu + parsed_cpu + analysed_cpu,
         began.elapsed(),
         peak_rss_mib(),
-        digest(&snapshot)
+        digest(&snapshot),
+        {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            format!("{traces:?}").hash(&mut hasher);
+            hasher.finish()
+        }
     );
     assert!(seconds_per_gib <= 10.0, "{seconds_per_gib:.1} s of CPU per GiB");
 }
