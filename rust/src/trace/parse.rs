@@ -303,7 +303,7 @@ impl Builder {
             } else if let Some(index) = item.read_dict() {
                 events.push(self.events[index as usize]);
             } else if let Value::Dict(dict) = &item {
-                let event = self.event(dict.borrow().iter().map(|(key, value)| (key, value)));
+                let event = self.event(dict.borrow().iter().map(|(key, value)| (key, value)), &mut Vec::new());
                 events.push(event);
             }
         }
@@ -323,14 +323,20 @@ impl Builder {
     }
 
     /// Reads an event into `events`.
-    fn keep<'v>(&mut self, entries: impl Iterator<Item = (&'v Value, &'v Value)>) -> u32 {
-        let event = self.event(entries);
+    fn keep<'v>(&mut self, entries: impl Iterator<Item = (&'v Value, &'v Value)>, read: &mut Vec<(Value, u32)>) -> u32 {
+        let event = self.event(entries, read);
         self.events.push(event);
         (self.events.len() - 1) as u32
     }
 
-    /// One pass over the event's entries (events are most of a snapshot).
-    fn event<'v>(&mut self, entries: impl Iterator<Item = (&'v Value, &'v Value)>) -> Event {
+    /// One pass over the event's entries (events are most of a snapshot); its frames list, if
+    /// not read yet (an empty one, or one of 1000 frames or more), goes in `read` as its stack:
+    /// complete by now, it need not be kept as a list (torch makes a new empty one per event).
+    fn event<'v>(
+        &mut self,
+        entries: impl Iterator<Item = (&'v Value, &'v Value)>,
+        read: &mut Vec<(Value, u32)>,
+    ) -> Event {
         let mut event = Event {
             action: Action::Other,
             addr: 0,
@@ -357,6 +363,9 @@ impl Builder {
             _ => {}
         });
         event.stack = self.stack(frames);
+        if let Some(list @ Value::List(_)) = frames.filter(|frames| frames.read_list().is_none()) {
+            read.push((list.clone(), event.stack));
+        }
         event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
         event
     }
@@ -393,24 +402,24 @@ impl Builder {
 
 impl Finish for Builder {
     /// An event dict appended to a list and not read yet (see `finish_dict`) becomes an `Event`.
-    fn finish(&mut self, item: Value) -> Value {
+    fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value {
         let Value::Dict(dict) = &item else { return item };
         let starts_with_action = dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action"));
         if !starts_with_action {
             return item;
         }
-        let first = self.keep(dict.borrow().iter().map(|(key, value)| (key, value)));
+        let first = self.keep(dict.borrow().iter().map(|(key, value)| (key, value)), read);
         Value::Kept { first, count: 1 }
     }
 
     /// An event is read as its dict is made. Torch writes `action` first; a dict that does not
     /// start with it (a frame, a block) is stored as it is, and an event written otherwise is
     /// still read, when appended or at the end.
-    fn finish_dict(&mut self, items: &[Value]) -> Option<u32> {
+    fn finish_dict(&mut self, items: &[Value], read: &mut Vec<(Value, u32)>) -> Option<u32> {
         if items.first().and_then(Value::as_str) != Some("action") {
             return None;
         }
-        Some(self.keep(items.chunks_exact(2).map(|pair| (&pair[0], &pair[1]))))
+        Some(self.keep(items.chunks_exact(2).map(|pair| (&pair[0], &pair[1])), read))
     }
 
     /// A frames list (every item a frame dict: one read already, or one with a `filename`) is
@@ -447,7 +456,7 @@ mod tests {
         ] {
             let snapshot = Snapshot::from_pickle(fixture).unwrap();
             let events = &snapshot.device_traces[0];
-            assert_eq!(events.len(), 1504);
+            assert_eq!(events.len(), 1506);
             let (alloc, free_requested, free_completed) = (events[0], events[1501], events[1502]);
             assert_eq!(frames(&snapshot, alloc.stack), [torch, ("/home/u/train.py", 14, "forward")]);
             assert_eq!(free_completed.stack, alloc.stack, "the list referred to again, a batch later");
@@ -456,8 +465,12 @@ mod tests {
             assert_eq!(frames(&snapshot, free_requested.stack), [("/home/u/train.py", 30, "step")]);
             assert_eq!(events[1503], alloc, "an event dict appended twice is the same event twice");
             assert_eq!(frames(&snapshot, events[1].stack)[0], torch);
+            let deep = frames(&snapshot, events[1504].stack);
+            assert_eq!((deep.len(), deep[0], deep[1499]), (1500, torch, ("/home/u/train.py", 14, "forward")));
+            assert_eq!((events[1505].addr, events[1505].stack), (4 << 30, 0), "no frames: the bare stack");
             let other = &snapshot.device_traces[1];
-            assert_eq!((other.len(), other[0].addr, other[0].stack), (1, 5 << 30, free_requested.stack));
+            assert_eq!((other.len(), other[0].addr, other[0].stack), (2, 5 << 30, free_requested.stack));
+            assert_eq!(other[1].stack, events[1504].stack, "the long list, referred to again");
             let stacks =
                 |trace: &[Event]| trace.iter().map(|e| format!("{:?}", frames(&snapshot, e.stack))).collect::<Vec<_>>();
             read.push((snapshot.device_traces.clone(), stacks(events), snapshot.segments.clone()));

@@ -183,14 +183,16 @@ impl Value {
 /// (an index into what the hook keeps), or leave them be.
 pub trait Finish {
     /// An item as it is appended to a list: itself, or `Kept` (one item, `count` 1). A dict
-    /// made `Kept` then reads so (`ReadDict`) wherever it is referred to again.
-    fn finish(&mut self, item: Value) -> Value;
+    /// made `Kept` then reads so (`ReadDict`) wherever it is referred to again. Containers
+    /// the hook read whole along with it (an event's frames list, as its stack) go in `read`
+    /// with their ids, and read so from then on too (`ReadList`, `ReadDict`).
+    fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value;
 
     /// A new dict's items (key, value, key, value...), all of them, as they are set: with
     /// `Some(n)` the dict reads as `n` (`Value::read_dict`; appended to a list, it is `Kept`
-    /// item `n`) and its items are never stored. Most of a trace is its event dicts, so they
+    /// item `n`) and its items are never stored; `read` as in `finish`. Most of a trace is its event dicts, so they
     /// are read here, never built.
-    fn finish_dict(&mut self, _items: &[Value]) -> Option<u32> {
+    fn finish_dict(&mut self, _items: &[Value], _read: &mut Vec<(Value, u32)>) -> Option<u32> {
         None
     }
 
@@ -227,6 +229,8 @@ struct Reader<'a, F> {
     marks: Vec<usize>,
     memo: Vec<Value>,
     finish: &'a mut F,
+    /// What the hook read along with an item (`Finish::finish`), waiting to be settled.
+    read: Vec<(Value, u32)>,
 }
 
 /// A container's memo slot, if it was memoized.
@@ -244,6 +248,18 @@ fn same(a: &Value, b: &Value) -> bool {
         (Value::List(a), Value::List(b)) => Rc::ptr_eq(a, b),
         (Value::Dict(a), Value::Dict(b)) => Rc::ptr_eq(a, b),
         _ => false,
+    }
+}
+
+/// The containers in `read` read as their ids from now on.
+fn settle(read: &mut Vec<(Value, u32)>, memo: &mut [Value]) {
+    for (container, id) in read.drain(..) {
+        match &container {
+            Value::List(list) => list.kept.set(Some(id)),
+            Value::Dict(dict) => dict.kept.set(Some(id)),
+            _ => continue,
+        }
+        read_as(memo, &container, id);
     }
 }
 
@@ -352,14 +368,15 @@ impl<F: Finish> Reader<'_, F> {
             let item = match item.read_dict() {
                 Some(id) => Value::Kept { first: id, count: 1 },
                 None if slot(&item).is_some() => {
-                    let finished = self.finish.finish(item.clone());
+                    let finished = self.finish.finish(item.clone(), &mut self.read);
                     if let Value::Kept { first, .. } = finished {
                         read_as(&mut self.memo, &item, first);
                     }
                     finished
                 }
-                None => self.finish.finish(item),
+                None => self.finish.finish(item, &mut self.read),
             };
+            settle(&mut self.read, &mut self.memo);
             push(&mut items, item);
         }
         Ok(())
@@ -378,9 +395,10 @@ impl<F: Finish> Reader<'_, F> {
         };
         let pairs = (self.stack.len() - from) / 2;
         if whole && (1..BATCH).contains(&pairs) && dict.kept.get().is_none() && dict.items.borrow().is_empty() {
-            if let Some(id) = self.finish.finish_dict(&self.stack[from..]) {
+            if let Some(id) = self.finish.finish_dict(&self.stack[from..], &mut self.read) {
                 dict.kept.set(Some(id));
                 read_as(&mut self.memo, target, id);
+                settle(&mut self.read, &mut self.memo);
                 self.stack.truncate(from);
                 return Ok(());
             }
@@ -630,6 +648,7 @@ fn long(bytes: &[u8]) -> Value {
 
 /// Reads one pickled value from `bytes`, handing each list item to `finish` as it is appended.
 pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Value, Error> {
-    let mut reader = Reader { bytes, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), finish };
+    let mut reader =
+        Reader { bytes, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), finish, read: Vec::new() };
     reader.run()
 }
