@@ -7,8 +7,9 @@
 //!
 //! Speed and memory (a 1 GiB snapshot is some 400 million opcodes): a value is 16 bytes and
 //! cloned by a reference count. A dict or list that the hook reads whole as its items are set
-//! (an event, a frames list) never stores them, and its memo entry becomes `Read(id)`, 16 bytes,
-//! so a later reference to it still reads the same. A container carries its own memo slot and
+//! (an event, a frames list) never stores them, and its memo entry becomes `ReadDict(id)` or
+//! `ReadList(id)`, 16 bytes, so a later reference to it still reads the same (as does one the
+//! hook read along with its event). A container carries its own memo slot and
 //! a note for the hook, so that and finding a frame already read are a field away, not a hash
 //! lookup. A list of kept items holds them as runs (`Kept`), a trace's list as one value.
 
