@@ -214,16 +214,13 @@ impl Snapshot {
         if !matches!(root, Value::Dict(_)) {
             return Err(invalid("the pickle holds no dict".into()));
         }
-        let device_traces = root
-            .get("device_traces")
-            .map(|traces| {
-                traces
-                    .items()
-                    .iter()
-                    .map(|trace| trace.items().into_iter().filter_map(|item| builder.event_of(item)).collect())
-                    .collect()
-            })
-            .unwrap_or_default();
+        let traces = root.get("device_traces").map(|traces| traces.items()).unwrap_or_default();
+        // The trace made of every event the hook kept, in order (one device's: the usual case)
+        // takes them as they are, so the largest thing read is never copied.
+        let whole = traces.iter().rposition(|trace| builder.holds_every_event(trace));
+        let device_traces = (traces.iter().enumerate())
+            .map(|(i, trace)| if Some(i) == whole { std::mem::take(&mut builder.events) } else { builder.trace(trace) })
+            .collect();
         let segments = root
             .get("segments")
             .map(|segments| segments.items().iter().map(|s| builder.segment(s)).collect())
@@ -243,13 +240,11 @@ impl Snapshot {
 }
 
 /// Turns each event dict into an `Event` as soon as the reader appends it to its trace, and
-/// interns frames: a shared frame dict is read once.
+/// interns frames: a shared frame dict is read once (its id noted on it).
 #[derive(Default)]
 struct Builder {
     stacks: Stacks,
     events: Vec<Event>,
-    /// Frame dicts seen, by identity (each kept alive here so its address is never reused).
-    frames: pickle::AddressMap<(Value, u32)>,
     scratch: Vec<u32>,
 }
 
@@ -259,9 +254,10 @@ fn int(value: &Value, key: &str) -> i64 {
 
 impl Builder {
     fn frame(&mut self, frame: &Value) -> u32 {
-        let key = pickle::container_key(frame);
-        if let Some(&(_, id)) = key.and_then(|key| self.frames.get(&key)) {
-            return id;
+        if let Value::Dict(dict) = frame {
+            if let Some(id) = dict.note.get() {
+                return id;
+            }
         }
         let (mut filename, mut line, mut name) = (None, 0, None);
         frame.for_each_entry(|key, value| match key {
@@ -271,35 +267,76 @@ impl Builder {
             _ => {}
         });
         let id = self.stacks.intern_frame(filename.as_deref().unwrap_or(""), line, name.as_deref().unwrap_or(""));
-        if let Some(key) = key {
-            self.frames.insert(key, (frame.clone(), id));
+        if let Value::Dict(dict) = frame {
+            dict.note.set(Some(id));
         }
         id
     }
 
+    /// A frames list's stack (the list read already, as `finish_list` does, or now).
     fn stack(&mut self, frames: Option<&Value>) -> StackId {
+        if let Some(stack) = frames.and_then(Value::read_list) {
+            return stack;
+        }
+        match frames {
+            Some(Value::List(list)) => self.stack_of(list.borrow().iter()),
+            Some(other) => self.stack_of(other.items().iter()),
+            None => self.stack_of(std::iter::empty()),
+        }
+    }
+
+    fn stack_of<'v>(&mut self, frames: impl Iterator<Item = &'v Value>) -> StackId {
         let mut ids = std::mem::take(&mut self.scratch);
         ids.clear();
-        match frames {
-            Some(Value::List(list)) => ids.extend(list.borrow().iter().map(|frame| self.frame(frame))),
-            Some(other) => ids.extend(other.items().iter().map(|frame| self.frame(frame))),
-            None => {}
-        }
+        ids.extend(frames.map(|frame| self.frame(frame)));
         let stack = self.stacks.intern_stack(&ids);
         self.scratch = ids;
         stack
     }
 
-    fn event_of(&mut self, item: Value) -> Option<Event> {
-        match item {
-            Value::Kept(index) => self.events.get(index as usize).copied(),
-            dict @ Value::Dict(_) => Some(self.event(&dict).0),
-            _ => None,
+    /// A trace's events, whether read as they were made or now.
+    fn trace(&mut self, trace: &Value) -> Vec<Event> {
+        let mut events = Vec::new();
+        for item in trace.items() {
+            if let Value::Kept { first, count } = item {
+                events.extend_from_slice(&self.events[first as usize..][..count as usize]);
+            } else if let Some(index) = item.read_dict() {
+                events.push(self.events[index as usize]);
+            } else if let Value::Dict(dict) = &item {
+                let event = self.event(dict.borrow().iter().map(|(key, value)| (key, value)), &mut Vec::new());
+                events.push(event);
+            }
+        }
+        events
+    }
+
+    /// `trace` is every event kept, in order (one run of them).
+    fn holds_every_event(&self, trace: &Value) -> bool {
+        let Value::List(list) = trace else { return false };
+        let items = list.borrow();
+        let count = self.events.len() as u32;
+        match items.as_slice() {
+            [] => count == 0,
+            [Value::Kept { first: 0, count: all }] => *all == count,
+            _ => false,
         }
     }
 
-    /// One pass over the event's entries (events are most of a snapshot); with its frames list.
-    fn event(&mut self, dict: &Value) -> (Event, Option<Value>) {
+    /// Reads an event into `events`.
+    fn keep<'v>(&mut self, entries: impl Iterator<Item = (&'v Value, &'v Value)>, read: &mut Vec<(Value, u32)>) -> u32 {
+        let event = self.event(entries, read);
+        self.events.push(event);
+        (self.events.len() - 1) as u32
+    }
+
+    /// One pass over the event's entries (events are most of a snapshot); its frames list, if
+    /// not read yet (an empty one, or one of 1000 frames or more), goes in `read` as its stack:
+    /// complete by now, it need not be kept as a list (torch makes a new empty one per event).
+    fn event<'v>(
+        &mut self,
+        entries: impl Iterator<Item = (&'v Value, &'v Value)>,
+        read: &mut Vec<(Value, u32)>,
+    ) -> Event {
         let mut event = Event {
             action: Action::Other,
             addr: 0,
@@ -313,20 +350,24 @@ impl Builder {
         let mut frames = None;
         let mut annotation = None;
         let number = |value: &Value| value.as_int().unwrap_or(0);
-        dict.for_each_entry(|key, value| match key {
+        let entries = entries.filter_map(|(key, value)| Some((key.as_str()?, value)));
+        entries.for_each(|(key, value)| match key {
             "action" => event.action = Action::named(value.as_str().unwrap_or("")),
             "addr" => event.addr = number(value) as u64,
             "size" => event.size = number(value) as u64,
             "stream" => event.stream = number(value),
             "time_us" => event.time_us = number(value),
             "device_free" => event.device_free = number(value) as u64,
-            "frames" => frames = Some(value.clone()),
+            "frames" => frames = Some(value),
             "user_metadata" => annotation = value.as_str().filter(|text| !text.is_empty()).map(str::to_string),
             _ => {}
         });
-        event.stack = self.stack(frames.as_ref());
+        event.stack = self.stack(frames);
+        if let Some(list @ Value::List(_)) = frames.filter(|frames| frames.read_list().is_none()) {
+            read.push((list.clone(), event.stack));
+        }
         event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
-        (event, frames)
+        event
     }
 
     fn segment(&mut self, dict: &Value) -> Segment {
@@ -360,22 +401,80 @@ impl Builder {
 }
 
 impl Finish for Builder {
-    /// An event (a dict with an `action`) becomes an `Event` at once; it and its frames list
-    /// leave the memo (torch never shares them), its frame dicts stay.
-    fn finish(&mut self, item: Value, released: &mut Vec<usize>) -> Value {
-        // Torch writes `action` first; a dict that does not start with it (a frame, a block)
-        // is kept as it is, and an event written otherwise is still read, at the end.
-        let starts_with_action = match &item {
-            Value::Dict(dict) => dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action")),
-            _ => false,
-        };
+    /// An event dict appended to a list and not read yet (see `finish_dict`) becomes an `Event`.
+    fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value {
+        let Value::Dict(dict) = &item else { return item };
+        let starts_with_action = dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action"));
         if !starts_with_action {
             return item;
         }
-        let (event, frames) = self.event(&item);
-        released.extend(pickle::container_key(&item));
-        released.extend(frames.as_ref().and_then(pickle::container_key));
-        self.events.push(event);
-        Value::Kept((self.events.len() - 1) as u32)
+        let first = self.keep(dict.borrow().iter().map(|(key, value)| (key, value)), read);
+        Value::Kept { first, count: 1 }
+    }
+
+    /// An event is read as its dict is made. Torch writes `action` first; a dict that does not
+    /// start with it (a frame, a block) is stored as it is, and an event written otherwise is
+    /// still read, when appended or at the end.
+    fn finish_dict(&mut self, items: &[Value], read: &mut Vec<(Value, u32)>) -> Option<u32> {
+        if items.first().and_then(Value::as_str) != Some("action") {
+            return None;
+        }
+        Some(self.keep(items.chunks_exact(2).map(|pair| (&pair[0], &pair[1])), read))
+    }
+
+    /// A frames list (every item a frame dict: one read already, or one with a `filename`) is
+    /// read as its stack as it is made, never stored.
+    fn finish_list(&mut self, items: &[Value]) -> Option<u32> {
+        let is_frame = |item: &Value| match item {
+            Value::Dict(dict) => {
+                dict.note.get().is_some() || dict.borrow().iter().any(|(key, _)| key.as_str() == Some("filename"))
+            }
+            _ => false,
+        };
+        if !items.iter().all(is_frame) {
+            return None;
+        }
+        Some(self.stack_of(items.iter()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(snapshot: &Snapshot, stack: StackId) -> Vec<(&str, u32, &str)> {
+        snapshot.stacks.frames(stack).map(|frame| (frame.filename, frame.line, frame.name)).collect()
+    }
+
+    #[test]
+    fn frames_lists_shared_as_torch_shares_them_read_the_same_wherever_they_are_referred_to() {
+        let torch = ("/usr/lib/python3.11/site-packages/torch/nn/functional.py", 2000, "linear");
+        let mut read = Vec::new();
+        for fixture in [
+            &include_bytes!("testdata/snapshot_shared_frames_p0.pickle")[..],
+            include_bytes!("testdata/snapshot_shared_frames_p4.pickle"),
+        ] {
+            let snapshot = Snapshot::from_pickle(fixture).unwrap();
+            let events = &snapshot.device_traces[0];
+            assert_eq!(events.len(), 1506);
+            let (alloc, free_requested, free_completed) = (events[0], events[1501], events[1502]);
+            assert_eq!(frames(&snapshot, alloc.stack), [torch, ("/home/u/train.py", 14, "forward")]);
+            assert_eq!(free_completed.stack, alloc.stack, "the list referred to again, a batch later");
+            assert_eq!(snapshot.segments[0].blocks[0].stack, alloc.stack, "the block's list, read first");
+            assert_eq!((free_completed.action, free_completed.addr), (Action::FreeCompleted, 1 << 30));
+            assert_eq!(frames(&snapshot, free_requested.stack), [("/home/u/train.py", 30, "step")]);
+            assert_eq!(events[1503], alloc, "an event dict appended twice is the same event twice");
+            assert_eq!(frames(&snapshot, events[1].stack)[0], torch);
+            let deep = frames(&snapshot, events[1504].stack);
+            assert_eq!((deep.len(), deep[0], deep[1499]), (1500, torch, ("/home/u/train.py", 14, "forward")));
+            assert_eq!((events[1505].addr, events[1505].stack), (4 << 30, 0), "no frames: the bare stack");
+            let other = &snapshot.device_traces[1];
+            assert_eq!((other.len(), other[0].addr, other[0].stack), (2, 5 << 30, free_requested.stack));
+            assert_eq!(other[1].stack, events[1504].stack, "the long list, referred to again");
+            let stacks =
+                |trace: &[Event]| trace.iter().map(|e| format!("{:?}", frames(&snapshot, e.stack))).collect::<Vec<_>>();
+            read.push((snapshot.device_traces.clone(), stacks(events), snapshot.segments.clone()));
+        }
+        assert!(read[0] == read[1], "protocol 0 (item by item) reads as protocol 4 (in batches)");
     }
 }

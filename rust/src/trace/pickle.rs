@@ -1,11 +1,19 @@
 //! A reader for pickles of plain data (dicts, lists, tuples, strings, numbers), protocols 2 to
 //! 5. It runs no code: a class or a call in the file becomes an opaque value, never an import.
 //! Memoized objects are shared, not copied (torch's snapshots share each frame dict among every
-//! stack that has it), and a `Finish` hook turns each finished list item into something compact
-//! as soon as it is appended, so a large trace is never held as a tree of dicts.
+//! stack that has it, and each frames list among the events and blocks of one traceback), and
+//! a `Finish` hook reads containers into something compact as soon as they are filled, so a
+//! large trace is never held as a tree of dicts.
+//!
+//! Speed and memory (a 1 GiB snapshot is some 400 million opcodes): a value is 16 bytes and
+//! cloned by a reference count. A dict or list that the hook reads whole as its items are set
+//! (an event, a frames list) never stores them, and its memo entry becomes `ReadDict(id)` or
+//! `ReadList(id)`, 16 bytes, so a later reference to it still reads the same (as does one the
+//! hook read along with its event). A container carries its own memo slot and
+//! a note for the hook, so that and finding a frame already read are a field away, not a hash
+//! lookup. A list of kept items holds them as runs (`Kept`), a trace's list as one value.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
@@ -19,9 +27,17 @@ impl Hasher for QuickHasher {
         self.0
     }
 
+    /// Eight bytes a step: a stack's key is a dozen frame ids, hashed once per event.
     fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ byte as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            self.write_u64(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut last = [0u8; 8];
+            last[..rest.len()].copy_from_slice(rest);
+            self.write_u64(u64::from_le_bytes(last) ^ (rest.len() as u64) << 59);
         }
     }
 
@@ -38,30 +54,68 @@ impl Hasher for QuickHasher {
     }
 }
 
-/// A map keyed by addresses.
-pub type AddressMap<V> = HashMap<usize, V, Quick>;
-
 /// `QuickHasher` for any map.
 pub type Quick = BuildHasherDefault<QuickHasher>;
 
-pub type List = Rc<RefCell<Vec<Value>>>;
-pub type Dict = Rc<RefCell<Vec<(Value, Value)>>>;
+/// A list or dict being read, with what the reader and the hook note about it.
+#[derive(Debug)]
+pub struct Container<T> {
+    items: RefCell<Vec<T>>,
+    /// Where it was last memoized (`NO_SLOT` if never), so a read one can leave the memo.
+    slot: Cell<u32>,
+    /// The hook's number for it (what it was read as), set once the hook has read it.
+    pub note: Cell<Option<u32>>,
+    /// What the hook read it as when it was filled (`Finish::finish_dict`, `finish_list`).
+    kept: Cell<Option<u32>>,
+}
 
+const NO_SLOT: u32 = u32::MAX;
+
+impl<T> Default for Container<T> {
+    fn default() -> Container<T> {
+        Container {
+            items: RefCell::new(Vec::new()),
+            slot: Cell::new(NO_SLOT),
+            note: Cell::new(None),
+            kept: Cell::new(None),
+        }
+    }
+}
+
+impl<T> Container<T> {
+    pub fn borrow(&self) -> std::cell::Ref<'_, Vec<T>> {
+        self.items.borrow()
+    }
+}
+
+pub type List = Rc<Container<Value>>;
+pub type Dict = Rc<Container<(Value, Value)>>;
+
+/// 16 bytes: every memo entry and stack slot is one, and a large trace has tens of millions.
 #[derive(Clone, Debug)]
 pub enum Value {
     None,
     Bool(bool),
     Int(i64),
     Float(f64),
-    Str(Rc<str>),
+    Str(Rc<Box<str>>),
     Bytes,
     List(List),
     Dict(Dict),
-    Tuple(Rc<[Value]>),
+    Tuple(Rc<Vec<Value>>),
     /// A class, a call's result, a persistent id: never evaluated.
     Opaque,
-    /// An item the hook made compact (an index into what the hook keeps).
-    Kept(u32),
+    /// A dict the hook read whole as it was filled (`Finish::finish_dict`), as what the hook
+    /// keeps at this index: its memo entry once read.
+    ReadDict(u32),
+    /// The same for a list (`Finish::finish_list`).
+    ReadList(u32),
+    /// List items the hook made compact: `first..first + count` of what the hook keeps (a run
+    /// of them is one value, so a trace's list costs next to nothing).
+    Kept {
+        first: u32,
+        count: u32,
+    },
 }
 
 impl Value {
@@ -98,22 +152,72 @@ impl Value {
         }
     }
 
+    /// What the hook read this dict as when it was filled, if it did.
+    pub fn read_dict(&self) -> Option<u32> {
+        match self {
+            Value::ReadDict(id) => Some(*id),
+            Value::Dict(dict) => dict.kept.get(),
+            _ => None,
+        }
+    }
+
+    /// What the hook read this list as when it was filled, if it did.
+    pub fn read_list(&self) -> Option<u32> {
+        match self {
+            Value::ReadList(id) => Some(*id),
+            Value::List(list) => list.kept.get(),
+            _ => None,
+        }
+    }
+
     /// The items of a list or tuple.
     pub fn items(&self) -> Vec<Value> {
         match self {
             Value::List(list) => list.borrow().clone(),
-            Value::Tuple(items) => items.to_vec(),
+            Value::Tuple(items) => items.as_ref().clone(),
             _ => Vec::new(),
         }
     }
 }
 
-/// What the reader does with an item as it is appended to a list: keep it, or replace it by
-/// something smaller (`Value::Kept`). Containers it names in `released` (by `container_key`)
-/// leave the memo: the hook knows they are never referred to again (a later reference would
-/// read `Opaque`).
+/// What the reader does with containers as they are filled: read them into something compact
+/// (an index into what the hook keeps), or leave them be.
 pub trait Finish {
-    fn finish(&mut self, item: Value, released: &mut Vec<usize>) -> Value;
+    /// An item as it is appended to a list: itself, or `Kept` (one item, `count` 1). A dict
+    /// made `Kept` then reads so (`ReadDict`) wherever it is referred to again. Containers
+    /// the hook read whole along with it (an event's frames list, as its stack) go in `read`
+    /// with their ids, and read so from then on too (`ReadList`, `ReadDict`).
+    fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value;
+
+    /// A new dict's items (key, value, key, value...), all of them, as they are set: with
+    /// `Some(n)` the dict reads as `n` (`Value::read_dict`; appended to a list, it is `Kept`
+    /// item `n`) and its items are never stored; `read` as in `finish`. Most of a trace is its event dicts, so they
+    /// are read here, never built.
+    fn finish_dict(&mut self, _items: &[Value], _read: &mut Vec<(Value, u32)>) -> Option<u32> {
+        None
+    }
+
+    /// A new list's items, all of them, as they are appended: with `Some(n)` the list reads as
+    /// `n` (`Value::read_list`) and its items are never stored.
+    fn finish_list(&mut self, _items: &[Value]) -> Option<u32> {
+        None
+    }
+}
+
+/// Python's pickler appends a list's items and sets a dict's in batches of this many (from
+/// protocol 1 on, with APPENDS and SETITEMS), so a smaller batch on an empty one is all of it.
+/// (An empty batch is not: protocol 0 makes an empty list, then appends item by item.)
+const BATCH: usize = 1000;
+
+/// Appends `item` to `list`, a `Kept` item to the run of them it follows.
+fn push(list: &mut Vec<Value>, item: Value) {
+    if let (Some(Value::Kept { first, count }), Value::Kept { first: next, count: more }) = (list.last_mut(), &item) {
+        if first.checked_add(*count) == Some(*next) {
+            *count += more;
+            return;
+        }
+    }
+    list.push(item);
 }
 
 /// Why a pickle could not be read.
@@ -125,17 +229,50 @@ struct Reader<'a, F> {
     stack: Vec<Value>,
     marks: Vec<usize>,
     memo: Vec<Value>,
-    /// Where each memoized container sits in the memo, so a finished one can leave it.
-    slots: AddressMap<usize>,
     finish: &'a mut F,
+    /// What the hook read along with an item (`Finish::finish`), waiting to be settled.
+    read: Vec<(Value, u32)>,
 }
 
-/// A container's identity while it is alive.
-pub fn container_key(value: &Value) -> Option<usize> {
-    match value {
-        Value::List(list) => Some(Rc::as_ptr(list) as *const u8 as usize),
-        Value::Dict(dict) => Some(Rc::as_ptr(dict) as *const u8 as usize),
-        _ => None,
+/// A container's memo slot, if it was memoized.
+fn slot(value: &Value) -> Option<usize> {
+    let slot = match value {
+        Value::List(list) => list.slot.get(),
+        Value::Dict(dict) => dict.slot.get(),
+        _ => NO_SLOT,
+    };
+    (slot != NO_SLOT).then_some(slot as usize)
+}
+
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::List(a), Value::List(b)) => Rc::ptr_eq(a, b),
+        (Value::Dict(a), Value::Dict(b)) => Rc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+/// The containers in `read` read as their ids from now on.
+fn settle(read: &mut Vec<(Value, u32)>, memo: &mut [Value]) {
+    for (container, id) in read.drain(..) {
+        match &container {
+            Value::List(list) => list.kept.set(Some(id)),
+            Value::Dict(dict) => dict.kept.set(Some(id)),
+            _ => continue,
+        }
+        read_as(memo, &container, id);
+    }
+}
+
+/// `container`, read by the hook as `id`, reads so from the memo on: its items are gone.
+fn read_as(memo: &mut [Value], container: &Value, id: u32) {
+    if let Some(slot) = slot(container) {
+        if same(&memo[slot], container) {
+            memo[slot] = match container {
+                Value::List(_) => Value::ReadList(id),
+                _ => Value::ReadDict(id),
+            };
+        }
     }
 }
 
@@ -168,7 +305,7 @@ impl<F: Finish> Reader<'_, F> {
 
     fn text(&mut self, n: usize) -> Result<Value, Error> {
         let bytes = self.take(n)?;
-        Ok(Value::Str(String::from_utf8_lossy(bytes).into()))
+        Ok(Value::Str(Rc::new(String::from_utf8_lossy(bytes).into())))
     }
 
     fn pop(&mut self) -> Result<Value, Error> {
@@ -186,11 +323,15 @@ impl<F: Finish> Reader<'_, F> {
 
     fn memoize(&mut self, index: usize) -> Result<(), Error> {
         let value = self.top()?.clone();
+        // An index past u32 is no file this reader can hold in memory.
+        let slot = u32::try_from(index).ok().filter(|&slot| slot != NO_SLOT).ok_or("a bad memo index")?;
+        match &value {
+            Value::List(list) => list.slot.set(slot),
+            Value::Dict(dict) => dict.slot.set(slot),
+            _ => {}
+        }
         if index >= self.memo.len() {
             self.memo.resize(index + 1, Value::None);
-        }
-        if let Some(key) = container_key(&value) {
-            self.slots.insert(key, index);
         }
         self.memo[index] = value;
         Ok(())
@@ -203,40 +344,68 @@ impl<F: Finish> Reader<'_, F> {
     }
 
     /// Appends the stack's items from `from` on to `list`, each handed to the hook (drained in
-    /// place: this runs for every list in the file).
-    fn append(&mut self, list: &Value, from: usize) -> Result<(), Error> {
-        let Value::List(list) = list else {
+    /// place: this runs for every list in the file), or all of them at once when they are the
+    /// whole of a new list (`whole`: APPENDS, not APPEND, which protocol 0 writes per item).
+    fn append(&mut self, target: &Value, from: usize, whole: bool) -> Result<(), Error> {
+        let Value::List(list) = target else {
             self.stack.truncate(from);
-            return match list {
+            return match target {
                 Value::Opaque => Ok(()),
                 _ => Err("the pickle appends to something that is not a list".into()),
             };
         };
-        let mut list = list.borrow_mut();
-        list.reserve(self.stack.len() - from);
-        let mut released = Vec::new();
-        for item in self.stack.drain(from..) {
-            list.push(self.finish.finish(item, &mut released));
-            for key in released.drain(..) {
-                if let Some(slot) = self.slots.remove(&key) {
-                    self.memo[slot] = Value::Opaque;
-                }
+        let new = || list.kept.get().is_none() && list.items.borrow().is_empty();
+        if whole && (1..BATCH).contains(&(self.stack.len() - from)) && new() {
+            if let Some(id) = self.finish.finish_list(&self.stack[from..]) {
+                list.kept.set(Some(id));
+                read_as(&mut self.memo, target, id);
+                self.stack.truncate(from);
+                return Ok(());
             }
+        }
+        let mut items = list.items.borrow_mut();
+        items.reserve(self.stack.len() - from);
+        for item in self.stack.drain(from..) {
+            let item = match item.read_dict() {
+                Some(id) => Value::Kept { first: id, count: 1 },
+                None if slot(&item).is_some() => {
+                    let finished = self.finish.finish(item.clone(), &mut self.read);
+                    if let Value::Kept { first, .. } = finished {
+                        read_as(&mut self.memo, &item, first);
+                    }
+                    finished
+                }
+                None => self.finish.finish(item, &mut self.read),
+            };
+            settle(&mut self.read, &mut self.memo);
+            push(&mut items, item);
         }
         Ok(())
     }
 
-    /// Sets the stack's key/value pairs from `from` on in `dict`.
-    fn set_items(&mut self, dict: &Value, from: usize) -> Result<(), Error> {
-        let Value::Dict(dict) = dict else {
+    /// Sets the stack's key/value pairs from `from` on in `dict`, or has the hook read them when
+    /// they are the whole of a new dict (`whole`: SETITEMS, not SETITEM, which protocol 0 writes
+    /// per item).
+    fn set_items(&mut self, target: &Value, from: usize, whole: bool) -> Result<(), Error> {
+        let Value::Dict(dict) = target else {
             self.stack.truncate(from);
-            return match dict {
+            return match target {
                 Value::Opaque => Ok(()),
                 _ => Err("the pickle sets items on something that is not a dict".into()),
             };
         };
-        let mut dict = dict.borrow_mut();
-        dict.reserve((self.stack.len() - from) / 2);
+        let pairs = (self.stack.len() - from) / 2;
+        if whole && (1..BATCH).contains(&pairs) && dict.kept.get().is_none() && dict.items.borrow().is_empty() {
+            if let Some(id) = self.finish.finish_dict(&self.stack[from..], &mut self.read) {
+                dict.kept.set(Some(id));
+                read_as(&mut self.memo, target, id);
+                settle(&mut self.read, &mut self.memo);
+                self.stack.truncate(from);
+                return Ok(());
+            }
+        }
+        let mut dict = dict.items.borrow_mut();
+        dict.reserve(pairs);
         let mut items = self.stack.drain(from..);
         while let (Some(key), Some(value)) = (items.next(), items.next()) {
             dict.push((key, value));
@@ -330,7 +499,7 @@ impl<F: Finish> Reader<'_, F> {
                     self.stack.push(text);
                 }
                 b'V' => {
-                    let text = Value::Str(self.line()?.into());
+                    let text = Value::Str(Rc::new(self.line()?.into()));
                     self.stack.push(text);
                 }
                 b'C' | b'B' | 0x8e | 0x96 => {
@@ -344,23 +513,23 @@ impl<F: Finish> Reader<'_, F> {
                 }
                 b']' => self.stack.push(Value::List(List::default())),
                 b'}' => self.stack.push(Value::Dict(Dict::default())),
-                b')' => self.stack.push(Value::Tuple(Rc::from(Vec::new()))),
+                b')' => self.stack.push(Value::Tuple(Rc::default())),
                 0x8f => self.stack.push(Value::List(List::default())),
                 b'l' => {
                     let from = self.mark()?;
                     let list = Value::List(List::default());
-                    self.append(&list, from)?;
+                    self.append(&list, from, true)?;
                     self.stack.push(list);
                 }
                 b'd' => {
                     let from = self.mark()?;
                     let dict = Value::Dict(Dict::default());
-                    self.set_items(&dict, from)?;
+                    self.set_items(&dict, from, true)?;
                     self.stack.push(dict);
                 }
                 b't' | 0x91 => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items.into()));
+                    self.stack.push(Value::Tuple(Rc::new(items)));
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
@@ -368,7 +537,7 @@ impl<F: Finish> Reader<'_, F> {
                         return Err("the pickle's stack runs dry".into());
                     }
                     let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(items.into()));
+                    self.stack.push(Value::Tuple(Rc::new(items)));
                 }
                 b'a' | b's' => {
                     // The list (or dict) sits under its one item (or key and value).
@@ -377,9 +546,9 @@ impl<F: Finish> Reader<'_, F> {
                         self.stack.len().checked_sub(n).filter(|&f| f > 0).ok_or("the pickle's stack runs dry")?;
                     let target = self.stack[from - 1].clone();
                     if op == b'a' {
-                        self.append(&target, from)?;
+                        self.append(&target, from, false)?;
                     } else {
-                        self.set_items(&target, from)?;
+                        self.set_items(&target, from, false)?;
                     }
                 }
                 b'e' | 0x90 | b'u' => {
@@ -387,9 +556,9 @@ impl<F: Finish> Reader<'_, F> {
                     let target =
                         from.checked_sub(1).map(|i| self.stack[i].clone()).ok_or("the pickle's stack runs dry")?;
                     if op == b'u' {
-                        self.set_items(&target, from)?;
+                        self.set_items(&target, from, true)?;
                     } else {
-                        self.append(&target, from)?;
+                        self.append(&target, from, op == b'e')?;
                     }
                 }
                 b'p' => {
@@ -480,14 +649,7 @@ fn long(bytes: &[u8]) -> Value {
 
 /// Reads one pickled value from `bytes`, handing each list item to `finish` as it is appended.
 pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Value, Error> {
-    let mut reader = Reader {
-        bytes,
-        pos: 0,
-        stack: Vec::new(),
-        marks: Vec::new(),
-        memo: Vec::new(),
-        slots: AddressMap::default(),
-        finish,
-    };
+    let mut reader =
+        Reader { bytes, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), finish, read: Vec::new() };
     reader.run()
 }

@@ -10,6 +10,8 @@
 
 use std::collections::HashMap;
 
+use super::pickle::Quick;
+
 use serde::Serialize;
 
 use super::modules::Modules;
@@ -104,7 +106,8 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         .collect();
     let mut sizes = BlockSizes::default();
     let mut blocks: Vec<Block> = Vec::new();
-    let mut live: HashMap<u64, usize> = HashMap::new();
+    // Addresses hashed by a multiply, not SipHash: two lookups an event, millions of events.
+    let mut live: HashMap<u64, usize, Quick> = HashMap::default();
     let mut before: Vec<Block> = Vec::new();
     let mut deltas: Vec<i64> = Vec::with_capacity(events.len());
     let mut context = Vec::with_capacity(events.len());
@@ -283,7 +286,7 @@ impl Replay {
 /// extents last seen at each address (a segment just made, a block just freed) tell which.
 #[derive(Default)]
 struct BlockSizes {
-    extents: HashMap<u64, u64>,
+    extents: HashMap<u64, u64, Quick>,
 }
 
 const SMALL: u64 = 1 << 20;

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::replay::{Peak, Replay};
+use super::parse::StackId;
+use super::replay::{Block, Peak, Replay};
 use super::sites::{Attribution, SiteKey};
 use crate::grid::escape;
 use crate::units::bytes;
@@ -59,44 +60,74 @@ fn sample(allocated: &[u64], peak: Option<usize>) -> Vec<usize> {
     points
 }
 
+/// Site keys by what `Attribution::key` reads of a block: its stack and, for one allocated in
+/// the trace, that event's context. A trace has millions of blocks and a few thousand stacks,
+/// and a key costs a walk of the stack's frames with substring tests.
+#[derive(Default)]
+struct KeyCache(HashMap<(StackId, Option<StackId>), SiteKey>);
+
+impl KeyCache {
+    fn key(&mut self, attribution: &Attribution, replay: &Replay, block: &Block) -> SiteKey {
+        let context = block.alloc_event.map(|event| replay.context[event]);
+        *self.0.entry((block.stack, context)).or_insert_with(|| attribution.key(replay, block))
+    }
+}
+
 /// The timeline of `replay`, stacked by its `top` largest sites at the peak.
 pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timeline {
     let live = replay.live_at_peak();
+    let mut keys = KeyCache::default();
     let mut at_peak: HashMap<SiteKey, u64> = HashMap::new();
     for block in &live {
-        *at_peak.entry(attribution.key(replay, block)).or_default() += block.bytes;
+        *at_peak.entry(keys.key(attribution, replay, block)).or_default() += block.bytes;
     }
     let mut ranked: Vec<(SiteKey, u64)> = at_peak.into_iter().collect();
     ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     ranked.truncate(top);
     let series_of: HashMap<SiteKey, usize> = ranked.iter().enumerate().map(|(i, (key, _))| (*key, i)).collect();
     let other = ranked.len();
-    // Per event, what each block adds or takes away, by series.
+    // Per event, what each block adds or takes away, by series: one flat list ordered by
+    // event (`first[e]..first[e + 1]` are event e's), not a vector per event, which for a
+    // trace of millions of events cost more in allocations than the rest of the timeline.
     let events = replay.allocated.len();
     let mut starts = vec![0u64; other + 1];
-    let mut changes: Vec<Vec<(usize, i64)>> = vec![Vec::new(); events];
     let mut stacks_of = vec![None; other];
+    let mut block_series = Vec::with_capacity(replay.blocks.len());
+    let mut first = vec![0u32; events + 1];
     for block in &replay.blocks {
-        let key = attribution.key(replay, block);
+        let key = keys.key(attribution, replay, block);
         let series = series_of.get(&key).copied().unwrap_or(other);
         if series < other && stacks_of[series].is_none() {
             stacks_of[series] = Some((key, block.stack));
         }
         match block.alloc_event {
-            Some(event) => changes[event].push((series, block.bytes as i64)),
+            Some(event) => first[event + 1] += 1,
             None => starts[series] += block.bytes,
         }
         if let Some(event) = block.free_event {
-            changes[event].push((series, -(block.bytes as i64)));
+            first[event + 1] += 1;
+        }
+        block_series.push(series as u32);
+    }
+    for event in 0..events {
+        first[event + 1] += first[event];
+    }
+    let mut filled = first.clone();
+    let mut changes = vec![(0u32, 0i64); first[events] as usize];
+    for (block, &series) in replay.blocks.iter().zip(&block_series) {
+        let moves = [(block.alloc_event, block.bytes as i64), (block.free_event, -(block.bytes as i64))];
+        for (event, delta) in moves.into_iter().filter_map(|(event, delta)| Some((event?, delta))) {
+            changes[filled[event] as usize] = (series, delta);
+            filled[event] += 1;
         }
     }
     let points = sample(&replay.allocated, replay.peak.event);
     let mut values: Vec<Vec<u64>> = vec![Vec::with_capacity(points.len()); other + 1];
     let mut now: Vec<i64> = starts.iter().map(|&b| b as i64).collect();
     let mut next = points.iter().peekable();
-    for (event, change) in changes.iter().enumerate() {
-        for &(series, delta) in change {
-            now[series] += delta;
+    for event in 0..events {
+        for &(series, delta) in &changes[first[event] as usize..first[event + 1] as usize] {
+            now[series as usize] += delta;
         }
         if next.peek() == Some(&&event) {
             next.next();
