@@ -1,7 +1,7 @@
 """What `GPUExperiment(trace=True)` costs a training step: paired blocks of steps with the trace
 off and on, for the models of bench/estimate.py.
 
-    python bench/trace_cost.py [--models transformer,attention,conv] [--pairs 7] [--steps 10]
+    python bench/trace_cost.py [--models transformer,attention,conv] [--pairs 9] [--steps 40]
 
 Each pair runs a block of `--steps` real training steps in an experiment without the trace and a
 block in one with it (in alternating order), each timed from the first step to the last
@@ -36,8 +36,10 @@ def timed_block(torch, gpuexp, step, batch_size, steps, trace):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="transformer,attention,conv")
-    parser.add_argument("--pairs", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=9)
+    # Blocks of 40 steps (about 0.6 s): in blocks of 10, one stall (a GC pass, the GPU's clock)
+    # swung a pair by 20% on an H100.
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
     import torch
 

@@ -90,7 +90,7 @@ fn analyse(
     let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
     let namer = PyNamer::new(py);
     let rule = SiteRule::default();
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     Ok(trace::scope_traces(&snapshot, &devices, max_entries, since_us, &attribution))
 }
@@ -107,7 +107,7 @@ pub(super) fn cell_peak_sites(
     let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).map_err(|e| e.to_string())?;
     let namer = PyNamer::new(py);
     let rule = SiteRule::default();
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     Ok(trace::cell_peak_sites(&snapshot, moved, max_entries, since_us, &attribution))
 }
@@ -123,7 +123,7 @@ pub(super) fn last_oom(py: Python, torch_index: u32) -> Option<trace::OomSites> 
     let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
     let namer = PyNamer::new(py);
     let rule = SiteRule::default();
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let replayed = trace::replay(&snapshot, torch_index as usize, None);
     trace::oom(&snapshot, &replayed, &attribution, trace::TOP_SITES).pop()
 }

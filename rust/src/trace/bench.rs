@@ -65,7 +65,7 @@ fn replaying_a_million_events_takes_under_half_a_second() {
     let replay = replay(&snapshot, 0, None);
     let (replayed, replayed_cpu) = (started.elapsed(), cpu_time() - cpu);
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let started = Instant::now();
     let sites = peak_sites(&replay, &attribution, TOP_SITES);
     let timeline = timeline(&replay, &attribution, TOP_SITES);
@@ -104,7 +104,7 @@ fn parsing_a_large_snapshot_is_fast() {
     );
     // What load_snapshot does next: every device replayed, its peak's sites, its timeline.
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let devices: Vec<u32> = snapshot.devices().into_iter().map(|d| d as u32).collect();
     let cpu = cpu_time();
     let traces = scope_traces(&snapshot, &devices, None, i64::MIN, &attribution);

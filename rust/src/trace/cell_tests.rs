@@ -32,7 +32,7 @@ fn the_top_site_is_the_line_that_made_most_of_what_the_cell_had_live_at_its_peak
     let (program, since) = program();
     let (snapshot, _, _) = program.snapshot(0);
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let replayed = replay(&snapshot, 0, None);
     let top = cell_top_site(&replayed, &attribution, since).expect("the cell rose");
     assert_eq!(top.label, format!("{USER}:16"), "the weights are bigger, but not the cell's");
@@ -54,7 +54,7 @@ fn a_cell_that_only_freed_or_ran_after_the_trace_has_no_top_site() {
     program.free(weights);
     let (snapshot, _, _) = program.snapshot(0);
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let replayed = replay(&snapshot, 0, None);
     assert_eq!(cell_top_site(&replayed, &attribution, freeing), None, "nothing rose in the cell");
     assert_eq!(cell_top_site(&replayed, &attribution, i64::MAX), None, "no event in the cell");

@@ -1,12 +1,14 @@
 //! The sites of memory at two moments a report explains: the blocks still alive at the end of
 //! the trace (what a scope did not give back), and the live set when an allocation failed.
 
+use std::collections::HashMap;
+
 use serde::Serialize;
 
-use super::parse::{Action, Snapshot};
+use super::parse::{Action, Snapshot, StackId};
 use super::peak::{site_table, SiteTable};
 use super::replay::{Block, Replay};
-use super::sites::{Attribution, Site};
+use super::sites::{Attribution, Site, SiteKey};
 
 /// A block alive at the end of the trace, and where it was allocated.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -24,16 +26,17 @@ pub struct HeldBlock {
 /// storages the leak hunter found), in that order, skipping addresses the trace has no live
 /// block at.
 pub fn still_held(replay: &Replay, attribution: &Attribution, addresses: Option<&[u64]>) -> Vec<HeldBlock> {
-    let held = |block: &Block| HeldBlock {
-        addr: block.addr,
-        bytes: block.bytes,
-        site: attribution.site(replay, attribution.key(replay, block), block.stack),
-        holders: Vec::new(),
+    // A leak is often many blocks from one line: each site is named once.
+    let mut named: HashMap<(SiteKey, StackId), Site> = HashMap::new();
+    let mut held = |block: &Block| {
+        let key = attribution.key(replay, block);
+        let site = named.entry((key, block.stack)).or_insert_with(|| attribution.site(replay, key, block.stack));
+        HeldBlock { addr: block.addr, bytes: block.bytes, site: site.clone(), holders: Vec::new() }
     };
     match addresses {
         None => replay.live_at_end().map(held).collect(),
         Some(addresses) => {
-            let live: std::collections::HashMap<u64, &Block> = replay.live_at_end().map(|b| (b.addr, b)).collect();
+            let live: HashMap<u64, &Block> = replay.live_at_end().map(|b| (b.addr, b)).collect();
             addresses.iter().filter_map(|addr| live.get(addr).map(|block| held(block))).collect()
         }
     }

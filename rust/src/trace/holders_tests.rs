@@ -19,7 +19,7 @@ fn left_held() -> (Vec<DeviceTrace>, [u64; 3]) {
     }
     let (snapshot, _, _) = p.snapshot(0);
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-    let attribution = Attribution { stacks: &snapshot.stacks, rule: &rule, namer: &namer };
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     (scope_traces(&snapshot, &[0], None, i64::MIN, &attribution), addresses)
 }
 

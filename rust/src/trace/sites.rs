@@ -136,17 +136,39 @@ pub struct Site {
     pub stack: Vec<String>,
 }
 
-/// Blocks to sites, with the rule, the namer and the snapshot's strings.
+/// Blocks to sites, with the rule, the namer and the snapshot's strings. What a stack tells (its
+/// user line, its phase) is found once per stack: a large trace has millions of blocks and few
+/// thousand stacks.
 pub struct Attribution<'a> {
     pub stacks: &'a Stacks,
     pub rule: &'a SiteRule,
     pub namer: &'a dyn SiteNamer,
+    line_keys: RefCell<HashMap<StackId, Option<(u32, u32)>>>,
+    phases: RefCell<HashMap<StackId, Phase>>,
+    parameter_stacks: RefCell<HashMap<StackId, bool>>,
 }
 
-impl Attribution<'_> {
+impl<'a> Attribution<'a> {
+    pub fn new(stacks: &'a Stacks, rule: &'a SiteRule, namer: &'a dyn SiteNamer) -> Attribution<'a> {
+        Attribution {
+            stacks,
+            rule,
+            namer,
+            line_keys: RefCell::default(),
+            phases: RefCell::default(),
+            parameter_stacks: RefCell::default(),
+        }
+    }
+
     fn line_key(&self, stack: StackId) -> Option<(u32, u32)> {
-        let frame = self.rule.user_frame(self.stacks, stack)?;
-        Some((frame.file, frame.line))
+        *self.line_keys.borrow_mut().entry(stack).or_insert_with(|| {
+            let frame = self.rule.user_frame(self.stacks, stack)?;
+            Some((frame.file, frame.line))
+        })
+    }
+
+    fn phase(&self, stack: StackId) -> Phase {
+        *self.phases.borrow_mut().entry(stack).or_insert_with(|| Phase::of(self.stacks, stack))
     }
 
     /// The site of `block` in `replay`.
@@ -168,7 +190,7 @@ impl Attribution<'_> {
         }
         let phase = match block.module {
             Some(module) if replay.modules.family(module).backward => Phase::Backward,
-            _ => Phase::of(self.stacks, context),
+            _ => self.phase(context),
         };
         SiteKey::Phase { phase, from: self.line_key(context), module: block.module }
     }
@@ -226,21 +248,23 @@ impl Attribution<'_> {
     pub fn category(&self, replay: &Replay, block: &Block) -> Option<Category> {
         let event = block.alloc_event?;
         let context = if self.stacks.is_bare(block.stack) { replay.context[event] } else { block.stack };
-        let is_parameter = self.stacks.frames(context).any(|frame| {
-            let file = frame.filename.replace('\\', "/");
-            file.contains("torch/nn/init.py")
-                || (file.contains("torch/nn/modules/module.py") && ["_apply", "to", "cuda"].contains(&frame.name))
+        let is_parameter = *self.parameter_stacks.borrow_mut().entry(context).or_insert_with(|| {
+            self.stacks.frames(context).any(|frame| {
+                let file = frame.filename.replace('\\', "/");
+                file.contains("torch/nn/init.py")
+                    || (file.contains("torch/nn/modules/module.py") && ["_apply", "to", "cuda"].contains(&frame.name))
+            })
         });
         if is_parameter {
             return Some(Category::Parameters);
         }
         let kept = block.free_event.is_none();
-        Some(match Phase::of(self.stacks, context) {
+        Some(match self.phase(context) {
             Phase::OptimizerStep if kept => Category::OptimizerState,
             Phase::Backward if kept => Category::Gradients,
             Phase::Forward if kept => Category::Activations,
             Phase::Forward => {
-                let freed_in = Phase::of(self.stacks, replay.context[block.free_event.expect("freed")]);
+                let freed_in = self.phase(replay.context[block.free_event.expect("freed")]);
                 if freed_in == Phase::Backward {
                     Category::Activations
                 } else {

@@ -150,7 +150,7 @@ impl Program {
 }
 
 pub(super) fn attribution<'a>(snapshot: &'a Snapshot, rule: &'a SiteRule, namer: &'a PlainNamer) -> Attribution<'a> {
-    Attribution { stacks: &snapshot.stacks, rule, namer }
+    Attribution::new(&snapshot.stacks, rule, namer)
 }
 
 /// A training-like program: weights before recording, a forward with a quadratic scores
