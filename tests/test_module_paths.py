@@ -10,14 +10,25 @@ torch = pytest.importorskip("torch")
 from gpuexp import module_paths  # noqa: E402
 
 
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.attn = torch.nn.Linear(8, 8)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        self.mlp = MLP()
+        self.norm = torch.nn.Sequential(torch.nn.LayerNorm(8))  # a plain Sequential: no block
 
     def forward(self, x):
-        return self.mlp(self.attn(x))
+        return self.norm(self.mlp(self.attn(x)))
 
 
 class Net(torch.nn.Module):
@@ -40,6 +51,7 @@ def marks(monkeypatch):
     monkeypatch.setattr(memory, "_set_memory_metadata", lambda mark: recorded.append(mark), raising=False)
     monkeypatch.setattr(memory, "_get_memory_metadata", lambda: "", raising=False)
     monkeypatch.setattr(memory, "_memory_metadata_supported", lambda: True, raising=False)
+    monkeypatch.setattr(module_paths, "_pass", [0])  # passes count from 1 in each test
     yield recorded
     module_paths.uninstall()
 
@@ -52,16 +64,19 @@ def test_each_module_is_marked_by_its_path_in_forward_and_backward(marks, monkey
     assert module_paths.install() is None
     model(torch.randn(4, 8)).sum().backward()
     forward = [m for m in marks if m.startswith("forward")]
-    assert forward[:3] == ["forward 1: model", "forward 1: model.layers.0", "forward 1: model.layers.0.attn"]
-    assert "forward 1: model.layers.1.mlp.0" in forward and marks[len(forward)] == ""
+    # Blocks only: a layer (the Linear called attn, the head) counts to its block.
+    assert forward[:3] == ["forward 1: model", "forward 1: model.layers.0", "forward 1: model.layers.0.mlp"]
+    assert "forward 1: model.layers.1.mlp" in forward and marks[len(forward)] == ""
+    assert not any(word in mark for mark in forward for word in ("attn", "head", "mlp.fc", "norm"))
     backward = [m.removeprefix("backward 1: ") for m in marks[len(forward) + 1:]]
     # Blocks only (modules with submodules), innermost first where they share an output node, in
     # reverse order of the forward; a layer's backward goes to its block.
     firsts = list(dict.fromkeys(backward))
-    assert firsts == ["model", "model.layers.1.mlp", "model.layers.1", "model.layers.0.mlp", "model.layers.0"]
+    assert firsts == ["model", "model.layers.1", "model.layers.1.mlp", "model.layers.0", "model.layers.0.mlp"]
     count = len(marks)
     module_paths.uninstall()
-    assert marks[-1] == "" and not torch.nn.modules.module._global_forward_hooks
+    assert marks[-1] == "" and not torch.nn.modules.module._global_forward_pre_hooks
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     model(torch.randn(4, 8))
     assert len(marks) == count + 1
 
@@ -72,8 +87,22 @@ def test_a_second_pass_numbers_its_marks_and_a_model_not_in_the_namespace_goes_b
     with torch.no_grad():
         net(torch.randn(2, 8))
         net(torch.randn(2, 8))
-    assert "forward 2: Net.layers.1.attn" in marks
+    assert "forward 2: Net.layers.1.mlp" in marks
     assert not any(m.startswith("backward") for m in marks)
+
+
+def test_a_layer_called_on_its_own_is_no_model_and_the_search_goes_on(marks):
+    assert module_paths.install() is None
+    loss = torch.nn.Linear(8, 8)
+    loss(torch.randn(2, 8))
+    assert marks == [] and torch.nn.modules.module._global_forward_pre_hooks, "still looking"
+    Net()(torch.randn(2, 8))
+    assert marks[0] == "forward 1: Net" and not torch.nn.modules.module._global_forward_pre_hooks
+    # A model made later is found once the search is armed again (each cell arms it).
+    module_paths.arm()
+    later = Net()
+    later(torch.randn(2, 8))
+    assert "forward 2: Net.layers.0" in marks
 
 
 def test_the_users_own_metadata_is_never_overwritten(marks, monkeypatch):

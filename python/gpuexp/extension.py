@@ -5,7 +5,7 @@ CUDA out-of-memory error, and the ``%gpuexp`` magics."""
 import ast
 import sys
 
-from . import _core, live
+from . import _core, live, module_paths
 from .experiment import GPUExperiment, open_experiment, tracked
 from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
@@ -45,6 +45,7 @@ def unregister(ip):
 
 
 def _before_cell(info=None):
+    module_paths.arm()  # a traced cell's new models get their paths
     if _core.cell_log_active():
         watch_torch_peak_resets()
         live.start()  # before the cell's window opens: the thread's own memory is not the cell's

@@ -9,17 +9,25 @@ graph (and fail ``fullgraph=True``). What the marks mean is decided by the core
 
 - ``forward N: PATH`` while ``PATH``'s forward runs, in the thread that calls the model;
 - ``backward N: PATH`` in autograd's thread, from the moment the gradient reaches ``PATH``'s
-  output until it leaves through ``PATH``'s input, for a block (a module with submodules): a
-  layer's backward goes to its block. Autograd's thread keeps its mark after a
+  output until it leaves through ``PATH``'s input. Autograd's thread keeps its mark after a
   backward ends; ``N``, the forward pass the mark belongs to, lets the core drop such a stale
   mark when a later pass's backward (the loss's own) runs before any module's.
+
+Only blocks are marked (the model and its modules that have submodules, a plain
+``Sequential`` inside it aside): a layer (a ``Linear``, a ``ReLU``) counts to its block. Global
+module hooks would put every module call on torch's slow path and cost a transformer's step 3
+to 8% on an H100 (bench/RESULTS.md), so a global hook only finds models: the first call of a
+model not seen yet, at the top level, hooks that model's blocks one by one and the global hook
+goes. It comes back at each cell and each traced experiment, to find the models made since.
 """
 
 import sys
 import threading
 import weakref
 
-_handles = []
+_handles = []  # the blocks' hooks
+_discovery = []  # the global hook that finds models, while armed
+_hooked = weakref.WeakSet()  # models whose blocks are hooked
 _state = threading.local()
 _paths = weakref.WeakKeyDictionary()
 _pass = [0]
@@ -121,20 +129,8 @@ def _mark_backward(stack):
     _set(f"backward {stack[-1][0]}: {stack[-1][1]}" if stack else "")
 
 
-def _is_leaf_without_weights(module):
-    # ReLU, Dropout, pooling: what they allocate goes to the module that calls them, and
-    # skipping them halves the hooks' work in a conv net.
-    return not module._parameters and not module._modules
-
-
-# Backward is marked by blocks (modules with submodules), not by every layer: a hook on an
-# autograd node runs Python in autograd's thread, and one per layer cost a launch-bound conv
-# net's step 1 to 4% more on an H100 (bench/RESULTS.md); per block it stays within the
-# history's own cost.
-
-
 def _forward_pre(module, args):
-    if _is_compiling() or _is_leaf_without_weights(module):
+    if _is_compiling():
         return
     stack = getattr(_state, "stack", None)
     if stack is None:
@@ -164,32 +160,64 @@ def _forward_post(module, _args, output):
             grad_fn.register_prehook(_backward_enter(path, _pass[0], not stack))
 
 
+def _discover(module, args):
+    # A layer called on its own (a loss module) is no model: the search goes on.
+    if _is_compiling() or getattr(_state, "stack", None) or not module._modules:
+        return
+    _disarm()
+    if module in _hooked:
+        return
+    _hooked.add(module)
+    sequential = _torch().nn.Sequential
+    for block in module.modules():
+        # A plain Sequential only chains its layers: its block already names them.
+        if block is module or (block._modules and type(block) is not sequential):
+            _handles.append(block.register_forward_pre_hook(_forward_pre))
+            _handles.append(block.register_forward_hook(_forward_post, always_call=True))
+    # This call began before its own hooks existed.
+    _forward_pre(module, args)
+
+
+def _disarm():
+    if _discovery:
+        _discovery.pop().remove()
+
+
+def arm():
+    """Finds the next model called at the top level (a cell's start, an experiment's opening)."""
+    if _set is not None and not _discovery:
+        _discovery.append(_torch().nn.modules.module.register_module_forward_pre_hook(_discover))
+
+
 def install():
     """Starts marking allocations with module paths; returns why not where it cannot."""
-    if _handles:
+    global _set, _is_compiling, _grad_enabled
+    if _set is not None:
+        arm()
         return None
     why = available()
     if why is not None:
         return why
-    global _set, _is_compiling, _grad_enabled
     torch = _torch()
-    # Bound once: the hooks run on every module call.
+    # Bound once: the hooks run on every block's call.
     _set = torch.cuda.memory._set_memory_metadata
     _is_compiling = torch.compiler.is_compiling
     _grad_enabled = torch.is_grad_enabled
-    hooks = torch.nn.modules.module
-    _handles.append(hooks.register_module_forward_pre_hook(_forward_pre))
-    _handles.append(hooks.register_module_forward_hook(_forward_post, always_call=True))
+    arm()
     return None
 
 
 def uninstall():
     """Removes the hooks and this thread's mark (autograd's thread keeps its last one, which
     nothing records once the history stops)."""
-    if not _handles:
+    global _set
+    if _set is None:
         return
+    _disarm()
     for handle in _handles:
         handle.remove()
     _handles.clear()
+    _hooked.clear()
     _state.stack = []
     _set("")
+    _set = None
