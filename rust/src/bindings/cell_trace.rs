@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 
 use super::registry::registry;
-use super::scope;
 use super::torch::PyTorch;
 use super::trace;
 use super::trace_recording;
@@ -41,13 +40,14 @@ fn share() -> std::sync::MutexGuard<'static, Option<Share>> {
 }
 
 /// Whether the cell log should record: the log is on over GPUs, and the trace is on (for every
-/// experiment, or for one that is open).
-fn wanted() -> bool {
+/// experiment, or for one that is open: a share of the recording beyond the log's own, which
+/// `log_holds` tells).
+fn wanted(log_holds: bool) -> bool {
     let (by_default, logging) = {
         let registry = registry();
         (registry.trace_by_default, registry.cell_log_active() && registry.cell_selection() != GpuSelection::None)
     };
-    logging && (by_default.cuda() || scope::traced_scope_open())
+    logging && (by_default.cuda() || trace_recording::open_shares() > usize::from(log_holds))
 }
 
 /// At a logged cell's start, once its window is open: joins the recording where the log wants
@@ -61,7 +61,7 @@ pub(super) fn begin_cell(py: Python, carried: bool) {
         return;
     }
     drop(share);
-    if !wanted() || PyTorch::find(py).cuda().is_none() {
+    if !wanted(false) || PyTorch::find(py).cuda().is_none() {
         return;
     }
     let (window, notes) = trace_recording::open(py);
@@ -106,7 +106,8 @@ pub(super) fn end_cell(py: Python, record: Arc<CellRecord>) -> Arc<CellRecord> {
 /// Gives the cell log's share back where the log or the trace is now off: the recording stops
 /// if gpuexp started it and no traced experiment still needs it. Cheap when no share is held.
 pub(super) fn settle(py: Python) {
-    if share().is_none() || wanted() {
+    let holds = share().is_some();
+    if !holds || wanted(true) {
         return;
     }
     *share() = None;

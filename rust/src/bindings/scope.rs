@@ -58,12 +58,6 @@ fn held() -> MutexGuard<'static, HashMap<ScopeId, Held>> {
     HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Whether an open experiment records torch's allocation history (`trace=True`): the cell
-/// log then names its cells' peak sites too.
-pub(super) fn traced_scope_open() -> bool {
-    held().values().any(|h| h.trace.as_ref().is_some_and(|t| t.unavailable.is_none()))
-}
-
 /// In a forked child: the parent's open scopes are not the child's. Their monitors' threads
 /// don't exist here, so they are forgotten, never joined.
 pub(super) fn forget_in_child() {

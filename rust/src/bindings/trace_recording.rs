@@ -132,6 +132,11 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
     }
 }
 
+/// How many share the recording gpuexp knows of: open traced experiments and the cell log.
+pub(super) fn open_shares() -> usize {
+    recording().as_ref().map_or(0, |running| running.open)
+}
+
 /// Torch's snapshot now, pickled (protocol 4, as memory_viz and Mosaic read it): the format the
 /// core reads, whether it comes from this process or from a file.
 pub(super) fn snapshot_pickle(py: Python) -> Result<Vec<u8>, String> {
