@@ -105,6 +105,24 @@ def test_a_layer_called_on_its_own_is_no_model_and_the_search_goes_on(marks):
     assert "forward 2: Net.layers.0" in marks
 
 
+def test_a_hook_that_fails_stops_marking_and_never_breaks_the_model(marks, monkeypatch):
+    failing = [True]
+
+    def setter(mark):
+        if failing[0]:
+            raise RuntimeError("no allocator here")
+        marks.append(mark)
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_memory_metadata", setter, raising=False)
+    assert module_paths.install() is None
+    model = Net()
+    out = model(torch.randn(4, 8))
+    out.sum().backward()
+    assert out.shape == (4, 2) and model.head.weight.grad is not None
+    failing[0] = False
+    assert module_paths.uninstall() == "module paths stopped: RuntimeError: no allocator here"
+
+
 def test_the_users_own_metadata_is_never_overwritten(marks, monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_get_memory_metadata", lambda: "mine", raising=False)
     assert "own memory metadata" in module_paths.install()

@@ -21,6 +21,7 @@ model not seen yet, at the top level, hooks that model's blocks one by one and t
 goes. It comes back at each cell and each traced experiment, to find the models made since.
 """
 
+import functools
 import sys
 import threading
 import weakref
@@ -32,7 +33,25 @@ _state = threading.local()
 _paths = weakref.WeakKeyDictionary()
 _pass = [0]
 # torch's functions the hooks call, bound by install().
-_set = _is_compiling = _grad_enabled = None
+_set = _is_compiling = _grad_enabled = _tensor = None
+_failure = []  # the first error a hook met: marking stops, the model runs on
+
+
+def _guarded(hook):
+    """A hook that never breaks the user's forward or backward: an error stops the marking and
+    is kept for the report's note."""
+
+    @functools.wraps(hook)
+    def guarded(*args):
+        if _failure:
+            return None
+        try:
+            return hook(*args)
+        except Exception as error:  # noqa: BLE001 - any error is the hooks', never the user's
+            _failure.append(f"module paths stopped: {type(error).__name__}: {error}")
+            return None
+
+    return guarded
 
 
 def _torch():
@@ -82,7 +101,8 @@ def _path_of(module, stack):
 
 
 def _first_grad_fn(value):
-    if hasattr(value, "grad_fn"):
+    # Tensors only: a user's object is never asked for attributes it may compute.
+    if isinstance(value, _tensor):
         return value.grad_fn
     if isinstance(value, (tuple, list)):
         items = value
@@ -91,12 +111,13 @@ def _first_grad_fn(value):
     else:
         items = ()
     for item in items:
-        if hasattr(item, "grad_fn") and item.grad_fn is not None:
+        if isinstance(item, _tensor) and item.grad_fn is not None:
             return item.grad_fn
     return None
 
 
 def _backward_enter(path, number, is_root):
+    @_guarded
     def hook(_grad_outputs):
         stack = getattr(_state, "backward", None) or []
         if is_root:
@@ -114,6 +135,7 @@ def _backward_enter(path, number, is_root):
 
 
 def _backward_leave(path, number):
+    @_guarded
     def hook(_grad_outputs):
         stack = getattr(_state, "backward", None) or []
         for index in range(len(stack) - 1, -1, -1):
@@ -129,6 +151,7 @@ def _mark_backward(stack):
     _set(f"backward {stack[-1][0]}: {stack[-1][1]}" if stack else "")
 
 
+@_guarded
 def _forward_pre(module, args):
     if _is_compiling():
         return
@@ -146,6 +169,7 @@ def _forward_pre(module, args):
             grad_fn.register_prehook(_backward_leave(path, _pass[0]))
 
 
+@_guarded
 def _forward_post(module, _args, output):
     if _is_compiling():
         return
@@ -160,6 +184,7 @@ def _forward_post(module, _args, output):
             grad_fn.register_prehook(_backward_enter(path, _pass[0], not stack))
 
 
+@_guarded
 def _discover(module, args):
     # A layer called on its own (a loss module) is no model: the search goes on.
     if _is_compiling() or getattr(_state, "stack", None) or not module._modules:
@@ -191,7 +216,7 @@ def arm():
 
 def install():
     """Starts marking allocations with module paths; returns why not where it cannot."""
-    global _set, _is_compiling, _grad_enabled
+    global _set, _is_compiling, _grad_enabled, _tensor
     if _set is not None:
         arm()
         return None
@@ -203,21 +228,26 @@ def install():
     _set = torch.cuda.memory._set_memory_metadata
     _is_compiling = torch.compiler.is_compiling
     _grad_enabled = torch.is_grad_enabled
+    _tensor = torch.Tensor
+    _failure.clear()
     arm()
     return None
 
 
 def uninstall():
     """Removes the hooks and this thread's mark (autograd's thread keeps its last one, which
-    nothing records once the history stops)."""
+    nothing records once the history stops); returns the error that stopped the marking, if any."""
     global _set
     if _set is None:
-        return
+        return None
     _disarm()
     for handle in _handles:
         handle.remove()
     _handles.clear()
     _hooked.clear()
     _state.stack = []
-    _set("")
-    _set = None
+    try:
+        _set("")
+    finally:
+        _set = None
+    return _failure[0] if _failure else None
