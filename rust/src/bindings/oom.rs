@@ -48,7 +48,7 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         .gpus
         .iter()
         .find(|g| device.is_none_or(|index| g.torch_index == index))
-        .and_then(|g| trace::last_oom(py, g.torch_index));
+        .and_then(|g| trace::last_oom(py, g.torch_index, requested));
     let cleared = match &adapter {
         Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
         None => Vec::new(),

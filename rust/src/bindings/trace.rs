@@ -77,6 +77,15 @@ fn report_key(report: &Report) -> String {
     format!("{}\u{0}{}", report.name, report.started_at)
 }
 
+/// Reads a snapshot pickle (with the GIL released) and hands it to `find` with an attribution
+/// that names sites as the user reads them.
+fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
+    let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    Ok(find(&snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer)))
+}
+
 /// The core's findings for `devices` from a snapshot pickle, from `since_us` on.
 fn analyse(
     py: Python,
@@ -85,14 +94,12 @@ fn analyse(
     max_entries: Option<u64>,
     since_us: i64,
 ) -> PyResult<Vec<DeviceTrace>> {
-    let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
-    let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
-    let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
-    let namer = PyNamer::new(py);
-    let rule = SiteRule::default();
-    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
-    Ok(trace::scope_traces(&snapshot, &devices, max_entries, since_us, &attribution))
+    attributed(py, pickle, |snapshot, attribution| {
+        let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
+        let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
+        trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
+    })
 }
 
 /// The top site of each GPU in `moved` (torch index, how far its torch peak rose) of a cell
@@ -104,28 +111,28 @@ pub(super) fn cell_peak_sites(
     since_us: i64,
 ) -> Result<Vec<CellPeakSite>, String> {
     let pickle = trace_recording::snapshot_pickle(py)?;
-    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).map_err(|e| e.to_string())?;
-    let namer = PyNamer::new(py);
-    let rule = SiteRule::default();
-    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
-    Ok(trace::cell_peak_sites(&snapshot, moved, max_entries, since_us, &attribution))
+    attributed(py, &pickle, |snapshot, attribution| {
+        trace::cell_peak_sites(snapshot, moved, max_entries, since_us, attribution)
+    })
+    .map_err(|e| e.to_string())
 }
 
-/// The latest out-of-memory error on `torch_index` in torch's allocation history, where one is
-/// being recorded (a traced experiment's, the cell log's or the user's own): the line that
-/// failed and what was live then, for the rescue's diagnosis.
-pub(super) fn last_oom(py: Python, torch_index: u32) -> Option<trace::OomSites> {
+/// The out-of-memory error just raised on `torch_index`, in torch's allocation history where
+/// one is being recorded (a traced experiment's, the cell log's or the user's own): the line
+/// that failed and what was live then, for the rescue's diagnosis. The latest OOM recorded is
+/// taken only when it matches what torch's message says was asked (`requested`): an older one
+/// (this one not recorded) would name the wrong line.
+pub(super) fn last_oom(py: Python, torch_index: u32, requested: Option<u64>) -> Option<trace::OomSites> {
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
     let pickle = trace_recording::snapshot_pickle(py).ok()?;
-    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
-    let namer = PyNamer::new(py);
-    let rule = SiteRule::default();
-    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
-    let replayed = trace::replay(&snapshot, torch_index as usize, None);
-    trace::oom(&snapshot, &replayed, &attribution, trace::TOP_SITES).pop()
+    let latest = attributed(py, &pickle, |snapshot, attribution| {
+        let replayed = trace::replay(snapshot, torch_index as usize, None);
+        trace::oom(snapshot, &replayed, attribution, trace::TOP_SITES).pop()
+    });
+    latest.ok().flatten().filter(|oom| requested.is_none_or(|asked| oom.matches_message(asked)))
 }
 
 /// Reads the trace of a finishing scope into its report, each block still held matched to the

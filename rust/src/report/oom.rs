@@ -245,4 +245,32 @@ mod tests {
         assert!(text.contains("failed at In [7], line 2 `huge = alloc()`, asking 1.00 PiB"), "{text}");
         assert!(text.contains("live then: In [6], line 1 (2.00 GiB, 67%); In [7], line 1 (1.00 GiB, 33%)"), "{text}");
     }
+
+    #[test]
+    fn an_oom_in_the_trace_is_the_one_the_message_names_only_when_their_sizes_agree() {
+        let oom = |requested: u64| OomSites {
+            event: 0,
+            time_us: 0,
+            requested,
+            device_free: 0,
+            site: crate::trace::Site { label: String::new(), source: None, stack: Vec::new() },
+            live: crate::trace::SiteTable {
+                total: 0,
+                sites: Vec::new(),
+                rest: crate::trace::Rest::default(),
+                categories: Vec::new(),
+                all: Vec::new(),
+            },
+        };
+        const MIB: u64 = 1 << 20;
+        // "Tried to allocate 2.00 MiB" for 512 bytes, "20.00 MiB" for 3 MiB, "10.35 GiB" for the
+        // logits, "1024.00 TiB" for 2^50.
+        assert!(oom(512).matches_message(2 * MIB));
+        assert!(oom(3 * MIB).matches_message(20 * MIB));
+        assert!(oom(11_113_000_000).matches_message(parse_oom_message("Tried to allocate 10.35 GiB.").0.unwrap()));
+        assert!(oom(1 << 50).matches_message(1 << 50));
+        // An older OOM of another size is not this one.
+        assert!(!oom(4 * GIB).matches_message(2 * GIB));
+        assert!(!oom(512).matches_message(20 * MIB));
+    }
 }

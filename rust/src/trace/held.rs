@@ -64,6 +64,21 @@ impl OomSites {
         format!("{}{source}, asking {}", self.site.label, crate::units::bytes(self.requested))
     }
 
+    /// Whether this is the failure torch's message describes, which names `asked` (two decimals
+    /// of a unit): the segment torch tried to make for the request (2 MiB for 1 MiB or less,
+    /// 20 MiB below 10 MiB, else the request rounded up to 2 MiB), or, with expandable
+    /// segments, the request itself.
+    pub fn matches_message(&self, asked: u64) -> bool {
+        const MIB: u64 = 1 << 20;
+        let segment = match self.requested {
+            small if small <= MIB => 2 * MIB,
+            medium if medium < 10 * MIB => 20 * MIB,
+            large => large.div_ceil(2 * MIB) * 2 * MIB,
+        };
+        let near = |expected: u64| asked.abs_diff(expected) <= expected / 100;
+        near(segment) || near(self.requested)
+    }
+
     /// The top `count` sites live when it failed: `In [6], line 1 (1.00 GiB, 97%); ...`.
     pub fn live_then(&self, count: usize) -> Option<String> {
         let sites: Vec<String> = self
