@@ -64,12 +64,21 @@ impl ModuleFamily {
     }
 }
 
+/// A metadata string read once: its direction, its forward pass and its family.
+#[derive(Clone, Copy, Debug)]
+struct Marked {
+    backward: bool,
+    pass: u64,
+    family: u32,
+}
+
 /// The families a replay met, and the state that reads marks in trace order.
 #[derive(Clone, Debug, Default)]
 pub struct Modules {
     pub families: Vec<ModuleFamily>,
     index: HashMap<(bool, String), u32>,
-    marks: HashMap<u32, Option<ModuleMark>>,
+    /// Each distinct metadata string, parsed once: a trace repeats a few hundred of them.
+    marks: HashMap<u32, Option<Marked>>,
     latest_forward: u64,
 }
 
@@ -78,24 +87,32 @@ impl Modules {
     /// no mark, or a stale backward one.
     pub fn observe(&mut self, stacks: &Stacks, annotation: Option<u32>) -> Option<u32> {
         let text = annotation?;
-        let mark = self.marks.entry(text).or_insert_with(|| ModuleMark::parse(stacks.string(text))).clone()?;
-        if mark.backward && mark.pass < self.latest_forward {
+        let marked = match self.marks.get(&text) {
+            Some(marked) => *marked,
+            None => {
+                let marked = ModuleMark::parse(stacks.string(text)).map(|mark| self.read(mark));
+                self.marks.insert(text, marked);
+                marked
+            }
+        }?;
+        if marked.backward && marked.pass < self.latest_forward {
             return None;
         }
-        if !mark.backward {
-            self.latest_forward = self.latest_forward.max(mark.pass);
+        if !marked.backward {
+            self.latest_forward = self.latest_forward.max(marked.pass);
         }
+        Some(marked.family)
+    }
+
+    fn read(&mut self, mark: ModuleMark) -> Marked {
         let family = family_of(&mark.path);
         let next = self.families.len() as u32;
         let id = *self.index.entry((mark.backward, family.clone())).or_insert(next);
         if id == next {
             self.families.push(ModuleFamily { backward: mark.backward, family, paths: BTreeSet::new() });
         }
-        let paths = &mut self.families[id as usize].paths;
-        if !paths.contains(&mark.path) {
-            paths.insert(mark.path);
-        }
-        Some(id)
+        self.families[id as usize].paths.insert(mark.path);
+        Marked { backward: mark.backward, pass: mark.pass, family: id }
     }
 
     pub fn family(&self, id: u32) -> &ModuleFamily {

@@ -171,6 +171,14 @@ impl<'a> Attribution<'a> {
         *self.phases.borrow_mut().entry(stack).or_insert_with(|| Phase::of(self.stacks, stack))
     }
 
+    /// A block's phase: backward where the hooks marked it so, else what its `context` shows.
+    fn block_phase(&self, replay: &Replay, block: &Block, context: StackId) -> Phase {
+        match block.module {
+            Some(module) if replay.modules.family(module).backward => Phase::Backward,
+            _ => self.phase(context),
+        }
+    }
+
     /// The site of `block` in `replay`.
     pub fn key(&self, replay: &Replay, block: &Block) -> SiteKey {
         if let Some((filename, line)) = self.line_key(block.stack) {
@@ -188,10 +196,7 @@ impl<'a> Attribution<'a> {
         if self.stacks.is_bare(context) {
             return SiteKey::NoFrame;
         }
-        let phase = match block.module {
-            Some(module) if replay.modules.family(module).backward => Phase::Backward,
-            _ => self.phase(context),
-        };
+        let phase = self.block_phase(replay, block, context);
         SiteKey::Phase { phase, from: self.line_key(context), module: block.module }
     }
 
@@ -259,7 +264,7 @@ impl<'a> Attribution<'a> {
             return Some(Category::Parameters);
         }
         let kept = block.free_event.is_none();
-        Some(match self.phase(context) {
+        Some(match self.block_phase(replay, block, context) {
             Phase::OptimizerStep if kept => Category::OptimizerState,
             Phase::Backward if kept => Category::Gradients,
             Phase::Forward if kept => Category::Activations,
