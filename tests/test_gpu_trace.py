@@ -3,6 +3,8 @@ checked against torch's own counters and against allocations whose sizes and lin
 
 import pytest
 
+from conftest import GPU_UUIDS
+
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
@@ -66,6 +68,28 @@ def test_the_peak_by_source_line_equals_torch_s_and_the_known_sizes(kernel):
     assert sum(sites.values()) + peak["rest"]["bytes"] == peak["peak"]["bytes"], "the blocks from before count too"
     assert "at the peak" in shown.text.lower() or "At the peak" in shown.text, cell
     assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False, "no recording outlives the experiment"
+
+
+@pytest.mark.skipif(len(GPU_UUIDS) < 2, reason="needs two GPUs")
+def test_each_gpu_has_its_own_peak_by_source_line(kernel):
+    kernel.run("import torch, gpuexp")
+    kernel.run("exp = gpuexp.GPUExperiment('two GPUs', trace=True)")
+    kernel.run("a = torch.empty(96 << 20, dtype=torch.uint8, device='cuda:0')\n"
+               "b = torch.empty(160 << 20, dtype=torch.uint8, device='cuda:1')\n"
+               "scope_peaks = [torch.cuda.max_memory_allocated(i) for i in range(2)]\n"
+               "del a, b")
+    number = kernel.nb.cells[-1].execution_count
+    scope_peaks = kernel.value("scope_peaks")
+    shown = kernel.run("exp.finish()")
+    traces = {device["torch_index"]: device["peak"] for device in kernel.value("exp.data.to_dict()['trace']")}
+    assert sorted(traces) == [0, 1], "a section for each GPU the scope used"
+    for index, (line, size) in enumerate(((1, 96 * MiB), (2, 160 * MiB))):
+        sites = {row["label"]: row["bytes"] for row in traces[index]["sites"]}
+        assert sites[f"In [{number}], line {line}"] == size, (index, sites)
+        assert f"In [{number}], line {3 - line}" not in sites, "the other GPU's line"
+        assert traces[index]["peak"]["bytes"] == scope_peaks[index]
+    for title in ("At the peak on GPU 0: 96.00 MiB", "At the peak on GPU 1: 160.00 MiB"):
+        assert title in shown.text, shown.text
 
 
 def test_a_user_s_own_recording_is_shared_and_left_running(kernel):

@@ -143,7 +143,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         report.notes.push(why.clone());
         return;
     }
-    let devices: Vec<u32> = report.gpus.iter().map(|g| g.torch_index).collect();
+    let devices = report.traced_devices();
     let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
         let traces = analyse(py, &pickle, Some(&devices), window.max_entries, window.opened_us)?;
         Ok((pickle, traces))

@@ -121,6 +121,23 @@ fn a_cpu_scope_reports_kind_cpu() {
 }
 
 #[test]
+fn a_trace_describes_the_gpus_whose_allocator_moved_or_all_when_none_did() {
+    let (a, b) = ("GPU-aaaa", "GPU-bbbb");
+    let snapshot = |at: f64, allocated_a: u64| {
+        host(at, 0, 0)
+            .with_gpu(with_torch(with_used(gpu(0, a), GIB, Some(0)), allocated_a, allocated_a))
+            .with_gpu(with_torch(with_used(gpu(1, b), GIB, Some(0)), GIB, GIB))
+    };
+    let (start, end) = (snapshot(0.0, GIB), snapshot(2.0, GIB));
+    let idle = finished("idle", &start, &start, &end, &no_peaks());
+    assert_eq!(idle.traced_devices(), [0, 1], "nothing moved: every GPU keeps its section");
+    // cuda:0 went up and back down within the scope; cuda:1 held its gigabyte throughout.
+    let peaks = HashMap::from([(Gauge::TorchAllocated(a.into()), 3 * GIB)]);
+    let used = finished("used", &start, &snapshot(1.0, GIB), &end, &peaks);
+    assert_eq!(used.traced_devices(), [0]);
+}
+
+#[test]
 fn gpu_rows_are_matched_by_uuid_when_the_gpu_order_changes() {
     let (a, b) = ("GPU-aaaa", "GPU-bbbb");
     let start = host(0.0, 0, 0).with_gpu(with_torch(with_used(gpu(0, a), GIB, Some(0)), 0, 0)).with_gpu(with_torch(

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Holders, Report};
+use super::{GpuReport, Holders, Report};
 use crate::trace::{DeviceTrace, HeldBlock};
 use crate::units::bytes;
 
@@ -33,6 +33,21 @@ fn held_line(device: &DeviceTrace) -> Option<String> {
 }
 
 impl Report {
+    /// The GPUs a trace describes: those where torch's allocator moved or ran out of memory during
+    /// the scope (a GPU it never used would only add an empty section), or all where none did.
+    pub fn traced_devices(&self) -> Vec<u32> {
+        let used = |gpu: &&GpuReport| {
+            let moved = gpu.torch_allocated.as_ref().is_some_and(|m| m.peak != m.start || m.before_teardown != m.start);
+            moved || gpu.num_ooms.is_some_and(|ooms| ooms > 0)
+        };
+        let used: Vec<u32> = self.gpus.iter().filter(used).map(|gpu| gpu.torch_index).collect();
+        if used.is_empty() {
+            self.gpus.iter().map(|gpu| gpu.torch_index).collect()
+        } else {
+            used
+        }
+    }
+
     /// The leak hunter's line for one device, each holder with where the blocks it keeps were
     /// allocated, where the trace matched them.
     pub(super) fn holders_line(&self, held: &Holders) -> String {
