@@ -69,16 +69,29 @@ def test_each_module_is_marked_by_its_path_in_forward_and_backward(marks, monkey
     assert "forward 1: model.layers.1.mlp" in forward and marks[len(forward)] == ""
     assert not any(word in mark for mark in forward for word in ("attn", "head", "mlp.fc", "norm"))
     backward = [m.removeprefix("backward 1: ") for m in marks[len(forward) + 1:]]
-    # Blocks only (modules with submodules), innermost first where they share an output node, in
-    # reverse order of the forward; a layer's backward goes to its block.
+    # The model's layers only (the model, the elements of its ModuleList), in reverse order of the
+    # forward: the mlp inside a layer counts to the layer in backward.
     firsts = list(dict.fromkeys(backward))
-    assert firsts == ["model", "model.layers.1", "model.layers.1.mlp", "model.layers.0", "model.layers.0.mlp"]
+    assert firsts == ["model", "model.layers.1", "model.layers.0"]
     count = len(marks)
     module_paths.uninstall()
     assert marks[-1] == "" and not torch.nn.modules.module._global_forward_pre_hooks
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     model(torch.randn(4, 8))
     assert len(marks) == count + 1
+
+
+def test_a_model_and_its_last_layer_share_an_output_node_and_the_layer_is_marked(marks, monkeypatch):
+    import __main__
+
+    model = torch.nn.Sequential(MLP(), MLP())
+    monkeypatch.setattr(__main__, "model", model, raising=False)
+    assert module_paths.install() is None
+    model(torch.randn(4, 8)).sum().backward()
+    backward = [m for m in marks if m.startswith("backward")]
+    # The gradient reaches the model's output and its last layer's at once: the layer is inner, so
+    # its mark shows; the model's stays below it (the input needs no gradient: nothing leaves).
+    assert list(dict.fromkeys(backward)) == ["backward 1: model.1", "backward 1: model.0"]
 
 
 def test_a_second_pass_numbers_its_marks_and_a_model_not_in_the_namespace_goes_by_its_class(marks):

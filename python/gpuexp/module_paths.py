@@ -13,8 +13,10 @@ graph (and fail ``fullgraph=True``). What the marks mean is decided by the core
   backward ends; ``N``, the forward pass the mark belongs to, lets the core drop such a stale
   mark when a later pass's backward (the loss's own) runs before any module's.
 
-Only blocks are marked (the model and its modules that have submodules, a plain
-``Sequential`` inside it aside): a layer (a ``Linear``, a ``ReLU``) counts to its block. Global
+Only blocks are marked in forward (the model and its modules that have submodules, a plain
+``Sequential`` inside it aside): a layer (a ``Linear``, a ``ReLU``) counts to its block. Backward
+follows fewer of them, the model's layers (``_layers``): each followed block costs every step a
+call from autograd's thread. Global
 module hooks would put every module call on torch's slow path and cost a transformer's step 3
 to 8% on an H100 (bench/RESULTS.md), so a global hook only finds models: the first call of a
 model not seen yet, at the top level, hooks that model's blocks one by one and the global hook
@@ -117,34 +119,45 @@ def _first_grad_fn(value):
 
 
 def _backward_enter(path, number, is_root):
-    @_guarded
-    def hook(_grad_outputs):
-        stack = getattr(_state, "backward", None) or []
-        if is_root:
-            stack = [entry for entry in stack if entry[0] == number]
-        # Modules that share an output node (a block and its last layer) enter in the order
-        # their forwards ended, innermost first: a module goes below its own submodules.
-        position = len(stack)
-        while position and stack[position - 1][1].startswith(path + "."):
-            position -= 1
-        stack.insert(position, (number, path))
-        _state.backward = stack
-        _mark_backward(stack)
-
-    return hook
+    stack = getattr(_state, "backward", None) or []
+    if is_root:
+        stack = [entry for entry in stack if entry[0] == number]
+    # Modules that share an output node (a block and its last layer) enter in the order
+    # their forwards ended, innermost first: a module goes below its own submodules.
+    position = len(stack)
+    while position and stack[position - 1][1].startswith(path + "."):
+        position -= 1
+    stack.insert(position, (number, path))
+    _state.backward = stack
+    _mark_backward(stack)
 
 
 def _backward_leave(path, number):
-    @_guarded
-    def hook(_grad_outputs):
-        stack = getattr(_state, "backward", None) or []
-        for index in range(len(stack) - 1, -1, -1):
-            if stack[index] == (number, path):
-                del stack[index]
-                break
-        _mark_backward(stack)
+    stack = getattr(_state, "backward", None) or []
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index] == (number, path):
+            del stack[index]
+            break
+    _mark_backward(stack)
 
-    return hook
+
+@_guarded
+def _gradient_reached(steps, _grad_outputs):
+    for step in steps:
+        step()
+
+
+def _when_gradient_reaches(node, step):
+    """Runs `step` (a block's backward entered or left) when the gradient reaches `node`. A block's
+    output is often the next block's input: that node's one hook runs both steps, in the order
+    they were asked for, since a hook costs a launch-bound step more than its steps do."""
+    last = getattr(_state, "last_hooked", None)
+    if last is not None and last[0] is node:
+        last[1].append(step)
+        return
+    steps = [step]
+    node.register_prehook(functools.partial(_gradient_reached, steps))
+    _state.last_hooked = (node, steps)
 
 
 def _mark_backward(stack):
@@ -152,7 +165,7 @@ def _mark_backward(stack):
 
 
 @_guarded
-def _forward_pre(module, args):
+def _forward_pre(follows_backward, module, args):
     if _is_compiling():
         return
     stack = getattr(_state, "stack", None)
@@ -163,14 +176,14 @@ def _forward_pre(module, args):
     path = _path_of(module, stack)
     stack.append((module, path))
     _set(f"forward {_pass[0]}: {path}")
-    if module._modules and _grad_enabled():
+    if follows_backward and _grad_enabled():
         grad_fn = _first_grad_fn(args)
         if grad_fn is not None:
-            grad_fn.register_prehook(_backward_leave(path, _pass[0]))
+            _when_gradient_reaches(grad_fn, functools.partial(_backward_leave, path, _pass[0]))
 
 
 @_guarded
-def _forward_post(module, _args, output):
+def _forward_post(follows_backward, module, _args, output):
     if _is_compiling():
         return
     stack = getattr(_state, "stack", None)
@@ -178,10 +191,22 @@ def _forward_post(module, _args, output):
         return
     _, path = stack.pop()
     _set(f"forward {_pass[0]}: {stack[-1][1]}" if stack else "")
-    if module._modules and _grad_enabled():
+    if follows_backward and _grad_enabled():
         grad_fn = _first_grad_fn(output)
         if grad_fn is not None:
-            grad_fn.register_prehook(_backward_enter(path, _pass[0], not stack))
+            _when_gradient_reaches(grad_fn, functools.partial(_backward_enter, path, _pass[0], not stack))
+    if not stack:
+        _state.last_hooked = None  # no node outlives its forward pass here
+
+
+def _layers(model, nn):
+    """The modules whose backward is followed: the model, its own children and each element of a
+    ModuleList, Sequential or ModuleDict (a transformer's layers, a ResNet's blocks). Each costs
+    a hook or two that autograd's thread calls in every step, which cost a 6-layer transformer's
+    step 2 to 3% on an H100 when every block had them (bench/RESULTS.md)."""
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    parents = (parent for parent in model.modules() if parent is model or isinstance(parent, containers))
+    return {id(model)} | {id(child) for parent in parents for child in parent.children()}
 
 
 @_guarded
@@ -193,14 +218,18 @@ def _discover(module, args):
     if module in _hooked:
         return
     _hooked.add(module)
-    sequential = _torch().nn.Sequential
+    nn = _torch().nn
+    layers = _layers(module, nn)
     for block in module.modules():
         # A plain Sequential only chains its layers: its block already names them.
-        if block is module or (block._modules and type(block) is not sequential):
-            _handles.append(block.register_forward_pre_hook(_forward_pre))
-            _handles.append(block.register_forward_hook(_forward_post, always_call=True))
+        if block is module or (block._modules and type(block) is not nn.Sequential):
+            follows_backward = id(block) in layers
+            pre = functools.partial(_forward_pre, follows_backward)
+            _handles.append(block.register_forward_pre_hook(pre))
+            post = functools.partial(_forward_post, follows_backward)
+            _handles.append(block.register_forward_hook(post, always_call=True))
     # This call began before its own hooks existed.
-    _forward_pre(module, args)
+    _forward_pre(True, module, args)
 
 
 def _disarm():
@@ -246,6 +275,7 @@ def uninstall():
     _handles.clear()
     _hooked.clear()
     _state.stack = []
+    _state.last_hooked = None
     try:
         _set("")
     finally:
