@@ -14,13 +14,13 @@ graph (and fail ``fullgraph=True``). What the marks mean is decided by the core
   mark when a later pass's backward (the loss's own) runs before any module's.
 
 Only blocks are marked in forward (the model and its modules that have submodules, a plain
-``Sequential`` inside it aside): a layer (a ``Linear``, a ``ReLU``) counts to its block. Backward
-follows fewer of them, the model's layers (``_layers``): each followed block costs every step a
-call from autograd's thread. Global
-module hooks would put every module call on torch's slow path and cost a transformer's step 3
-to 8% on an H100 (bench/RESULTS.md), so a global hook only finds models: the first call of a
-model not seen yet, at the top level, hooks that model's blocks one by one and the global hook
-goes. It comes back at each cell and each traced experiment, to find the models made since.
+``Sequential`` inside it aside): a leaf module (a ``Linear``, a ``ReLU``) counts to its block.
+Backward follows fewer of them, the model's layers (``_layers``): each followed block costs every
+step a call from autograd's thread. Global module hooks would put every module call on torch's
+slow path and cost a transformer's step 3 to 8% on an H100 (bench/RESULTS.md), so a global hook
+only finds models: the first call of a model not seen yet, at the top level, hooks that model's
+blocks one by one and the global hook goes. It comes back at each cell and each traced
+experiment, to find the models made since.
 """
 
 import functools
