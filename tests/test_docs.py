@@ -3,10 +3,16 @@ docs/capture.py retakes from a notebook, script or command in the repository."""
 
 import importlib.util
 import json
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -15,6 +21,8 @@ INCLUDE = re.compile(r'^--8<-- "docs/captures/([\w-]+)\.txt"$', re.M)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 # The first lines of what gpuexp prints: a report's title, or a table's top border.
 GPUEXP_OUTPUT = re.compile(r"^(gpuexp · |┌)", re.M)
+# What the site's build needs; the Makefile's DOCS_DEPS installs them (make test does).
+DOCS_PACKAGES = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers")
 
 
 def capture_module():
@@ -70,3 +78,37 @@ def test_no_page_shows_a_gpuexp_output_typed_by_hand():
             if INCLUDE.search(block):
                 continue
             assert not GPUEXP_OUTPUT.search(block), f"{page.name}: an output typed by hand:\n{block[:300]}"
+
+
+def makefile_docs_command():
+    """The environment and mkdocs arguments of the Makefile's `docs` recipe, as `make docs` runs it."""
+    recipe = re.search(r"^docs:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert recipe, "the Makefile has no docs target"
+    words = shlex.split(next(line for line in recipe[1].splitlines() if "mkdocs " in line))
+    at = next(i for i, word in enumerate(words) if word.endswith("/mkdocs") or word == "mkdocs")
+    env = dict(word.split("=", 1) for word in words[:at])
+    return env, words[at + 1 :]
+
+
+def test_the_docs_build_fails_on_a_broken_link(tmp_path):
+    missing = [name for name in DOCS_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the docs build needs {', '.join(missing)}: `make docs` installs mkdocs, "
+                    "mkdocs-material and mkdocstrings[python] into .venv")
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=ignore)
+    shutil.copytree(ROOT / "python", tmp_path / "python", ignore=ignore)
+    page = tmp_path / "docs" / "index.md"
+    page.write_text(page.read_text(encoding="utf-8") + "\nSee [the gone page](no-such-page.md).\n", encoding="utf-8")
+    env, arguments = makefile_docs_command()
+    assert "--strict" in arguments
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", *arguments, "--site-dir", str(tmp_path / "site")],
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, f"`make docs` passed a broken link:\n{output}"
+    assert "no-such-page.md" in output and "strict mode" in output, output
+    # The planted link is the only warning: the site itself builds clean.
+    assert "Aborted with 1 warnings in strict mode" in output, output
