@@ -90,7 +90,9 @@ def makefile_docs_command():
     return env, words[at + 1 :]
 
 
-def test_the_docs_build_fails_on_a_broken_link(tmp_path):
+def build_a_copy(tmp_path, broken_link=None):
+    """Builds a copy of the docs with the Makefile's `docs` command, ``broken_link`` added to
+    index.md; returns mkdocs' exit status and output."""
     missing = [name for name in DOCS_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"the docs build needs {', '.join(missing)}: `make docs` installs mkdocs, "
@@ -99,16 +101,40 @@ def test_the_docs_build_fails_on_a_broken_link(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=ignore)
     shutil.copytree(ROOT / "python", tmp_path / "python", ignore=ignore)
-    page = tmp_path / "docs" / "index.md"
-    page.write_text(page.read_text(encoding="utf-8") + "\nSee [the gone page](no-such-page.md).\n", encoding="utf-8")
+    if broken_link:
+        page = tmp_path / "docs" / "index.md"
+        page.write_text(page.read_text(encoding="utf-8") + f"\nSee [the gone page]({broken_link}).\n", encoding="utf-8")
     env, arguments = makefile_docs_command()
     assert "--strict" in arguments
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", *arguments, "--site-dir", str(tmp_path / "site")],
         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
     )
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, f"`make docs` passed a broken link:\n{output}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_docs_build_fails_on_a_broken_link(tmp_path):
+    status, output = build_a_copy(tmp_path, broken_link="no-such-page.md")
+    assert status != 0, f"`make docs` passed a broken link:\n{output}"
     assert "no-such-page.md" in output and "strict mode" in output, output
     # The planted link is the only warning: the site itself builds clean.
     assert "Aborted with 1 warnings in strict mode" in output, output
+
+
+def test_the_site_works_from_disk(tmp_path):
+    """Opened as file://, a browser shows a folder's listing, not its index.html: every link
+    between pages must name a file, and search must not need a server."""
+    status, output = build_a_copy(tmp_path)
+    assert status == 0, output
+    site = tmp_path / "site"
+    pages = sorted(site.glob("*.html"))
+    assert len(pages) > 20, "the site has fewer pages than the nav"
+    broken = []
+    for page in pages:
+        for target in re.findall(r'(?:href|src)="([^"#?]+)', page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or page.name == "404.html":
+                continue  # another site, or the page a server shows for a missing one
+            if not (page.parent / target).is_file():
+                broken.append(f"{page.name} -> {target}")
+    assert not broken, f"links that open nothing from disk: {broken[:20]}"
+    assert (site / "search" / "search_index.js").is_file(), "search needs a server: no bundled index"
