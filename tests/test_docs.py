@@ -1,6 +1,7 @@
 """The README and the documentation show only real outputs: each is a capture that
 docs/capture.py retakes from a notebook, script or command in the repository."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -121,12 +122,18 @@ def test_the_docs_build_fails_on_a_broken_link(tmp_path):
     assert "Aborted with 1 warnings in strict mode" in output, output
 
 
-def test_the_site_works_from_disk(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built from a copy of the docs, as `make docs` builds it."""
+    folder = tmp_path_factory.mktemp("docs")
+    status, output = build_a_copy(folder)
+    assert status == 0, output
+    return folder / "site"
+
+
+def test_the_site_works_from_disk(site):
     """Opened as file://, a browser shows a folder's listing, not its index.html: every link
     between pages must name a file, and search must not need a server."""
-    status, output = build_a_copy(tmp_path)
-    assert status == 0, output
-    site = tmp_path / "site"
     pages = sorted(site.glob("*.html"))
     assert len(pages) > 20, "the site has fewer pages than the nav"
     broken = []
@@ -138,3 +145,21 @@ def test_the_site_works_from_disk(tmp_path):
                 broken.append(f"{page.name} -> {target}")
     assert not broken, f"links that open nothing from disk: {broken[:20]}"
     assert (site / "search" / "search_index.js").is_file(), "search needs a server: no bundled index"
+
+
+def test_the_api_page_has_every_public_name_each_with_its_text(site):
+    init = ast.parse((ROOT / "python" / "gpuexp" / "__init__.py").read_text(encoding="utf-8"))
+    public = next(ast.literal_eval(node.value) for node in init.body
+                  if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets))
+    page = (site / "api.html").read_text(encoding="utf-8")
+    found = re.findall(r'<div class="doc doc-object doc-(\w+)">\s*<h\d id="([\w.]+)"', page)
+    kinds = {identifier: kind for kind, identifier in found}
+    directives = re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(encoding="utf-8"), re.M)
+    entries = {directive.rsplit(".", 1)[-1]: kinds.get(directive) for directive in directives}
+    absent = [name for name in public if entries.get(name) not in ("class", "function")]
+    assert not absent, f"docs/api.md has no entry (or a module's) for {absent}"
+    empty = [identifier for identifier in re.findall(
+        r'<h\d id="([\w.]+)" class="doc doc-heading">(?:(?!<h\d).)*?<div class="doc doc-contents[^"]*">\s*</div>',
+        page, re.S)]
+    assert not empty, f"entries without text on the API page: {empty}"
+    assert "_Table" not in page, "the API page names _core.pyi's _Table, which no user can import"
