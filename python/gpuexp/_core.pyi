@@ -44,6 +44,7 @@ class _Settings(TypedDict):
     sample_interval_ms: float
     cell_log_all_gpus: bool
     oom_rescue: bool
+    flight_recorder: bool
     cell_log_min_change: int
     live_view_after_s: float | None
     trace: bool | Literal["host", "all"]
@@ -402,6 +403,9 @@ def compare(reports: Sequence[Report] | None = None) -> Comparison:
 def cell_log_active() -> bool: ...
 def set_standalone_log(on: bool, every_cell: bool = False) -> None: ...
 def begin_cell() -> None: ...
+def arm_recorder() -> None:
+    """The flight recorder joins torch's allocation history where gpuexp is active and CUDA is initialised."""
+def mark_step(kind: Literal["optimizer step", "trainer step", "cell"]) -> None: ...
 def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
     """(the record if its block shows, the window of the cell's live view if one was drawn)."""
 def cells() -> list[CellRecord]: ...
@@ -413,6 +417,7 @@ def config(
     cell_log_min_change: int | None = None,
     live_view_after_s: float | Literal[False] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
+    flight_recorder: bool | None = None,
 ) -> _Settings:
     """``live_view_after_s``: seconds, False for no live view, None to leave it."""
 def shutdown() -> None: ...

@@ -26,6 +26,7 @@ mod oom;
 mod python_heap;
 mod rank_gpu;
 mod ranks;
+mod recorder;
 mod registry;
 mod scope;
 mod snapshot;
@@ -66,6 +67,8 @@ mod core_module {
     use super::oom::rescue_oom;
     #[pymodule_export]
     use super::rank_gpu::default_device;
+    #[pymodule_export]
+    use super::recorder::{arm_recorder, mark_step};
     #[pymodule_export]
     use super::ranks::{
         gather_ranks, host_ranks_store, kernel_ranks_store, last_publish_s, note_scope_error,
