@@ -132,8 +132,7 @@ impl LiveBlocks {
 
     /// One line for the diagnosis.
     pub fn describe(&self) -> String {
-        let groups: Vec<String> =
-            self.largest.iter().map(|g| format!("{} × {}", g.count, bytes(g.bytes))).collect();
+        let groups: Vec<String> = self.largest.iter().map(|g| format!("{} × {}", g.count, bytes(g.bytes))).collect();
         let mut line = format!(
             "live then, by size (recorded without stacks: trace=True names their lines): {} of {} in {} blocks",
             groups.join(", "),
@@ -238,15 +237,16 @@ mod tests {
     /// A step that held 4 MiB and ended at t=10, then 2 × 8 MiB and 1 × 2 MiB made, then an
     /// OOM asking 64 MiB at t=30.
     fn snapshot() -> Snapshot {
-        let mut snapshot = Snapshot::default();
-        snapshot.device_traces = vec![vec![
-            event(Action::Alloc, 0x1000_0000, 4 * MIB, 5),
-            event(Action::Alloc, 0x2000_0000, 8 * MIB, 20),
-            event(Action::Alloc, 0x3000_0000, 8 * MIB, 21),
-            event(Action::Alloc, 0x4000_0000, 2 * MIB, 22),
-            event(Action::Oom, 0, 64 * MIB, 30),
-        ]];
-        snapshot
+        Snapshot {
+            device_traces: vec![vec![
+                event(Action::Alloc, 0x1000_0000, 4 * MIB, 5),
+                event(Action::Alloc, 0x2000_0000, 8 * MIB, 20),
+                event(Action::Alloc, 0x3000_0000, 8 * MIB, 21),
+                event(Action::Alloc, 0x4000_0000, 2 * MIB, 22),
+                event(Action::Oom, 0, 64 * MIB, 30),
+            ]],
+            ..Snapshot::default()
+        }
     }
 
     fn read(step: Option<StepEnd>, asked: Option<u64>) -> Option<OomRecord> {

@@ -18,6 +18,7 @@ use crate::snapshot::host;
 /// kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.
 /// `live_view_after_s` is seconds, or False for no live view (None leaves it as it is).
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // one per keyword of gpuexp.config
 #[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
                     live_view_after_s=None, trace=None, flight_recorder=None))]
 pub(super) fn config<'py>(

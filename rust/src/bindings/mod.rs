@@ -68,12 +68,12 @@ mod core_module {
     #[pymodule_export]
     use super::rank_gpu::default_device;
     #[pymodule_export]
-    use super::recorder::{arm_recorder, mark_step};
-    #[pymodule_export]
     use super::ranks::{
         gather_ranks, host_ranks_store, kernel_ranks_store, last_publish_s, note_scope_error,
         remove_kernel_ranks_store, RanksPy,
     };
+    #[pymodule_export]
+    use super::recorder::{arm_recorder, mark_step};
     #[pymodule_export]
     use super::report::{
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,

@@ -11,9 +11,9 @@ use super::trace::{self, PyNamer};
 use super::trace_recording;
 use crate::recorder::SinceStep;
 use crate::report::{self, FailedLine};
-use crate::trace::SiteRule;
 use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
 use crate::teardown;
+use crate::trace::SiteRule;
 
 /// torch's own OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message
 /// while CUDA is in use. Never a look-alike: an error that merely mentions CUDA and "out of

@@ -138,7 +138,10 @@ pub(super) fn leave(py: Python, mode: HistoryMode) -> Option<String> {
         return unhooked;
     }
     let (_, memory) = memory_module(py).ok()?;
-    apply(py, &memory, change).err().map(|e| format!("trace: torch's recording could not be changed ({e})")).or(unhooked)
+    apply(py, &memory, change)
+        .err()
+        .map(|e| format!("trace: torch's recording could not be changed ({e})"))
+        .or(unhooked)
 }
 
 /// Joins (or starts) the recording, with stacks, for a traced experiment that opens now. Torch's

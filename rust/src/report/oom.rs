@@ -107,7 +107,8 @@ impl OomDiagnosis {
     pub fn hints(&self) -> Vec<String> {
         let mut hints = Vec::new();
         let cached = self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
-        let fragmented = cached.zip(self.requested).is_some_and(|(cached, requested)| requested > 0 && cached >= requested);
+        let fragmented =
+            cached.zip(self.requested).is_some_and(|(cached, requested)| requested > 0 && cached >= requested);
         let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
         let crowded = self.total.is_some_and(|total| others > total / 10);
         let freed = self.torch_allocated_before.zip(self.torch_allocated_after).map(|(b, a)| b.saturating_sub(a));
@@ -285,7 +286,10 @@ mod tests {
         let mut d = diagnosis();
         d.failed_line = Some(line);
         let text = d.grid().to_text();
-        assert!(text.contains("failed at /home/u/model.py:14 in model.blocks.3.fc1 (Linear), asking 2.00 GiB"), "{text}");
+        assert!(
+            text.contains("failed at /home/u/model.py:14 in model.blocks.3.fc1 (Linear), asking 2.00 GiB"),
+            "{text}"
+        );
         assert!(text.contains("none completed"), "{text}");
         assert!(FailedLine::from_frames(&frames[..2], None, &SiteRule::default(), &PlainNamer::default()).is_none());
     }
