@@ -19,6 +19,8 @@ pub enum StepKind {
     OptimizerStep,
     /// A framework's callback saw a training step end.
     TrainerStep,
+    /// The batch-size finder's call of the user's step returned.
+    FinderStep,
     /// A notebook cell ran to its end without an error.
     Cell,
 }
@@ -28,12 +30,15 @@ impl StepKind {
         match self {
             StepKind::OptimizerStep => "optimizer step",
             StepKind::TrainerStep => "trainer step",
+            StepKind::FinderStep => "finder step",
             StepKind::Cell => "cell",
         }
     }
 
     pub fn parse(name: &str) -> Option<StepKind> {
-        [StepKind::OptimizerStep, StepKind::TrainerStep, StepKind::Cell].into_iter().find(|k| k.label() == name)
+        [StepKind::OptimizerStep, StepKind::TrainerStep, StepKind::FinderStep, StepKind::Cell]
+            .into_iter()
+            .find(|k| k.label() == name)
     }
 }
 

@@ -67,12 +67,14 @@ pub(super) fn settle(py: Python) {
     }
 }
 
-/// A step completed ("optimizer step", "trainer step" or "cell"): the OOM diagnosis counts what
-/// grew from the latest one.
+/// A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
+/// diagnosis counts what grew from the latest one.
 #[pyfunction]
 pub(super) fn mark_step(kind: &str) -> PyResult<()> {
     let kind = StepKind::parse(kind).ok_or_else(|| {
-        PyValueError::new_err(format!("mark_step: {kind:?} is not \"optimizer step\", \"trainer step\" or \"cell\""))
+        PyValueError::new_err(format!(
+            "mark_step: {kind:?} is not \"optimizer step\", \"trainer step\", \"finder step\" or \"cell\""
+        ))
     })?;
     recorder::mark_step(kind, trace_recording::now_us());
     Ok(())
