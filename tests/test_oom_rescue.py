@@ -105,3 +105,14 @@ def test_an_oom_inside_a_forward_names_the_line_the_module_and_that_no_step_comp
 def test_without_any_completed_step_the_diagnosis_says_so(kernel):
     failed = kernel.run(SETUP + MODEL_OOM + "model(torch.ones(3))", expect_error=True)
     assert "none completed in this kernel" in failed.text, failed.text
+
+
+def test_the_flight_recorder_is_on_by_default_and_one_setting_turns_it_off(kernel):
+    kernel.run(SETUP)
+    assert kernel.value("gpuexp.config()['flight_recorder']") is True
+    assert kernel.value("gpuexp.config(flight_recorder=False)['flight_recorder']") is False
+    failed = kernel.run("gpuexp.config(flight_recorder='off')", expect_error=True)
+    assert "flight_recorder is True or False" in failed.text
+    # Off, and a step completed: the diagnosis says why it cannot tell what grew since.
+    failed = kernel.run(MODEL_OOM + "model(torch.ones(3))", expect_error=True)
+    assert "the flight recorder is off: gpuexp.config(flight_recorder=True)" in failed.text, failed.text
