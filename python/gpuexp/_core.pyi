@@ -46,6 +46,7 @@ class _Settings(TypedDict):
     sample_interval_ms: float
     cell_log_all_gpus: bool
     oom_rescue: bool
+    flight_recorder: bool
     cell_log_min_change: int
     live_view_after_s: float | None
     trace: bool | Literal["host", "all"]
@@ -497,6 +498,9 @@ def set_standalone_log(on: bool, every_cell: bool = False) -> None:
 def begin_cell() -> None:
     """Opens the window of a cell about to run (the `pre_run_cell` event): where the previous
     logged cell ended when nothing came in between, so that a cell reads memory once, at its end."""
+def arm_recorder() -> None:
+    """The flight recorder joins torch's allocation history where gpuexp is active and CUDA is initialised."""
+def mark_step(kind: Literal["optimizer step", "trainer step", "finder step", "cell"]) -> None: ...
 def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
     """Closes the running cell's window and records it (the `post_run_cell` event). Returns the
     record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
@@ -513,6 +517,7 @@ def config(
     cell_log_min_change: int | None = None,
     live_view_after_s: float | Literal[False] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
+    flight_recorder: bool | None = None,
 ) -> _Settings:
     """Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
     kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.

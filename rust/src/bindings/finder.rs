@@ -180,10 +180,17 @@ fn run_trial(
     let window = registry().open_window(&start);
     reset_counters(&torch, &start);
     let started = Instant::now();
-    let ran = (0..steps).try_for_each(|_| step.call1((batch,)).map(drop)).and_then(|()| {
-        cuda.call_method1("synchronize", (index,))?;
-        Ok(())
-    });
+    let ran = (0..steps)
+        .try_for_each(|_| {
+            step.call1((batch,))?;
+            // What grows after it counts towards an OOM that the finder does not catch.
+            crate::recorder::mark_step(crate::recorder::StepKind::FinderStep, super::trace_recording::now_us());
+            Ok(())
+        })
+        .and_then(|()| {
+            cuda.call_method1("synchronize", (index,))?;
+            Ok(())
+        });
     let seconds = started.elapsed().as_secs_f64();
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let peaks = {

@@ -119,20 +119,27 @@ pub(super) fn cell_peak_sites(
 }
 
 /// The out-of-memory error just raised on `torch_index`, in torch's allocation history where
-/// one is being recorded (a traced experiment's, the cell log's or the user's own): the line
-/// that failed and what was live then, for the rescue's diagnosis. The latest OOM recorded is
-/// taken only when it matches what torch's message says was asked (`requested`): an older one
-/// (this one not recorded) would name the wrong line.
-pub(super) fn last_oom(py: Python, torch_index: u32, requested: Option<u64>) -> Option<trace::OomSites> {
+/// one is being recorded (the flight recorder's, a traced experiment's, the cell log's or the
+/// user's own): what grew since `step`, and the failed line and the sites live then where the
+/// record has stacks, else the live blocks by size. The latest OOM recorded is taken only when
+/// it matches what torch's message says was asked (`requested`): an older one (this one not
+/// recorded) would name the wrong line.
+pub(super) fn last_oom(
+    py: Python,
+    torch_index: u32,
+    requested: Option<u64>,
+    step: Option<crate::recorder::StepEnd>,
+) -> Option<crate::recorder::OomRecord> {
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
     let pickle = trace_recording::snapshot_pickle(py).ok()?;
-    let latest = attributed(py, &pickle, |snapshot, attribution| {
+    attributed(py, &pickle, |snapshot, attribution| {
         let replayed = trace::replay(snapshot, torch_index as usize, None);
-        trace::oom(snapshot, &replayed, attribution, trace::TOP_SITES).pop()
-    });
-    latest.ok().flatten().filter(|oom| requested.is_none_or(|asked| oom.matches_message(asked)))
+        crate::recorder::read_oom(snapshot, &replayed, requested, step, attribution)
+    })
+    .ok()
+    .flatten()
 }
 
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
