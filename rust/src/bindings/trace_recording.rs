@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
+use super::trace_opening::WindowKey;
 
 /// Entries the ring buffer keeps: a GPT-2 training step recorded about 1,700 and a resnet50
 /// step about 2,000 on an H100 (../shared/gpu/README.md's measurements of torch's history), so
@@ -117,6 +118,7 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
         let kwargs = PyDict::new(py);
         kwargs.set_item("max_entries", max_entries)?;
         kwargs.set_item("stacks", "python")?;
+        super::trace_opening::take(&memory, max_entries);
         memory.call_method("_record_memory_history", ("all",), Some(&kwargs))?;
         Ok(())
     })();
@@ -126,6 +128,7 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
             (TraceWindow { opened_us, max_entries: Some(max_entries), unavailable: None }, notes)
         }
         Err(e) => {
+            super::trace_opening::forget();
             notes.extend(module_paths(py, "uninstall"));
             (unavailable(format!("trace=True: torch did not start recording ({e})")), notes)
         }
@@ -138,10 +141,12 @@ pub(super) fn open_shares() -> usize {
 }
 
 /// Torch's snapshot now, pickled (protocol 4, as memory_viz and Mosaic read it): the format the
-/// core reads, whether it comes from this process or from a file.
-pub(super) fn snapshot_pickle(py: Python) -> Result<Vec<u8>, String> {
+/// core reads, whether it comes from this process or from a file. What makes its replay exact
+/// (the state at the recording's start, the experiment's `window`) goes in under `gpuexp`.
+pub(super) fn snapshot_pickle(py: Python, window: Option<&WindowKey>) -> Result<Vec<u8>, String> {
     let (_, memory) = memory_module(py)?;
     let snapshot = memory.call_method0("_snapshot").map_err(|e| format!("torch's snapshot failed: {e}"))?;
+    super::trace_opening::annotate(py, &snapshot, window).map_err(|e| format!("torch's snapshot: {e}"))?;
     let pickled = py
         .import("pickle")
         .and_then(|pickle| pickle.call_method1("dumps", (snapshot, 4)))
@@ -165,6 +170,7 @@ pub(super) fn close(py: Python) -> Option<String> {
     if !started_by_gpuexp {
         return unhooked;
     }
+    super::trace_opening::forget();
     let (_, memory) = memory_module(py).ok()?;
     let kwargs = PyDict::new(py);
     kwargs
