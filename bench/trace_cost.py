@@ -188,7 +188,12 @@ def main(argv=None):
             continue
         for _ in range(3):
             step(batch_size)
-        shares, events, off = measure(torch, gpuexp, step, batch_size, found, args.rounds, args.steps)
+        try:
+            shares, events, off = measure(torch, gpuexp, step, batch_size, found, args.rounds, args.steps)
+        except Exception as error:  # noqa: BLE001 - one model's failure is reported, the others still run
+            print(f"{name:12} failed: {type(error).__name__}: {error}")
+            failed.append(f"{name} (failed)")
+            continue
         cells = []
         for condition, values in shares.items():
             median = statistics.median(values)
