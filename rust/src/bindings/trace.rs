@@ -13,6 +13,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 use super::report::{json_to_python, ReportPy};
+use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
@@ -86,16 +87,19 @@ fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attrib
     Ok(find(&snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer)))
 }
 
-/// The core's findings for `devices` from a snapshot pickle, from `since_us` on.
+/// The core's findings for `devices` from a snapshot pickle, from `since_us` on (None: from
+/// the opening of the experiment the file was saved for, where gpuexp saved it, else all of it).
 fn analyse(
     py: Python,
     pickle: &[u8],
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
-    since_us: i64,
+    since_us: Option<i64>,
 ) -> PyResult<Vec<DeviceTrace>> {
-    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed(py, pickle, |snapshot, attribution| {
+        let window = snapshot.gpuexp.window.as_ref();
+        let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
+        let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
         let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
         let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
         trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
@@ -110,7 +114,7 @@ pub(super) fn cell_peak_sites(
     max_entries: Option<u64>,
     since_us: i64,
 ) -> Result<Vec<CellPeakSite>, String> {
-    let pickle = trace_recording::snapshot_pickle(py)?;
+    let pickle = trace_recording::snapshot_pickle(py, None)?;
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed(py, &pickle, |snapshot, attribution| {
         trace::cell_peak_sites(snapshot, moved, max_entries, since_us, attribution)
@@ -133,7 +137,7 @@ pub(super) fn last_oom(
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
-    let pickle = trace_recording::snapshot_pickle(py).ok()?;
+    let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
     attributed(py, &pickle, |snapshot, attribution| {
         let replayed = trace::replay(snapshot, torch_index as usize, None);
         crate::recorder::read_oom(snapshot, &replayed, requested, step, attribution)
@@ -151,10 +155,17 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         return;
     }
     let devices = report.traced_devices();
-    let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-        let traces = analyse(py, &pickle, Some(&devices), window.max_entries, window.opened_us)?;
-        Ok((pickle, traces))
-    });
+    // Torch's own peak over the experiment, saved with the snapshot: the figure its replay meets.
+    let peaks = (report.gpus.iter())
+        .filter(|gpu| devices.contains(&gpu.torch_index))
+        .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
+        .collect();
+    let key = WindowKey { opened_us: window.opened_us, max_entries: window.max_entries, peaks };
+    let read =
+        trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
+            let traces = analyse(py, &pickle, Some(&devices), window.max_entries, Some(window.opened_us))?;
+            Ok((pickle, traces))
+        });
     match read {
         Ok((pickle, mut traces)) => {
             trace::name_holders(&mut traces, storages);
@@ -365,7 +376,7 @@ pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
     let pickle = py
         .detach(|| std::fs::read(&path))
         .map_err(|e| PyOSError::new_err(format!("load_snapshot({}): {e}", path.display())))?;
-    let devices = analyse(py, &pickle, None, None, i64::MIN)?;
+    let devices = analyse(py, &pickle, None, None, None)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
 }
