@@ -227,7 +227,8 @@ mod tests {
 
     #[test]
     fn a_column_is_figures_only_when_every_cell_is_one() {
-        for figure in ["1.00 GiB", "+3 MiB", "-65.00 MiB", "−2 B", "85.5%", "2.0×", "80.00 GiB total", "12", "—", ""] {
+        for figure in ["1.00 GiB", "+3 MiB", "-65.00 MiB", "−2 B", "85.5%", "2.0×", "80.00 GiB total", "12", "—", ""]
+        {
             assert!(is_figure(figure), "{figure}");
         }
         for text in ["tensor [16, 256]", "2.0×, linear in bs", "new", "x = 1", "cuda:0", "(no Python tensor)"] {
