@@ -137,7 +137,7 @@ def test_in_a_script_called_from_a_function_the_scripts_globals_are_found(tmp_pa
         ).stdout, "torch no longer adds the alias: this case tests nothing new"
     paths = next(line for line in done.stdout.splitlines() if line.startswith("PATHS "))
     assert paths == "PATHS ['__main__.arr']", done.stdout
-    assert "│ __main__.arr ┆   8.00 MiB ┆ ndarray [8388608] cpu │" in done.stdout, done.stdout
+    assert "│ __main__.arr ┆ 8.00 MiB ┆ ndarray [8388608] cpu │" in done.stdout, done.stdout
 
 
 def test_an_empty_result_says_where_it_looked_and_that_nothing_was_found(kernel):

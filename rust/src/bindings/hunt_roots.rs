@@ -116,6 +116,7 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
         let Ok(name) = name.extract::<String>() else { continue };
         let Ok(module) = module.cast_into::<PyModule>() else { continue };
         let is_main = main.as_ref().is_some_and(|main| module.is(main));
+        let no_hidden = HashSet::new();
         if is_main && name != "__main__" {
             continue;
         }
@@ -127,7 +128,8 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
             let key = key.to_string();
             // IPython's own names in a notebook's main module (`Out`, `_3`, `_i3`) are its
             // hidden references, already walked under their own labels.
-            if !key.starts_with("__") && !(is_main && is_system_name(&key, &HashSet::new())) {
+            let ipythons = is_main && is_system_name(&key, &no_hidden);
+            if !key.starts_with("__") && !ipythons {
                 roots.push(root(kind, format!("{name}.{key}"), value));
             }
         }
