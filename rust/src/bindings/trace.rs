@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::report::{json_to_python, ReportPy};
@@ -258,13 +258,23 @@ impl TracePy {
 
     /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open; the
     /// file is replaced atomically.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
         })?;
         py.detach(|| write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
+}
+
+/// `save_snapshot`'s path, as `save_history` takes one: a str or an os.PathLike.
+fn snapshot_path(path: &Bound<PyAny>) -> PyResult<PathBuf> {
+    path.extract().map_err(|_| {
+        let given = path.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        PyTypeError::new_err(format!(
+            "save_snapshot() takes a file path (a str or os.PathLike), e.g. save_snapshot('peak.pickle'); got {given}"
+        ))
+    })
 }
 
 impl TracePy {
@@ -402,7 +412,7 @@ impl ReportPy {
 
     /// Writes the experiment's torch snapshot (``trace=True``) for memory_viz and Mosaic; the file
     /// is replaced atomically.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         self.traced()?.save_snapshot(py, path)
     }
 }

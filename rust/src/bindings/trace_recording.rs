@@ -45,13 +45,20 @@ pub(super) fn now_us() -> i64 {
     i64::try_from(since.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// What to trace instead where there is no CUDA allocation to record.
+const TRACE_HOST: &str =
+    "trace=\"host\" traces the host's memory instead (Python's objects and NumPy's arrays, through tracemalloc)";
+
 fn memory_module<'py>(py: Python<'py>) -> Result<(PyTorch<'py>, Bound<'py, PyAny>), String> {
     let torch = PyTorch::find(py);
-    let module = torch.torch.as_ref().ok_or("trace=True records torch's CUDA allocations: import torch first")?;
+    let module = torch
+        .torch
+        .as_ref()
+        .ok_or_else(|| format!("trace=True records torch's CUDA allocations: import torch first, or {TRACE_HOST}"))?;
     let cuda = module.getattr("cuda").map_err(|e| e.to_string())?;
     let available = cuda.call_method0("is_available").and_then(|a| a.extract::<bool>()).unwrap_or(false);
     if !available {
-        return Err("trace=True records torch's CUDA allocations, and torch sees no CUDA GPU".into());
+        return Err(format!("trace=True records torch's CUDA allocations, and torch sees no CUDA GPU: {TRACE_HOST}"));
     }
     let memory = cuda.getattr("memory").map_err(|e| e.to_string())?;
     Ok((torch, memory))
