@@ -313,7 +313,7 @@ def names_the_cell_binds():
 
 
 # How far `in_sight` looks: references it reads in all, and the largest container it reads.
-_SIGHT_BUDGET = 200_000
+_SIGHT_BUDGET = 100_000
 _SIGHT_CONTAINER = 10_000
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 
@@ -333,18 +333,16 @@ def in_sight(experiments, namespace):
     followed = set()
     budget = _SIGHT_BUDGET
     for depth in range(3):
+        found.update(wanted[id(obj)] for obj in level if id(obj) in wanted)
+        if len(found) == len(wanted) or depth == 2:
+            break
         deeper = []
         for obj in level:
-            scope_id = wanted.get(id(obj))
-            if scope_id is not None:
-                found.add(scope_id)
-            elif depth < 2 and budget > 0 and id(obj) not in followed and _worth_following(obj):
+            if budget > 0 and id(obj) not in wanted and id(obj) not in followed and _worth_following(obj):
                 followed.add(id(obj))
                 referents = gc.get_referents(obj)
                 budget -= len(referents)
                 deeper.extend(referents)
-        if len(found) == len(wanted) or not deeper:
-            break
         level = deeper
     return found
 
