@@ -148,3 +148,12 @@ def test_in_a_script_the_collected_experiment_finishes_at_exit(tmp_path):
         """,
     )
     assert out.index("last line") < out.index("at exit · finished"), out
+
+
+def test_an_experiment_a_teardowns_own_collection_finds_finishes_at_the_same_cells_end(kernel):
+    kernel.run(SETUP + RUNNER + "first = r\nr = Runner()\nsecond = r\ndel r")
+    # The first is found by the user's collection; the second, dropped after it, by the first's
+    # teardown (which collects garbage): both finish as the cell ends, neither in the middle.
+    cell = kernel.run("del first\ngc.collect()\ndel second\nprint('history', len(gpuexp.history()))")
+    assert "history 0" in cell.text, cell.text
+    assert kernel.value("[r.name for r in gpuexp.history()]") == ["runner", "runner"]

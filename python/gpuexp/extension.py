@@ -79,17 +79,23 @@ def _after_cell(result=None):
     if scope_ids and (ip := shell()) is not None:
         _finish_unreferenced(scope_ids, ShellNamespace(ip))
     if (scope_ids or _core.unreachable_waiting()) and (ip := shell()) is not None:
-        namespace = ShellNamespace(ip)
-        # What the core needs to judge, for an experiment found unreachable, which names came
-        # after it was last seen: those it keeps. Then the teardowns that waited for this point.
-        alive = tracked()
-        sighted = in_sight(alive, namespace)
-        # The cell's own bindings matter only to experiments not seen at its end (parsing costs).
-        unseen = len(sighted) < len(alive) or _core.unreachable_waiting()
-        _core.cell_ended_for_scopes(namespace, sighted, names_the_cell_binds() if unseen else set())
+        _note_sightings(ShellNamespace(ip))
+        # The teardowns that waited for this point.
         if finish_unreachable("cell_end"):
             hold_interrupt(KeyboardInterrupt("gpuexp held this interrupt until the experiments had finished"))
     raise_held_interrupt(result)
+
+
+def _note_sightings(namespace):
+    """Tells the core which open experiments one of the user's names still leads to, and what the
+    cell bound: for one found unreachable later, the names that came after it was last seen are
+    kept. A function of its own, so that its references to the experiments are gone before any
+    teardown collects garbage."""
+    alive = tracked()
+    sighted = in_sight(alive, namespace)
+    # The cell's own bindings matter only to experiments not seen at its end (parsing costs).
+    unseen = len(sighted) < len(alive) or _core.unreachable_waiting()
+    _core.cell_ended_for_scopes(namespace, sighted, names_the_cell_binds() if unseen else set())
 
 
 def _runs_ended_by(error):

@@ -13,7 +13,9 @@ use super::namespace::identities;
 use super::registry::registry;
 use super::report::ReportPy;
 use super::scope::{baseline_of, finish_with_inner, publish, with_notes};
+use super::torch::release;
 use crate::scope::{Dropped, Finish, SafePoint, ScopeId};
+use crate::teardown::Step;
 
 /// The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
 /// Otherwise the core keeps it for the next safe point (see [`crate::scope::Finish`]).
@@ -59,14 +61,27 @@ pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy
     Ok((with_notes(finished?, &amended), interrupted))
 }
 
-/// The teardowns due `at` this point, run with interrupts held by the caller.
+/// The teardowns due `at` this point, run with interrupts held by the caller. A teardown's own
+/// `gc.collect()` may find another experiment unreachable: it is due here too. One that waits
+/// behind a scope opened inside it gets one collection first, since that scope may be garbage
+/// the collector has not found yet. Each round finishes every scope it took (a finished one
+/// leaves the open scopes) or stops at an error.
 pub(super) fn finish_due(py: Python, at: SafePoint, to_publish: &mut Vec<ScopeId>) -> PyResult<Vec<ReportPy>> {
     let mut finished = Vec::new();
-    let due = registry().due(at);
-    for id in due {
-        finished.extend(finish_with_inner(py, id, Vec::new(), false, to_publish)?);
+    let mut collected = false;
+    loop {
+        let due = registry().due(at);
+        if due.is_empty() {
+            if collected || !registry().unreachable_waiting() {
+                return Ok(finished);
+            }
+            release(py, Step::CollectGarbage)?;
+            collected = true;
+        }
+        for id in due {
+            finished.extend(finish_with_inner(py, id, Vec::new(), false, to_publish)?);
+        }
     }
-    Ok(finished)
 }
 
 /// Before the teardown of a scope found unreachable: the names bound since one of the user's
