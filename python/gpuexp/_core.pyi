@@ -435,13 +435,15 @@ def open_scope(
     on_stack: Iterable[_ScopeId] = ...,
     params: dict[str, int | float | bool | str] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
+    tool: bool = False,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
     """Opens a scope; returns its id, the state it starts from, the reports of the scopes it
     replaced (see [`crate::scope::Registry::replaced_by`]; `on_stack`: the open scopes whose code
     is still running, never replaced by name), which finish first keeping `in_use`:
     names the constructor's cell binds above the constructor, and whether an interrupt came
     while it opened (held until then: see `interrupts`). `adapter` is None outside any
-    namespace (a function body in a script): the scope then measures and reports but deletes nothing."""
+    namespace (a function body in a script): the scope then measures and reports but deletes nothing.
+    `tool`: gpuexp opens it for one of its tools (a trainer's callback), see [`Owner`]."""
 def scope_name(id: _ScopeId) -> str: ...
 def is_open(id: _ScopeId) -> bool: ...
 def keep(id: _ScopeId, names: Sequence[str]) -> None:
@@ -453,6 +455,16 @@ def finish(id: _ScopeId, keep: Sequence[str] = ..., during_reset: bool = False) 
     caller raises it once the reports are shown. `keep` adds names to protect, without the
     existence check of `keep()`. `during_reset`: IPython's `%reset` is clearing the namespace
     and would fail on a name deleted under it, so the teardown leaves every name to the reset."""
+def dropped(id: _ScopeId, *, by_collector: bool, on_main_thread: bool, in_shell: bool) -> bool:
+    """The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
+    Otherwise the core keeps it for the next safe point (see [`crate::scope::Finish`])."""
+def unreachable_waiting() -> bool: ...
+def cell_ended_for_scopes(adapter: _NamespaceAdapter, sighted: Iterable[_ScopeId], bound: Iterable[str]) -> None:
+    """A cell has ended: `sighted`, the open experiments one of the user's names still leads to;
+    `bound`, the names the cell's own code binds; `adapter`, the user's namespace."""
+def finish_unreachable(at: Literal["cell_end", "opening", "exit"]) -> tuple[list[Report], bool]:
+    """Finishes the experiments found unreachable whose teardown may run at `at` ("cell_end",
+    "opening", "exit"). Returns their reports, innermost first, and whether an interrupt was held."""
 def scope_report(id: _ScopeId) -> Report:
     """The report of a scope as it stands: live while open, final once finished."""
 def scope_cells(id: _ScopeId) -> list[CellRecord]:

@@ -1,7 +1,10 @@
 """The public experiment scopes. State and teardown live in ``gpuexp._core``."""
 
+import atexit
+import gc
 import os
 import sys
+import threading
 import weakref
 
 from . import _core, ipython, live
@@ -52,6 +55,7 @@ class GPUExperiment:
     """
 
     _gpu = True
+    _tool = False  # opened by one of gpuexp's tools (a trainer's callback): see integrations/run.py
 
     def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
                  trace=None, delete=True):
@@ -88,6 +92,7 @@ class GPUExperiment:
             on_stack=_on_stack(),
             params=params,
             trace=trace,
+            tool=self._tool,
         )
         for report in replaced:
             ipython.show(report)
@@ -179,6 +184,17 @@ class GPUExperiment:
     def __del__(self):
         scope_id = getattr(self, "_id", None)
         if scope_id is None or self._pid != os.getpid() or sys.is_finalizing() or not _core.is_open(scope_id):
+            return
+        # Found by the cycle collector (which marks an object finalized before calling __del__;
+        # a reference count reaching zero marks it after), or dropped on another thread: this
+        # could be the middle of any statement, so the core keeps the teardown for a safe point.
+        by_collector = gc.is_finalized(self)
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        from .extension import listening  # imported here: the extension imports this module
+
+        if not _core.dropped(scope_id, by_collector=by_collector, on_main_thread=on_main_thread,
+                             in_shell=listening()):
+            _finish_unreachable_at_exit()
             return
         try:
             self.finish()
@@ -301,6 +317,33 @@ def _on_stack():
         frame = frame.f_back
     return {scope_id for scope_id, experiment in tracked().items()
             if experiment._entered or experiment._creator in running}
+
+
+_at_exit = []
+
+
+def _finish_unreachable_at_exit():
+    """Finishes, when the interpreter exits, the experiments found unreachable that no safe point
+    finished before. Registered once one waits: atexit runs it before the sampler stops."""
+    if not _at_exit:
+        _at_exit.append(atexit.register(_finish_at_exit))
+
+
+def _finish_at_exit():
+    try:
+        finish_unreachable("exit")
+    except Exception as error:  # the interpreter is going: say what happened, never raise
+        ipython.warn(f"finishing the experiments found unreachable failed at exit: {error!r}")
+
+
+def finish_unreachable(at):
+    """Finishes the experiments found unreachable whose teardown may run ``at`` this point
+    ("cell_end", "opening", "exit") and shows their reports; returns whether an interrupt came
+    meanwhile (held until every teardown had run)."""
+    reports, interrupted = _core.finish_unreachable(at)
+    for report in reports:
+        ipython.show(report)
+    return interrupted
 
 
 def open_experiment(scope_id):

@@ -6,8 +6,8 @@ import ast
 import sys
 
 from . import _core, live, module_paths
-from .experiment import GPUExperiment, open_experiment, tracked
-from .ipython import ShellNamespace, hold_interrupt, raise_held_interrupt, shell, show
+from .experiment import GPUExperiment, finish_unreachable, open_experiment, tracked
+from .ipython import ShellNamespace, hold_interrupt, in_sight, names_the_cell_binds, raise_held_interrupt, shell, show
 from .torch_peaks import watch_torch_peak_resets
 
 _registered = set()  # ids of shells whose events we listen to
@@ -26,6 +26,12 @@ def register(ip):
     loaded = getattr(getattr(ip, "extension_manager", None), "loaded", None)
     if isinstance(loaded, set):
         loaded.add(__package__)
+
+
+def listening():
+    """Whether gpuexp listens to the running shell's cell events: a cell's end will come to it."""
+    ip = shell()
+    return ip is not None and id(ip) in _registered
 
 
 def unregister(ip):
@@ -75,7 +81,24 @@ def _after_cell(result=None):
     scope_ids = list(tracked())
     if scope_ids and (ip := shell()) is not None:
         _finish_unreferenced(scope_ids, ShellNamespace(ip))
+    if (scope_ids or _core.unreachable_waiting()) and (ip := shell()) is not None:
+        _note_sightings(ShellNamespace(ip))
+        # The teardowns that waited for this point.
+        if finish_unreachable("cell_end"):
+            hold_interrupt(KeyboardInterrupt("gpuexp held this interrupt until the experiments had finished"))
     raise_held_interrupt(result)
+
+
+def _note_sightings(namespace):
+    """Tells the core which open experiments one of the user's names still leads to, and what the
+    cell bound: for one found unreachable later, the names that came after it was last seen are
+    kept. A function of its own, so that its references to the experiments are gone before any
+    teardown collects garbage."""
+    alive = tracked()
+    sighted = in_sight(alive, namespace)
+    # The cell's own bindings matter only to experiments not seen at its end (parsing costs).
+    unseen = len(sighted) < len(alive) or _core.unreachable_waiting()
+    _core.cell_ended_for_scopes(namespace, sighted, names_the_cell_binds() if unseen else set())
 
 
 def _runs_ended_by(error):

@@ -9,9 +9,11 @@ namespace adapter protocol of ``gpuexp/_core.pyi``. The cell events and magics a
 
 import _thread
 import ast
+import gc
 import sys
 import threading
 import traceback
+import types
 
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
 # In a process forked from a kernel (a rank): it runs no cells, and the shell is the parent's.
@@ -300,6 +302,73 @@ def names_bound_before(line):
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
     return names
+
+
+def names_the_cell_binds():
+    """Every name the running cell's own code binds, anywhere in it (an assignment, a loop, an
+    import, a def, a ``global`` in one of its functions): an experiment found unreachable keeps
+    them, even where a new object took a freed one's address."""
+    tree = _running_cell()
+    if tree is None:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names.update(node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif type(node).__name__ in ("MatchAs", "MatchStar") and getattr(node, "name", None):
+            names.add(node.name)
+        elif type(node).__name__ == "MatchMapping" and getattr(node, "rest", None):
+            names.add(node.rest)
+    return names
+
+
+# How far `in_sight` looks: references it reads in all, and the largest container it reads.
+_SIGHT_BUDGET = 100_000
+_SIGHT_CONTAINER = 10_000
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def in_sight(experiments, namespace):
+    """The scope ids of the experiments that one of the user's names leads to, directly or two
+    references away at most (``exp``; ``runs[0]``, ``r.exp``, ``Config.exp``). References are
+    read with ``gc.get_referents``, which runs none of the user's code; modules and large
+    containers are not looked into, and the look stops after a bounded number of references: an
+    experiment not found is only judged more carefully if Python's garbage collector later finds
+    it unreachable."""
+    wanted = {id(experiment): scope_id for scope_id, experiment in experiments.items()}
+    found = set()
+    system = set(namespace.system_names())
+    level = [value for name, value in list(namespace.namespace.items())
+             if isinstance(name, str) and name not in system and not _is_output_name(name)]
+    followed = set()
+    budget = _SIGHT_BUDGET
+    for depth in range(3):
+        found.update(wanted[id(obj)] for obj in level if id(obj) in wanted)
+        if len(found) == len(wanted) or depth == 2:
+            break
+        deeper = []
+        for obj in level:
+            if budget > 0 and id(obj) not in wanted and id(obj) not in followed and _worth_following(obj):
+                followed.add(id(obj))
+                referents = gc.get_referents(obj)
+                budget -= len(referents)
+                deeper.extend(referents)
+        level = deeper
+    return found
+
+
+def _worth_following(obj):
+    if isinstance(obj, types.ModuleType):
+        return False
+    return type(obj) not in _CONTAINERS or len(obj) <= _SIGHT_CONTAINER
 
 
 def _builds_experiment(value):

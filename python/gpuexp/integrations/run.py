@@ -8,6 +8,13 @@ from ..experiment import GPUExperiment, check_name, size
 from ..monitor import seconds
 
 
+class _RunExperiment(GPUExperiment):
+    """The run's experiment, which the callback owns: it never replaces the user's experiment of
+    the same name (nor finishes one the user opens during the run), and the user's never finish it."""
+
+    _tool = True
+
+
 class TrainingRun:
     """One ``fit()`` or ``train()``: opened when training starts, finished when it ends."""
 
@@ -15,7 +22,7 @@ class TrainingRun:
         if name is None:  # the rest of the params show beside it in gpuexp.compare()
             batch = f"bs={params['batch_size']}" if "batch_size" in params else None
             name = " ".join(part for part in (params.get("model"), batch) if part) or None
-        self.experiment = GPUExperiment(name, params=params, delete=False, **experiment_options)
+        self.experiment = _RunExperiment(name, params=params, delete=False, **experiment_options)
         self.id = self.experiment._id
         _core.begin_run(self.id)
 

@@ -38,6 +38,7 @@ mod trace_opening;
 mod trace_recording;
 mod training;
 mod units;
+mod unreachable;
 
 /// gpuexp's native core. The public API is the `gpuexp` package; see `_core.pyi` for types.
 #[pyo3::pymodule(name = "_core")]
@@ -91,4 +92,6 @@ mod core_module {
     use super::training::{begin_run, note_run_error, run_batch, run_peaks, run_step, runs_in_flight};
     #[pymodule_export]
     use super::units::{parse_interval, parse_size};
+    #[pymodule_export]
+    use super::unreachable::{cell_ended_for_scopes, dropped, finish_unreachable, unreachable_waiting};
 }

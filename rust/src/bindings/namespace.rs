@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyWeakrefReference};
 
+use crate::scope::Identities;
 use crate::teardown::{self, Binding, NameState};
 
 /// Remembers which object a name held, without keeping big objects alive: a weak reference
@@ -55,6 +56,11 @@ pub(super) fn user_names<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(Stri
         }
     }
     Ok(names)
+}
+
+/// The user's names now, each with the identity of the object it holds: nothing is pinned.
+pub(super) fn identities(adapter: &Bound<PyAny>) -> PyResult<Identities> {
+    Ok(user_names(adapter)?.into_iter().map(|(name, value)| (name, value.as_ptr() as usize as u64)).collect())
 }
 
 /// The entries [`user_names`] leaves out (IPython's names, dunders, keys that are not plain

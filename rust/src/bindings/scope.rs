@@ -22,9 +22,10 @@ use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection
 use super::torch::{apply_limit, release, restore_limit};
 use super::trace;
 use super::trace_recording::{self, TraceWindow};
+use super::unreachable::{self, finish_due};
 use crate::monitor;
 use crate::report::{Details, Param, Params, Report};
-use crate::scope::{Finishing, Kind, Opening, ScopeId};
+use crate::scope::{Finishing, Kind, Opening, Owner, SafePoint, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::{self, Step};
 use crate::trace::TraceKinds;
@@ -50,6 +51,11 @@ struct Held {
     trace: Option<TraceWindow>,
     /// Its tracemalloc snapshot at opening (`trace="host"`), compared at finish.
     host_trace: Option<HostWindow>,
+}
+
+/// The pins a scope took at opening, while it is open.
+pub(super) fn baseline_of(id: ScopeId) -> Option<Arc<Baseline>> {
+    held().get(&id).and_then(|h| h.baseline.clone())
 }
 
 static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -92,10 +98,11 @@ impl teardown::Release for Releaser<'_> {
 /// names the constructor's cell binds above the constructor, and whether an interrupt came
 /// while it opened (held until then: see `interrupts`). `adapter` is None outside any
 /// namespace (a function body in a script): the scope then measures and reports but deletes nothing.
+/// `tool`: gpuexp opens it for one of its tools (a trainer's callback), see [`Owner`].
 #[pyfunction]
 #[pyo3(signature = (name=None, *, gpu=true, devices=None, adapter=None, owner=None, cell_log=true, limit=None,
                     monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), on_stack=BTreeSet::new(), params=None,
-                    trace=None))]
+                    trace=None, tool=false))]
 #[allow(clippy::too_many_arguments)] // one per keyword of GPUExperiment
 pub(super) fn open_scope(
     py: Python,
@@ -112,7 +119,9 @@ pub(super) fn open_scope(
     on_stack: BTreeSet<ScopeId>,
     params: Option<Bound<PyDict>>,
     trace: Option<Bound<PyAny>>,
+    tool: bool,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
+    let opened_by = if tool { Owner::Tool } else { Owner::User };
     let params = params.as_ref().map(params_from).transpose()?;
     let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
     let kinds = TraceKinds::for_scope(trace, registry().trace_by_default, gpu)?;
@@ -122,10 +131,11 @@ pub(super) fn open_scope(
     let mut to_publish = Vec::new();
     // A closure, so that every error path still gives the held interrupt back below.
     let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
+        // Outside a notebook, the experiments found unreachable since the last safe point go first.
+        let mut replaced = finish_due(py, SafePoint::Opening, &mut to_publish)?;
         // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
         // head would still hold.
-        let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack);
-        let mut replaced = Vec::new();
+        let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack, opened_by);
         for id in replaced_ids {
             replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), false, &mut to_publish)?);
         }
@@ -190,6 +200,7 @@ pub(super) fn open_scope(
                 limit,
                 handles,
                 params,
+                owner: opened_by,
             });
             (id, title)
         };
@@ -319,7 +330,7 @@ pub(super) fn finish(
 /// back: a store may wait, and only gpuexp's own bookkeeping runs with interrupts held. What
 /// a store's failure adds to a report is kept in the history; returns each report so amended,
 /// after its version before.
-fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
+pub(super) fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
     let mut amended = Vec::new();
     for &id in ids {
         let Some(report) = registry().report(id) else { continue };
@@ -332,7 +343,7 @@ fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
 }
 
 /// The reports to hand back, each in its version with the notes publishing added.
-fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) -> Vec<ReportPy> {
+pub(super) fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) -> Vec<ReportPy> {
     let latest = |r: ReportPy| match amended.iter().find(|(before, _)| Arc::ptr_eq(before, &r.0)) {
         Some((_, after)) => ReportPy(after.clone()),
         None => r,
@@ -341,7 +352,7 @@ fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) ->
 }
 
 /// `during_reset`: see [`finish`]. `to_publish` gets the scopes whose teardown this call completed: [`publish`] sends them on.
-fn finish_with_inner(
+pub(super) fn finish_with_inner(
     py: Python,
     id: ScopeId,
     keep: Vec<String>,
@@ -356,6 +367,7 @@ fn finish_with_inner(
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
     }
+    unreachable::keep_what_came_after(py, id)?;
     let scope = match registry().begin_finish(id) {
         Finishing::Finished(report) => return Ok(vec![ReportPy(report)]),
         Finishing::InProgress => return Ok(finished),

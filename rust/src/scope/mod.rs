@@ -8,6 +8,9 @@ use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
+mod unreachable;
+pub use unreachable::{Dropped, Finish, Identities, SafePoint, Sighting, Unreachable};
+
 pub type ScopeId = u64;
 
 /// Peaks of nested windows over process-wide counters that can only be reset as a whole
@@ -63,6 +66,17 @@ pub enum Kind {
     Gpu,
 }
 
+/// Who opened a scope. Replacement by name and the finishing of inner scopes never cross owners:
+/// a trainer's callback that names its run like the user's experiment must not finish it (and
+/// delete the user's names), and the user's scopes must not finish the tool's measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Owner {
+    /// The user's code: `GPUExperiment(...)`, `%%gpuexp`.
+    User,
+    /// A tool of gpuexp's (a trainer's callback): it finishes its scope itself, and only its own.
+    Tool,
+}
+
 #[derive(Clone, Debug)]
 pub struct Scope {
     pub id: ScopeId,
@@ -86,6 +100,11 @@ pub struct Scope {
     pub params: Option<Params>,
     /// What the report should say beside its figures (how a training run ended).
     pub notes: Vec<String>,
+    pub owner: Owner,
+    /// When one of the user's names was last seen to lead to it (see `unreachable`).
+    pub sighting: Option<Sighting>,
+    /// Found unreachable where its teardown could not run: it waits for a safe point.
+    pub unreachable: Option<Unreachable>,
 }
 
 /// What a scope opens with.
@@ -98,6 +117,7 @@ pub struct Opening {
     pub limit: Option<u64>,
     pub handles: BTreeSet<String>,
     pub params: Option<Params>,
+    pub owner: Owner,
 }
 
 /// The cell being run while the log is on.
@@ -197,7 +217,7 @@ impl Registry {
     pub fn open(&mut self, opening: Opening) -> ScopeId {
         let id = self.next_window();
         self.peaks.open(id, &opening.start);
-        let Opening { name, kind, selection, start, cell_log, limit, handles, params } = opening;
+        let Opening { name, kind, selection, start, cell_log, limit, handles, params, owner } = opening;
         let first_cell = self.cells.len();
         self.open.push(Scope {
             id,
@@ -213,6 +233,9 @@ impl Registry {
             handles,
             params,
             notes: Vec::new(),
+            owner,
+            sighting: None,
+            unreachable: None,
         });
         id
     }
@@ -231,25 +254,37 @@ impl Registry {
     /// A scope in `on_stack` (its `with` block or the code that made it is still running) is
     /// never replaced by its name: a helper's `with GPUExperiment("step")` inside the caller's
     /// `with GPUExperiment("step")` nests, and what the caller made in its block stays.
+    /// Only the user's scopes replace, and are replaced: a tool's scope of the same name nests.
     pub fn replaced_by(
         &self,
         name: Option<&str>,
         handles: &BTreeSet<String>,
         on_stack: &BTreeSet<ScopeId>,
+        owner: Owner,
     ) -> Vec<ScopeId> {
+        if owner != Owner::User {
+            return Vec::new();
+        }
         let same_name = |s: &Scope| name == Some(s.name.as_str()) && !on_stack.contains(&s.id);
         self.open
             .iter()
-            .filter(|s| !s.closing && (same_name(s) || !s.handles.is_disjoint(handles)))
+            .filter(|s| s.owner == Owner::User && !s.closing && (same_name(s) || !s.handles.is_disjoint(handles)))
             .map(|s| s.id)
             .collect()
     }
 
     /// Scopes opened after `id` and still open, innermost first: they finish before it does.
+    /// Only the user's scopes finish their inner ones, and only the user's: a tool's scope
+    /// opened inside stays open for the tool to finish, and a tool's scope finishes only itself.
     pub fn inner_of(&self, id: ScopeId) -> Vec<ScopeId> {
         match self.open.iter().position(|s| s.id == id) {
-            Some(at) => self.open[at + 1..].iter().rev().filter(|s| !s.closing).map(|s| s.id).collect(),
-            None => Vec::new(),
+            Some(at) if self.open[at].owner == Owner::User => self.open[at + 1..]
+                .iter()
+                .rev()
+                .filter(|s| !s.closing && s.owner == Owner::User)
+                .map(|s| s.id)
+                .collect(),
+            _ => Vec::new(),
         }
     }
 

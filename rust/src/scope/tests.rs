@@ -48,6 +48,7 @@ fn opening(name: &str, kind: Kind, selection: GpuSelection, start: Snapshot) -> 
         limit: None,
         handles: BTreeSet::new(),
         params: None,
+        owner: Owner::User,
     }
 }
 
@@ -266,23 +267,27 @@ fn a_new_scope_replaces_the_open_one_of_its_name_and_those_bound_to_a_name_it_re
     let b = open_bound_to(&mut registry, "b", &["other"]);
     let none = BTreeSet::new();
     let no_ids = BTreeSet::new();
-    assert_eq!(registry.replaced_by(Some("a"), &none, &no_ids), vec![a]);
-    assert_eq!(registry.replaced_by(Some("c"), &none, &no_ids), Vec::<ScopeId>::new());
+    assert_eq!(registry.replaced_by(Some("a"), &none, &no_ids, Owner::User), vec![a]);
+    assert_eq!(registry.replaced_by(Some("c"), &none, &no_ids, Owner::User), Vec::<ScopeId>::new());
     assert_eq!(
-        registry.replaced_by(None, &["exp".to_string()].into(), &no_ids),
+        registry.replaced_by(None, &["exp".to_string()].into(), &no_ids, Owner::User),
         vec![a],
         "exp = GPUExperiment(...) again"
     );
-    assert_eq!(registry.replaced_by(Some("b"), &["exp".to_string()].into(), &no_ids), vec![a, b]);
+    assert_eq!(registry.replaced_by(Some("b"), &["exp".to_string()].into(), &no_ids, Owner::User), vec![a, b]);
 
     assert!(matches!(registry.begin_finish(b), Finishing::Ready(_)));
     assert_eq!(
-        registry.replaced_by(Some("b"), &none, &no_ids),
+        registry.replaced_by(Some("b"), &none, &no_ids, Owner::User),
         Vec::<ScopeId>::new(),
         "a scope being torn down is not replaced"
     );
     registry.complete(a, report_named("a"));
-    assert_eq!(registry.replaced_by(Some("a"), &none, &no_ids), Vec::<ScopeId>::new(), "a finished scope is history");
+    assert_eq!(
+        registry.replaced_by(Some("a"), &none, &no_ids, Owner::User),
+        Vec::<ScopeId>::new(),
+        "a finished scope is history"
+    );
 }
 
 #[test]
@@ -290,12 +295,60 @@ fn a_scope_on_the_call_stack_is_nested_in_not_replaced_by_its_name() {
     let mut registry = Registry::default();
     let outer = open_bound_to(&mut registry, "step", &[]);
     let on_stack = BTreeSet::from([outer]);
-    assert_eq!(registry.replaced_by(Some("step"), &BTreeSet::new(), &on_stack), Vec::<ScopeId>::new());
+    assert_eq!(registry.replaced_by(Some("step"), &BTreeSet::new(), &on_stack, Owner::User), Vec::<ScopeId>::new());
     assert_eq!(
-        registry.replaced_by(Some("step"), &BTreeSet::new(), &BTreeSet::new()),
+        registry.replaced_by(Some("step"), &BTreeSet::new(), &BTreeSet::new(), Owner::User),
         vec![outer],
         "re-running the constructor's cell still replaces it"
     );
+}
+
+fn open_for_a_tool(registry: &mut Registry, name: &str) -> ScopeId {
+    registry.open(Opening { owner: Owner::Tool, ..opening(name, Kind::Cpu, GpuSelection::None, host(0.0, 0, 0)) })
+}
+
+#[test]
+fn a_tools_scope_never_replaces_the_users_scope_of_its_name_nor_the_names_it_binds() {
+    let mut registry = Registry::default();
+    let users = open_bound_to(&mut registry, "baseline", &["exp"]);
+    let none = BTreeSet::new();
+    let no_ids = BTreeSet::new();
+    assert_eq!(registry.replaced_by(Some("baseline"), &none, &no_ids, Owner::Tool), Vec::<ScopeId>::new());
+    assert_eq!(
+        registry.replaced_by(Some("baseline"), &["exp".to_string()].into(), &no_ids, Owner::Tool),
+        Vec::<ScopeId>::new(),
+        "nor by a handle"
+    );
+    assert_eq!(
+        registry.replaced_by(Some("baseline"), &none, &no_ids, Owner::User),
+        vec![users],
+        "the user's own still do"
+    );
+}
+
+#[test]
+fn a_users_scope_never_replaces_a_tools_scope_of_its_name() {
+    let mut registry = Registry::default();
+    let tools = open_for_a_tool(&mut registry, "MLP bs=32");
+    let none = BTreeSet::new();
+    let no_ids = BTreeSet::new();
+    assert_eq!(registry.replaced_by(Some("MLP bs=32"), &none, &no_ids, Owner::User), Vec::<ScopeId>::new());
+    assert_eq!(
+        registry.replaced_by(Some("MLP bs=32"), &none, &no_ids, Owner::Tool),
+        Vec::<ScopeId>::new(),
+        "a tool finishes its own runs itself"
+    );
+    assert!(registry.scope(tools).is_some());
+}
+
+#[test]
+fn finishing_never_finishes_an_inner_scope_of_another_owner() {
+    let mut registry = Registry::default();
+    let users = open_cpu(&mut registry, "baseline");
+    let tools = open_for_a_tool(&mut registry, "baseline");
+    let users_inner = open_cpu(&mut registry, "inside the run");
+    assert_eq!(registry.inner_of(users), vec![users_inner], "the tool's run stays open for the tool");
+    assert_eq!(registry.inner_of(tools), Vec::<ScopeId>::new(), "the tool's run ends alone, the user's stay open");
 }
 
 #[test]

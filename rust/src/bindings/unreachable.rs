@@ -1,0 +1,106 @@
+//! Experiments that nothing refers to any more, found where their teardown can't run (by the
+//! cycle collector, on another thread): the core's rules are in `scope/unreachable.rs`; this
+//! file tells the core how the last reference went, what the user's names hold at a cell's end,
+//! and runs the teardowns once a safe point comes.
+
+use std::collections::BTreeSet;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::interrupts;
+use super::namespace::identities;
+use super::registry::registry;
+use super::report::ReportPy;
+use super::scope::{baseline_of, finish_with_inner, publish, with_notes};
+use super::torch::release;
+use crate::scope::{Dropped, Finish, SafePoint, ScopeId};
+use crate::teardown::Step;
+
+/// The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
+/// Otherwise the core keeps it for the next safe point (see [`crate::scope::Finish`]).
+#[pyfunction]
+#[pyo3(signature = (id, *, by_collector, on_main_thread, in_shell))]
+pub(super) fn dropped(id: ScopeId, by_collector: bool, on_main_thread: bool, in_shell: bool) -> bool {
+    registry().dropped(id, Dropped { by_collector, on_main_thread, in_shell }) == Finish::Now
+}
+
+#[pyfunction]
+pub(super) fn unreachable_waiting() -> bool {
+    registry().unreachable_waiting()
+}
+
+/// A cell has ended: `sighted`, the open experiments one of the user's names still leads to;
+/// `bound`, the names the cell's own code binds; `adapter`, the user's namespace.
+#[pyfunction]
+pub(super) fn cell_ended_for_scopes(
+    adapter: Bound<PyAny>,
+    sighted: BTreeSet<ScopeId>,
+    bound: BTreeSet<String>,
+) -> PyResult<()> {
+    let names = identities(&adapter)?;
+    registry().cell_ended(&sighted, names, &bound);
+    Ok(())
+}
+
+/// Finishes the experiments found unreachable whose teardown may run at `at` ("cell_end",
+/// "opening", "exit"). Returns their reports, innermost first, and whether an interrupt was held.
+#[pyfunction]
+pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy>, bool)> {
+    let at = match at {
+        "cell_end" => SafePoint::CellEnd,
+        "opening" => SafePoint::Opening,
+        "exit" => SafePoint::Exit,
+        other => return Err(PyValueError::new_err(format!("at={other:?}: one of 'cell_end', 'opening', 'exit'"))),
+    };
+    let held = interrupts::hold(py);
+    let mut to_publish = Vec::new();
+    let finished = finish_due(py, at, &mut to_publish);
+    let interrupted = held.release(py);
+    let amended = publish(py, &to_publish);
+    Ok((with_notes(finished?, &amended), interrupted))
+}
+
+/// The teardowns due `at` this point, run with interrupts held by the caller. A teardown's own
+/// `gc.collect()` may find another experiment unreachable: it is due here too. One that waits
+/// behind a scope opened inside it gets one collection first, since that scope may be garbage
+/// the collector has not found yet. Each round finishes every scope it took (a finished one
+/// leaves the open scopes) or stops at an error.
+pub(super) fn finish_due(py: Python, at: SafePoint, to_publish: &mut Vec<ScopeId>) -> PyResult<Vec<ReportPy>> {
+    let mut finished = Vec::new();
+    let mut collected = false;
+    loop {
+        let due = registry().due(at);
+        if due.is_empty() {
+            if collected || !registry().unreachable_waiting() {
+                return Ok(finished);
+            }
+            release(py, Step::CollectGarbage)?;
+            collected = true;
+        }
+        for id in due {
+            finished.extend(finish_with_inner(py, id, Vec::new(), false, to_publish)?);
+        }
+    }
+}
+
+/// Before the teardown of a scope found unreachable: the names bound since one of the user's
+/// names last led to it are kept, and its report says why (judged now, against the user's names
+/// as they are).
+pub(super) fn keep_what_came_after(py: Python, id: ScopeId) -> PyResult<()> {
+    if registry().scope(id).is_none_or(|s| s.unreachable.is_none()) {
+        return Ok(());
+    }
+    let now = match baseline_of(id) {
+        Some(baseline) => identities(&baseline.adapter(py))?,
+        None => Default::default(),
+    };
+    let mut registry = registry();
+    if let Some((kept, note)) = registry.kept_when_unreachable(id, &now) {
+        if let Some(scope) = registry.scope_mut(id) {
+            scope.keep.extend(kept);
+            scope.notes.push(note);
+        }
+    }
+    Ok(())
+}
