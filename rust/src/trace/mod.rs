@@ -51,4 +51,6 @@ mod cell_tests;
 #[cfg(test)]
 mod holders_tests;
 #[cfg(test)]
+mod hostile_tests;
+#[cfg(test)]
 mod tests;
