@@ -72,10 +72,10 @@ fn refused(bytes: &[u8]) -> String {
 fn a_memo_index_the_file_chose_costs_one_entry_not_a_memo_that_long() {
     // An empty dict, then LONG_BINPUT 4294967294: a memo sized to the index is 64 GiB.
     let value = pickle::read(b"\x80\x02}r\xfe\xff\xff\xff.", &mut Plain).unwrap();
-    assert!(matches!(value, Value::Dict(_)));
+    assert!(matches!(value.root, Value::Dict(_)));
     let value = pickle::read(b"\x80\x02}r\xfe\xff\xff\xff0j\xfe\xff\xff\xff.", &mut Plain).unwrap();
-    assert!(matches!(value, Value::Dict(_)), "read back from the far index");
-    let error = pickle::read(b"\x80\x02}r\x05\x00\x00\x000j\x02\x00\x00\x00.", &mut Plain).unwrap_err();
+    assert!(matches!(value.root, Value::Dict(_)), "read back from the far index");
+    let error = pickle::read(b"\x80\x02}r\x05\x00\x00\x000j\x02\x00\x00\x00.", &mut Plain).map(|_| ()).unwrap_err();
     assert!(error.contains("never made"), "{error}");
     let snapshot = Snapshot::from_pickle(b"\x80\x02}r\xfe\xff\xff\xff.").unwrap();
     assert!(snapshot.device_traces.is_empty() && snapshot.segments.is_empty());
@@ -123,6 +123,23 @@ fn a_stack_referred_to_by_every_block_is_charged_each_time_it_is_read() {
     assert!(error.contains("no snapshot torch writes"), "{error}");
 }
 
+#[test]
+fn a_container_put_inside_itself_is_freed_with_the_rest() {
+    // A list appended to itself, through the memo and through DUP: a cycle of references.
+    for bytes in [&b"\x80\x02]q\x00h\x00a."[..], b"\x80\x02]2a.", b"\x80\x02}q\x00K\x01h\x00s."] {
+        let pickled = pickle::read(bytes, &mut Plain).unwrap();
+        let root = pickled.root.clone();
+        assert_eq!(root.len(), 1, "it holds itself");
+        drop(pickled);
+        let count = match &root {
+            Value::List(list) => std::rc::Rc::strong_count(list),
+            Value::Dict(dict) => std::rc::Rc::strong_count(dict),
+            _ => panic!("{root:?}"),
+        };
+        assert_eq!(count, 1, "only this test's reference is left: freed when it goes");
+    }
+}
+
 /// Nested `depth` deep: tuples, lists, dicts (each level a new container around the last).
 fn nested(depth: usize) -> [Vec<u8>; 3] {
     let tuples = [&b"\x80\x02N"[..], &vec![0x85; depth], b"."].concat();
@@ -165,7 +182,7 @@ fn classes_and_calls_in_the_file_are_opaque_values_never_run() {
     let bytes = p.op(b"u").end();
     let value = pickle::read(&bytes, &mut Plain).unwrap();
     for key in ["device_traces", "segments", "x", "y"] {
-        assert!(matches!(value.get(key), Some(Value::Opaque)), "{key}");
+        assert!(matches!(value.root.get(key), Some(Value::Opaque)), "{key}");
     }
     let snapshot = Snapshot::from_pickle(&bytes).unwrap();
     assert!(snapshot.device_traces.is_empty() && snapshot.segments.is_empty());

@@ -210,7 +210,8 @@ impl Snapshot {
             ))
         };
         let mut builder = Builder { budget: Budget::of(bytes.len()), ..Builder::default() };
-        let root = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        let pickled = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        let root = &pickled.root;
         if !matches!(root, Value::Dict(_)) {
             return Err(invalid("the pickle holds no dict".into()));
         }

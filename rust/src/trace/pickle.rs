@@ -68,6 +68,8 @@ pub struct Container<T> {
     pub note: Cell<Option<u32>>,
     /// What the hook read it as when it was filled (`Finish::finish_dict`, `finish_list`).
     kept: Cell<Option<u32>>,
+    /// Referred to a second time (DUP, GET): it may be inside itself (`Shared`).
+    shared: Cell<bool>,
 }
 
 const NO_SLOT: u32 = u32::MAX;
@@ -79,6 +81,7 @@ impl<T> Default for Container<T> {
             slot: Cell::new(NO_SLOT),
             note: Cell::new(None),
             kept: Cell::new(None),
+            shared: Cell::new(false),
         }
     }
 }
@@ -286,6 +289,44 @@ struct Reader<'a, F> {
     finish: &'a mut F,
     /// What the hook read along with an item (`Finish::finish`), waiting to be settled.
     read: Vec<(Value, u32)>,
+    shared: Shared,
+}
+
+/// The lists and dicts that the pickle referred to more than once. Only through one of them
+/// can a container end up inside itself (`]q\x00h\x00a`: a list appended to itself), which
+/// reference counting never frees; emptied when the read is done with, that cycle is broken.
+#[derive(Default)]
+struct Shared(Vec<Value>);
+
+impl Shared {
+    fn note(&mut self, value: &Value) {
+        let shared = match value {
+            Value::List(list) => &list.shared,
+            Value::Dict(dict) => &dict.shared,
+            _ => return,
+        };
+        if !shared.replace(true) {
+            self.0.push(value.clone());
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for container in &self.0 {
+            match container {
+                Value::List(list) => drop(list.items.take()),
+                Value::Dict(dict) => drop(dict.items.take()),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A pickle read: its value, and what must be emptied once it is no longer needed.
+pub struct Pickled {
+    pub root: Value,
+    _shared: Shared,
 }
 
 /// A container's memo slot, if it was memoized.
@@ -424,6 +465,7 @@ impl<F: Finish> Reader<'_, F> {
 
     fn get(&mut self, index: usize) -> Result<(), Error> {
         let value = self.memo.get(index).cloned().ok_or("the pickle refers to a memo entry it never made")?;
+        self.shared.note(&value);
         self.stack.push(value);
         Ok(())
     }
@@ -530,6 +572,7 @@ impl<F: Finish> Reader<'_, F> {
                 }
                 b'2' => {
                     let top = self.top()?.clone();
+                    self.shared.note(&top);
                     self.stack.push(top);
                 }
                 b'N' => self.stack.push(Value::None),
@@ -733,8 +776,18 @@ fn long(bytes: &[u8]) -> Value {
 }
 
 /// Reads one pickled value from `bytes`, handing each list item to `finish` as it is appended.
-pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Value, Error> {
-    let mut reader =
-        Reader { bytes, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Memo::default(), finish, read: Vec::new() };
-    reader.run()
+/// (Its containers are emptied when the result is dropped, so keep it while reading them.)
+pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Pickled, Error> {
+    let mut reader = Reader {
+        bytes,
+        pos: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Memo::default(),
+        finish,
+        read: Vec::new(),
+        shared: Shared::default(),
+    };
+    let root = reader.run()?;
+    Ok(Pickled { root, _shared: std::mem::take(&mut reader.shared) })
 }
