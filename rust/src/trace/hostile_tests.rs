@@ -140,6 +140,19 @@ fn a_container_put_inside_itself_is_freed_with_the_rest() {
     }
 }
 
+#[test]
+fn an_event_whose_frames_are_the_list_it_is_appended_to_reads() {
+    // Found by libFuzzer: the event is read as it is appended, and its frames list is that
+    // list, then borrowed for the append ("RefCell already mutably borrowed").
+    let mut p = Pickle::new();
+    p.op(b"}(").text("device_traces").op(b"]").put(1).op(b"]").put(0).op(b"}");
+    p.text("action").text("alloc").op(b"s").text("frames").op(b"h\x00sa").op(b"a");
+    let snapshot = Snapshot::from_pickle(&p.op(b"u").end()).unwrap();
+    let events = &snapshot.device_traces[0];
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].action, Action::Alloc);
+}
+
 /// Nested `depth` deep: tuples, lists, dicts (each level a new container around the last).
 fn nested(depth: usize) -> [Vec<u8>; 3] {
     let tuples = [&b"\x80\x02N"[..], &vec![0x85; depth], b"."].concat();

@@ -290,6 +290,8 @@ struct Reader<'a, F> {
     /// What the hook read along with an item (`Finish::finish`), waiting to be settled.
     read: Vec<(Value, u32)>,
     shared: Shared,
+    /// `append`'s items as the hook finished them, until they are stored.
+    finished: Vec<Value>,
 }
 
 /// The lists and dicts that the pickle referred to more than once. Only through one of them
@@ -490,8 +492,9 @@ impl<F: Finish> Reader<'_, F> {
                 return Ok(());
             }
         }
-        let mut items = list.items.borrow_mut();
-        items.reserve(self.stack.len() - from);
+        // Finished before any is stored: the hook may read this very list (an event whose
+        // frames list is the list it is appended to), which it could not while it is borrowed.
+        let mut finished = std::mem::take(&mut self.finished);
         for item in self.stack.drain(from..) {
             let item = match item.read_dict() {
                 Some(id) => Value::Kept { first: id, count: 1 },
@@ -505,8 +508,14 @@ impl<F: Finish> Reader<'_, F> {
                 None => self.finish.finish(item, &mut self.read),
             };
             settle(&mut self.read, &mut self.memo);
+            push(&mut finished, item);
+        }
+        let mut items = list.items.borrow_mut();
+        items.reserve(finished.len());
+        for item in finished.drain(..) {
             push(&mut items, item);
         }
+        self.finished = finished;
         Ok(())
     }
 
@@ -787,6 +796,7 @@ pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Pickled, Error> {
         finish,
         read: Vec::new(),
         shared: Shared::default(),
+        finished: Vec::new(),
     };
     let root = reader.run()?;
     Ok(Pickled { root, _shared: std::mem::take(&mut reader.shared) })
