@@ -216,7 +216,7 @@ impl Snapshot {
             return Err(invalid("the pickle holds no dict".into()));
         }
         let traces = root.get("device_traces").unwrap_or(Value::None);
-        builder.budget.charge(traces.len());
+        builder.budget.charge(traces.item_count());
         let traces = traces.items();
         // The trace made of every event the hook kept, in order (one device's: the usual case)
         // takes them as they are, so the largest thing read is never copied.
@@ -225,7 +225,7 @@ impl Snapshot {
             .map(|(i, trace)| if Some(i) == whole { std::mem::take(&mut builder.events) } else { builder.trace(trace) })
             .collect();
         let segments = root.get("segments").unwrap_or(Value::None);
-        builder.budget.charge(segments.len());
+        builder.budget.charge(segments.item_count());
         let segments = segments.items().iter().map_while(|segment| builder.segment(segment)).collect();
         if builder.budget.spent() {
             let why = format!(
@@ -311,7 +311,7 @@ impl Builder {
                 return id;
             }
         }
-        if !self.budget.charge(frame.len()) {
+        if !self.budget.charge(frame.item_count()) {
             return 0;
         }
         let (mut filename, mut line, mut name) = (None, 0, None);
@@ -333,7 +333,7 @@ impl Builder {
         if let Some(stack) = frames.and_then(Value::read_list) {
             return stack;
         }
-        if !self.budget.charge(frames.map_or(0, Value::len)) {
+        if !self.budget.charge(frames.map_or(0, Value::item_count)) {
             return 0;
         }
         match frames {
@@ -358,13 +358,13 @@ impl Builder {
     /// A trace's events, whether read as they were made or now.
     fn trace(&mut self, trace: &Value) -> Vec<Event> {
         let mut events = Vec::new();
-        if !self.budget.charge(trace.len()) {
+        if !self.budget.charge(trace.item_count()) {
             return events;
         }
         for item in trace.items() {
             let items = match &item {
                 Value::Kept { count, .. } => *count as usize,
-                other => 1 + other.len(),
+                other => 1 + other.item_count(),
             };
             if !self.budget.charge(items) {
                 return events;
@@ -443,11 +443,11 @@ impl Builder {
 
     /// A segment and its blocks, none once the budget is spent.
     fn segment(&mut self, dict: &Value) -> Option<Segment> {
-        if !self.budget.charge(1 + dict.len()) {
+        if !self.budget.charge(1 + dict.item_count()) {
             return None;
         }
         let blocks = dict.get("blocks").unwrap_or(Value::None);
-        let blocks = if self.budget.charge(blocks.len()) { blocks.items() } else { Vec::new() };
+        let blocks = if self.budget.charge(blocks.item_count()) { blocks.items() } else { Vec::new() };
         let segment_type = dict.get("segment_type");
         Some(Segment {
             device: int(dict, "device").max(0) as usize,
@@ -461,7 +461,7 @@ impl Builder {
 
     /// A segment's block, none once the budget is spent.
     fn block(&mut self, block: &Value) -> Option<SegmentBlock> {
-        if !self.budget.charge(1 + block.len()) {
+        if !self.budget.charge(1 + block.item_count()) {
             return None;
         }
         let state = block.get("state");

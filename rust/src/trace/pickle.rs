@@ -175,7 +175,7 @@ impl Value {
     }
 
     /// How many items a list or tuple has, or entries a dict (0 for anything else).
-    pub fn len(&self) -> usize {
+    pub fn item_count(&self) -> usize {
         match self {
             Value::List(list) => list.borrow().len(),
             Value::Dict(dict) => dict.borrow().len(),
