@@ -15,7 +15,7 @@ WHEEL  := --release
 # The venv's bin first, so the Jupyter kernel that nbclient starts is the venv's Python.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: all venv build demo docs docs-captures lint rust-linters test test-rust test-python browser screenshots wheel-check gpu-wheel bench clean
+.PHONY: all venv build demo docs docs-captures lint rust-linters test test-rust test-python browser screenshots wheel-check gpu-wheel bench fuzz clean
 
 all: test
 
@@ -103,6 +103,18 @@ gpu-wheel: $(DEPS)
 
 bench: build
 	$(PY) bench/snapshot_cost.py
+
+# libFuzzer on the snapshot reader (rust/fuzz) for FUZZ_SECONDS, seeded with the real snapshots
+# of rust/src/trace/testdata: at most 2 GiB resident, 1 GiB in one allocation and 10 s an input.
+# It needs the nightly toolchain and cargo-fuzz (rustup toolchain install nightly; cargo install
+# cargo-fuzz). What it finds lands in rust/fuzz/artifacts/snapshot. `make test` runs the stable
+# property tests of the same reader (rust/tests/snapshot_bytes.rs) instead.
+FUZZ_SECONDS ?= 60
+fuzz:
+	mkdir -p rust/fuzz/corpus/snapshot
+	cp rust/src/trace/testdata/*.pickle rust/fuzz/corpus/snapshot/
+	cd rust/fuzz && cargo +nightly fuzz run snapshot -O -- -max_total_time=$(FUZZ_SECONDS) \
+		-rss_limit_mb=2048 -malloc_limit_mb=1024 -timeout=10 -print_final_stats=1
 
 clean:
 	rm -rf $(VENV) dist target site

@@ -56,6 +56,8 @@ mod cell_tests;
 #[cfg(test)]
 mod holders_tests;
 #[cfg(test)]
+mod hostile_tests;
+#[cfg(test)]
 mod opening_tests;
 #[cfg(test)]
 mod tests;

@@ -212,22 +212,33 @@ impl Snapshot {
                  pickle.dump(torch.cuda.memory._snapshot(), f)"
             ))
         };
-        let mut builder = Builder::default();
-        let root = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        let mut builder = Builder { budget: Budget::of(bytes.len()), ..Builder::default() };
+        let pickled = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        let root = &pickled.root;
         if !matches!(root, Value::Dict(_)) {
             return Err(invalid("the pickle holds no dict".into()));
         }
-        let traces = root.get("device_traces").map(|traces| traces.items()).unwrap_or_default();
+        let traces = root.get("device_traces").unwrap_or(Value::None);
+        builder.budget.charge(traces.item_count());
+        let traces = traces.items();
         // The trace made of every event the hook kept, in order (one device's: the usual case)
         // takes them as they are, so the largest thing read is never copied.
         let whole = traces.iter().rposition(|trace| builder.holds_every_event(trace));
         let device_traces = (traces.iter().enumerate())
             .map(|(i, trace)| if Some(i) == whole { std::mem::take(&mut builder.events) } else { builder.trace(trace) })
             .collect();
-        let segments = root
-            .get("segments")
-            .map(|segments| segments.items().iter().map(|s| builder.segment(s)).collect())
-            .unwrap_or_default();
+        let segments = root.get("segments").unwrap_or(Value::None);
+        builder.budget.charge(segments.item_count());
+        let segments = segments.items().iter().map_while(|segment| builder.segment(segment)).collect();
+        if builder.budget.spent() {
+            let why = format!(
+                "its entries refer to one another so that reading it would build more than {} events, \
+                 blocks and frames from a file of {} bytes, which no snapshot torch writes does",
+                builder.budget.limit,
+                bytes.len()
+            );
+            return Err(invalid(why));
+        }
         let gpuexp = root.get("gpuexp").map(|key| builder.gpuexp(&key)).unwrap_or_default();
         Ok(Snapshot { segments, device_traces, stacks: builder.stacks, gpuexp })
     }
@@ -243,6 +254,46 @@ impl Snapshot {
     }
 }
 
+/// What a file of `n` bytes may have the builder make or visit, in items (an event copied, a
+/// block, a frame of a stack, an entry of a dict read): a pickle refers back to what it made
+/// in a few bytes, so 80 KB of references to references would otherwise build 22 GB of
+/// events. Torch's own files take a few items per byte at most (an event is some 100 bytes).
+const ITEMS_PER_BYTE: usize = 16;
+/// And whatever the file's size: a small file is never refused for its size.
+const ITEMS_AT_LEAST: usize = 1 << 20;
+
+/// Items left to the builder; once spent, it builds nothing more and the read is refused.
+#[derive(Debug, Default)]
+struct Budget {
+    limit: usize,
+    left: usize,
+}
+
+impl Budget {
+    fn of(bytes: usize) -> Budget {
+        let limit = bytes.saturating_mul(ITEMS_PER_BYTE).saturating_add(ITEMS_AT_LEAST);
+        Budget { limit, left: limit }
+    }
+
+    /// Takes `items` from what is left: false (and nothing taken) when that is too few.
+    fn charge(&mut self, items: usize) -> bool {
+        match self.left.checked_sub(items) {
+            Some(left) => {
+                self.left = left;
+                true
+            }
+            None => {
+                self.left = 0;
+                false
+            }
+        }
+    }
+
+    fn spent(&self) -> bool {
+        self.left == 0
+    }
+}
+
 /// Turns each event dict into an `Event` as soon as the reader appends it to its trace, and
 /// interns frames: a shared frame dict is read once (its id noted on it).
 #[derive(Default)]
@@ -250,6 +301,7 @@ struct Builder {
     stacks: Stacks,
     events: Vec<Event>,
     scratch: Vec<u32>,
+    budget: Budget,
 }
 
 fn int(value: &Value, key: &str) -> i64 {
@@ -262,6 +314,9 @@ impl Builder {
             if let Some(id) = dict.note.get() {
                 return id;
             }
+        }
+        if !self.budget.charge(frame.item_count()) {
+            return 0;
         }
         let (mut filename, mut line, mut name) = (None, 0, None);
         frame.for_each_entry(|key, value| match key {
@@ -282,6 +337,9 @@ impl Builder {
         if let Some(stack) = frames.and_then(Value::read_list) {
             return stack;
         }
+        if !self.budget.charge(frames.map_or(0, Value::item_count)) {
+            return 0;
+        }
         match frames {
             Some(Value::List(list)) => self.stack_of(list.borrow().iter()),
             Some(other) => self.stack_of(other.items().iter()),
@@ -290,6 +348,9 @@ impl Builder {
     }
 
     fn stack_of<'v>(&mut self, frames: impl Iterator<Item = &'v Value>) -> StackId {
+        if self.budget.spent() {
+            return 0;
+        }
         let mut ids = std::mem::take(&mut self.scratch);
         ids.clear();
         ids.extend(frames.map(|frame| self.frame(frame)));
@@ -301,7 +362,17 @@ impl Builder {
     /// A trace's events, whether read as they were made or now.
     fn trace(&mut self, trace: &Value) -> Vec<Event> {
         let mut events = Vec::new();
+        if !self.budget.charge(trace.item_count()) {
+            return events;
+        }
         for item in trace.items() {
+            let items = match &item {
+                Value::Kept { count, .. } => *count as usize,
+                other => 1 + other.item_count(),
+            };
+            if !self.budget.charge(items) {
+                return events;
+            }
             if let Value::Kept { first, count } = item {
                 events.extend_from_slice(&self.events[first as usize..][..count as usize]);
             } else if let Some(index) = item.read_dict() {
@@ -386,7 +457,7 @@ impl Builder {
                 .map(|s| s.items())
                 .unwrap_or_default()
                 .iter()
-                .map(|s| self.segment(s))
+                .map_while(|s| self.segment(s))
                 .collect(),
         });
         let window = key.get("window").filter(|w| matches!(w, Value::Dict(_))).map(|window| Window {
@@ -399,33 +470,41 @@ impl Builder {
         Gpuexp { opening, window }
     }
 
-    fn segment(&mut self, dict: &Value) -> Segment {
-        let blocks = dict.get("blocks").map(|b| b.items()).unwrap_or_default();
+    /// A segment and its blocks, none once the budget is spent.
+    fn segment(&mut self, dict: &Value) -> Option<Segment> {
+        if !self.budget.charge(1 + dict.item_count()) {
+            return None;
+        }
+        let blocks = dict.get("blocks").unwrap_or(Value::None);
+        let blocks = if self.budget.charge(blocks.item_count()) { blocks.items() } else { Vec::new() };
         let segment_type = dict.get("segment_type");
-        Segment {
+        Some(Segment {
             device: int(dict, "device").max(0) as usize,
             address: int(dict, "address") as u64,
             total_size: int(dict, "total_size") as u64,
             stream: int(dict, "stream"),
             segment_type: segment_type.as_ref().and_then(Value::as_str).unwrap_or("").to_string(),
-            blocks: blocks
-                .iter()
-                .map(|block| {
-                    let state = block.get("state");
-                    SegmentBlock {
-                        address: int(block, "address") as u64,
-                        size: int(block, "size") as u64,
-                        requested_size: int(block, "requested_size") as u64,
-                        state: match state.as_ref().and_then(Value::as_str) {
-                            Some("active_allocated") => BlockState::ActiveAllocated,
-                            Some("active_pending_free") => BlockState::ActivePendingFree,
-                            _ => BlockState::Inactive,
-                        },
-                        stack: self.stack(block.get("frames").as_ref()),
-                    }
-                })
-                .collect(),
+            blocks: blocks.iter().map_while(|block| self.block(block)).collect(),
+        })
+    }
+
+    /// A segment's block, none once the budget is spent.
+    fn block(&mut self, block: &Value) -> Option<SegmentBlock> {
+        if !self.budget.charge(1 + block.item_count()) {
+            return None;
         }
+        let state = block.get("state");
+        Some(SegmentBlock {
+            address: int(block, "address") as u64,
+            size: int(block, "size") as u64,
+            requested_size: int(block, "requested_size") as u64,
+            state: match state.as_ref().and_then(Value::as_str) {
+                Some("active_allocated") => BlockState::ActiveAllocated,
+                Some("active_pending_free") => BlockState::ActivePendingFree,
+                _ => BlockState::Inactive,
+            },
+            stack: self.stack(block.get("frames").as_ref()),
+        })
     }
 }
 
@@ -434,7 +513,7 @@ impl Finish for Builder {
     fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value {
         let Value::Dict(dict) = &item else { return item };
         let starts_with_action = dict.borrow().first().is_some_and(|(key, _)| key.as_str() == Some("action"));
-        if !starts_with_action {
+        if !starts_with_action || !self.budget.charge(dict.borrow().len()) {
             return item;
         }
         let first = self.keep(dict.borrow().iter().map(|(key, value)| (key, value)), read);
@@ -445,7 +524,7 @@ impl Finish for Builder {
     /// start with it (a frame, a block) is stored as it is, and an event written otherwise is
     /// still read, when appended or at the end.
     fn finish_dict(&mut self, items: &[Value], read: &mut Vec<(Value, u32)>) -> Option<u32> {
-        if items.first().and_then(Value::as_str) != Some("action") {
+        if items.first().and_then(Value::as_str) != Some("action") || !self.budget.charge(items.len() / 2) {
             return None;
         }
         Some(self.keep(items.chunks_exact(2).map(|pair| (&pair[0], &pair[1])), read))
@@ -454,14 +533,16 @@ impl Finish for Builder {
     /// A frames list (every item a frame dict: one read already, or one with a `filename`) is
     /// read as its stack as it is made, never stored.
     fn finish_list(&mut self, items: &[Value]) -> Option<u32> {
-        let is_frame = |item: &Value| match item {
-            Value::Dict(dict) => {
-                dict.note.get().is_some() || dict.borrow().iter().any(|(key, _)| key.as_str() == Some("filename"))
+        for item in items {
+            let Value::Dict(dict) = item else { return None };
+            if dict.note.get().is_none() {
+                let entries = dict.borrow();
+                if !self.budget.charge(entries.len())
+                    || !entries.iter().any(|(key, _)| key.as_str() == Some("filename"))
+                {
+                    return None;
+                }
             }
-            _ => false,
-        };
-        if !items.iter().all(is_frame) {
-            return None;
         }
         Some(self.stack_of(items.iter()))
     }

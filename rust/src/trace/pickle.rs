@@ -14,6 +14,7 @@
 //! lookup. A list of kept items holds them as runs (`Kept`), a trace's list as one value.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
@@ -67,6 +68,8 @@ pub struct Container<T> {
     pub note: Cell<Option<u32>>,
     /// What the hook read it as when it was filled (`Finish::finish_dict`, `finish_list`).
     kept: Cell<Option<u32>>,
+    /// Referred to a second time (DUP, GET): it may be inside itself (`Shared`).
+    shared: Cell<bool>,
 }
 
 const NO_SLOT: u32 = u32::MAX;
@@ -78,6 +81,7 @@ impl<T> Default for Container<T> {
             slot: Cell::new(NO_SLOT),
             note: Cell::new(None),
             kept: Cell::new(None),
+            shared: Cell::new(false),
         }
     }
 }
@@ -170,6 +174,16 @@ impl Value {
         }
     }
 
+    /// How many items a list or tuple has, or entries a dict (0 for anything else).
+    pub fn item_count(&self) -> usize {
+        match self {
+            Value::List(list) => list.borrow().len(),
+            Value::Dict(dict) => dict.borrow().len(),
+            Value::Tuple(items) => items.len(),
+            _ => 0,
+        }
+    }
+
     /// The items of a list or tuple.
     pub fn items(&self) -> Vec<Value> {
         match self {
@@ -177,6 +191,49 @@ impl Value {
             Value::Tuple(items) => items.as_ref().clone(),
             _ => Vec::new(),
         }
+    }
+}
+
+/// Frees nested containers with a loop, not a recursion: a million tuples one inside the next
+/// (a 1 MB file) would otherwise overflow the stack as the outermost is dropped. A container
+/// that something else still refers to is left alone (only its count drops).
+impl Drop for Value {
+    fn drop(&mut self) {
+        let mut nested = Vec::new();
+        take_items(self, &mut nested);
+        while let Some(mut value) = nested.pop() {
+            take_items(&mut value, &mut nested);
+        }
+    }
+}
+
+/// Moves the items of `value`, when it is the last reference to a container, into `nested`,
+/// those that hold items themselves (the rest are dropped here, with nothing under them).
+fn take_items(value: &mut Value, nested: &mut Vec<Value>) {
+    let holds_items = |value: &Value| match value {
+        Value::List(list) => Rc::strong_count(list) == 1 && !list.borrow().is_empty(),
+        Value::Dict(dict) => Rc::strong_count(dict) == 1 && !dict.borrow().is_empty(),
+        Value::Tuple(items) => Rc::strong_count(items) == 1 && !items.is_empty(),
+        _ => false,
+    };
+    match value {
+        Value::List(list) => {
+            if let Some(list) = Rc::get_mut(list) {
+                nested.extend(list.items.get_mut().drain(..).filter(holds_items));
+            }
+        }
+        Value::Dict(dict) => {
+            if let Some(dict) = Rc::get_mut(dict) {
+                let pairs = dict.items.get_mut().drain(..);
+                nested.extend(pairs.flat_map(|(key, value)| [key, value]).filter(holds_items));
+            }
+        }
+        Value::Tuple(items) => {
+            if let Some(items) = Rc::get_mut(items) {
+                nested.extend(items.drain(..).filter(holds_items));
+            }
+        }
+        _ => {}
     }
 }
 
@@ -228,10 +285,50 @@ struct Reader<'a, F> {
     pos: usize,
     stack: Vec<Value>,
     marks: Vec<usize>,
-    memo: Vec<Value>,
+    memo: Memo,
     finish: &'a mut F,
     /// What the hook read along with an item (`Finish::finish`), waiting to be settled.
     read: Vec<(Value, u32)>,
+    shared: Shared,
+    /// `append`'s items as the hook finished them, until they are stored.
+    finished: Vec<Value>,
+}
+
+/// The lists and dicts that the pickle referred to more than once. Only through one of them
+/// can a container end up inside itself (`]q\x00h\x00a`: a list appended to itself), which
+/// reference counting never frees; emptied when the read is done with, that cycle is broken.
+#[derive(Default)]
+struct Shared(Vec<Value>);
+
+impl Shared {
+    fn note(&mut self, value: &Value) {
+        let shared = match value {
+            Value::List(list) => &list.shared,
+            Value::Dict(dict) => &dict.shared,
+            _ => return,
+        };
+        if !shared.replace(true) {
+            self.0.push(value.clone());
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for container in &self.0 {
+            match container {
+                Value::List(list) => drop(list.items.take()),
+                Value::Dict(dict) => drop(dict.items.take()),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A pickle read: its value, and what must be emptied once it is no longer needed.
+pub struct Pickled {
+    pub root: Value,
+    _shared: Shared,
 }
 
 /// A container's memo slot, if it was memoized.
@@ -252,8 +349,42 @@ fn same(a: &Value, b: &Value) -> bool {
     }
 }
 
+/// The memo: indices as Python's pickler writes them (0, 1, 2...) in a vector, any other in a
+/// map, so that an index a file chose (4294967294, in a 9-byte file) costs one entry, not a
+/// vector that long.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Value>,
+    sparse: HashMap<usize, Value>,
+}
+
+impl Memo {
+    fn set(&mut self, index: usize, value: Value) {
+        if let Some(entry) = self.dense.get_mut(index) {
+            *entry = value;
+        } else if index == self.dense.len() {
+            self.dense.push(value);
+        } else {
+            self.sparse.insert(index, value);
+        }
+    }
+
+    fn get(&self, index: usize) -> Option<&Value> {
+        self.dense.get(index).or_else(|| self.sparse.get(&index))
+    }
+
+    fn get_mut(&mut self, index: usize) -> Option<&mut Value> {
+        self.dense.get_mut(index).or_else(|| self.sparse.get_mut(&index))
+    }
+
+    /// The index MEMOIZE gives the next entry.
+    fn next(&self) -> usize {
+        self.dense.len() + self.sparse.len()
+    }
+}
+
 /// The containers in `read` read as their ids from now on.
-fn settle(read: &mut Vec<(Value, u32)>, memo: &mut [Value]) {
+fn settle(read: &mut Vec<(Value, u32)>, memo: &mut Memo) {
     for (container, id) in read.drain(..) {
         match &container {
             Value::List(list) => list.kept.set(Some(id)),
@@ -265,10 +396,10 @@ fn settle(read: &mut Vec<(Value, u32)>, memo: &mut [Value]) {
 }
 
 /// `container`, read by the hook as `id`, reads so from the memo on: its items are gone.
-fn read_as(memo: &mut [Value], container: &Value, id: u32) {
-    if let Some(slot) = slot(container) {
-        if same(&memo[slot], container) {
-            memo[slot] = match container {
+fn read_as(memo: &mut Memo, container: &Value, id: u32) {
+    if let Some(entry) = slot(container).and_then(|slot| memo.get_mut(slot)) {
+        if same(entry, container) {
+            *entry = match container {
                 Value::List(_) => Value::ReadList(id),
                 _ => Value::ReadDict(id),
             };
@@ -330,15 +461,13 @@ impl<F: Finish> Reader<'_, F> {
             Value::Dict(dict) => dict.slot.set(slot),
             _ => {}
         }
-        if index >= self.memo.len() {
-            self.memo.resize(index + 1, Value::None);
-        }
-        self.memo[index] = value;
+        self.memo.set(index, value);
         Ok(())
     }
 
     fn get(&mut self, index: usize) -> Result<(), Error> {
         let value = self.memo.get(index).cloned().ok_or("the pickle refers to a memo entry it never made")?;
+        self.shared.note(&value);
         self.stack.push(value);
         Ok(())
     }
@@ -363,8 +492,9 @@ impl<F: Finish> Reader<'_, F> {
                 return Ok(());
             }
         }
-        let mut items = list.items.borrow_mut();
-        items.reserve(self.stack.len() - from);
+        // Finished before any is stored: the hook may read this very list (an event whose
+        // frames list is the list it is appended to), which it could not while it is borrowed.
+        let mut finished = std::mem::take(&mut self.finished);
         for item in self.stack.drain(from..) {
             let item = match item.read_dict() {
                 Some(id) => Value::Kept { first: id, count: 1 },
@@ -378,8 +508,14 @@ impl<F: Finish> Reader<'_, F> {
                 None => self.finish.finish(item, &mut self.read),
             };
             settle(&mut self.read, &mut self.memo);
+            push(&mut finished, item);
+        }
+        let mut items = list.items.borrow_mut();
+        items.reserve(finished.len());
+        for item in finished.drain(..) {
             push(&mut items, item);
         }
+        self.finished = finished;
         Ok(())
     }
 
@@ -445,6 +581,7 @@ impl<F: Finish> Reader<'_, F> {
                 }
                 b'2' => {
                     let top = self.top()?.clone();
+                    self.shared.note(&top);
                     self.stack.push(top);
                 }
                 b'N' => self.stack.push(Value::None),
@@ -574,7 +711,7 @@ impl<F: Finish> Reader<'_, F> {
                     self.memoize(index)?;
                 }
                 0x94 => {
-                    let index = self.memo.len();
+                    let index = self.memo.next();
                     self.memoize(index)?;
                 }
                 b'g' => {
@@ -648,8 +785,19 @@ fn long(bytes: &[u8]) -> Value {
 }
 
 /// Reads one pickled value from `bytes`, handing each list item to `finish` as it is appended.
-pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Value, Error> {
-    let mut reader =
-        Reader { bytes, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), finish, read: Vec::new() };
-    reader.run()
+/// (Its containers are emptied when the result is dropped, so keep it while reading them.)
+pub fn read<F: Finish>(bytes: &[u8], finish: &mut F) -> Result<Pickled, Error> {
+    let mut reader = Reader {
+        bytes,
+        pos: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Memo::default(),
+        finish,
+        read: Vec::new(),
+        shared: Shared::default(),
+        finished: Vec::new(),
+    };
+    let root = reader.run()?;
+    Ok(Pickled { root, _shared: std::mem::take(&mut reader.shared) })
 }

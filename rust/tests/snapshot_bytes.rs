@@ -1,0 +1,163 @@
+//! Property tests of the snapshot reader on the stable toolchain (`make fuzz` runs libFuzzer on
+//! the same reader for longer): arbitrary bytes, and real snapshots with bytes changed, put in
+//! or cut out, read to a snapshot or a clean error, never a panic, in memory that the file's
+//! size bounds. Its own test binary, so that its allocator can count what the reader holds.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use gpuexp_core::trace::Snapshot;
+use proptest::prelude::*;
+
+/// Counts this thread's live and peak heap bytes (the test harness runs tests on threads).
+struct Counting;
+
+thread_local! {
+    static LIVE: Cell<usize> = const { Cell::new(0) };
+    static PEAK: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: every call is passed to the system allocator as it came; the counters are
+// const-initialised thread locals, which allocate nothing.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let ptr = unsafe { System.alloc(layout) };
+        if !ptr.is_null() {
+            grew(layout.size() as isize);
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        grew(-(layout.size() as isize));
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let new = unsafe { System.realloc(ptr, layout, new_size) };
+        if !new.is_null() {
+            grew(new_size as isize - layout.size() as isize);
+        }
+        new
+    }
+}
+
+fn grew(bytes: isize) {
+    let _ = LIVE.try_with(|live| {
+        let now = live.get().saturating_add_signed(bytes);
+        live.set(now);
+        let _ = PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+    });
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// What reading `bytes` held at most, beyond what was held before.
+fn peak_while_reading(bytes: &[u8]) -> usize {
+    let before = LIVE.with(Cell::get);
+    PEAK.with(|peak| peak.set(before));
+    let _ = Snapshot::from_pickle(bytes);
+    PEAK.with(Cell::get) - before
+}
+
+/// The reader's bound: what the builder may make for a file this size (16 items a byte and a
+/// million more, an event 56 bytes), with room for vectors that doubled.
+fn bound(len: usize) -> usize {
+    (len * 16 + (1 << 20)) * 56 * 2 + (64 << 20)
+}
+
+const FIXTURES: [&[u8]; 5] = [
+    include_bytes!("../src/trace/testdata/snapshot_p2.pickle"),
+    include_bytes!("../src/trace/testdata/snapshot_p4.pickle"),
+    include_bytes!("../src/trace/testdata/snapshot_p5.pickle"),
+    include_bytes!("../src/trace/testdata/snapshot_shared_frames_p0.pickle"),
+    include_bytes!("../src/trace/testdata/snapshot_shared_frames_p4.pickle"),
+];
+
+/// Marks, containers, memo puts and gets, appends and sets, DUP, small ints, None, strings.
+const OPCODES: &[u8] = b"(((}}]])hhhqqq\x94eeuuasss2NK\x01K\x00\x85\x86tld0";
+
+/// One change to a file: a byte set, bytes put in (a run of one, as a length or index would
+/// be), or a range cut out.
+#[derive(Clone, Debug)]
+enum Change {
+    Set(usize, u8),
+    Insert(usize, u8, usize),
+    Cut(usize, usize),
+}
+
+fn change() -> impl Strategy<Value = Change> {
+    prop_oneof![
+        4 => (any::<usize>(), any::<u8>()).prop_map(|(at, byte)| Change::Set(at, byte)),
+        1 => (any::<usize>(), any::<u8>(), 1usize..9).prop_map(|(at, byte, n)| Change::Insert(at, byte, n)),
+        1 => (any::<usize>(), 1usize..64).prop_map(|(at, n)| Change::Cut(at, n)),
+    ]
+}
+
+fn changed(file: &[u8], changes: &[Change]) -> Vec<u8> {
+    let mut bytes = file.to_vec();
+    for change in changes {
+        let len = bytes.len().max(1);
+        match *change {
+            Change::Set(at, byte) if !bytes.is_empty() => bytes[at % len] = byte,
+            Change::Insert(at, byte, n) => {
+                let at = at % (bytes.len() + 1);
+                bytes.splice(at..at, std::iter::repeat_n(byte, n));
+            }
+            Change::Cut(at, n) if !bytes.is_empty() => {
+                let at = at % len;
+                bytes.drain(at..(at + n).min(bytes.len()));
+            }
+            _ => {}
+        }
+    }
+    bytes
+}
+
+// Some 20 s in all on 2 cores in a debug build (a mutated real snapshot reads in some 20 ms).
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_bytes_read_to_a_snapshot_or_an_error(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let peak = peak_while_reading(&bytes);
+        prop_assert!(peak <= bound(bytes.len()), "{} bytes held {peak} bytes", bytes.len());
+    }
+
+    #[test]
+    fn opcodes_after_a_pickle_header_read_to_a_snapshot_or_an_error(
+        protocol in 2u8..6,
+        body in proptest::collection::vec(any::<u8>(), 0..512),
+    ) {
+        // The low half of the bytes drawn picks among the opcodes that build and refer back
+        // (random bytes seldom make a container), the high half is itself.
+        let ops = |byte: u8| if byte < 0x80 { OPCODES[byte as usize % OPCODES.len()] } else { byte };
+        let bytes: Vec<u8> = [0x80, protocol].into_iter().chain(body.into_iter().map(ops)).collect();
+        let peak = peak_while_reading(&bytes);
+        prop_assert!(peak <= bound(bytes.len()), "{} bytes held {peak} bytes", bytes.len());
+    }
+
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 600, ..ProptestConfig::default() })]
+
+    #[test]
+    fn real_snapshots_changed_read_to_a_snapshot_or_an_error(
+        fixture in 0..FIXTURES.len(),
+        changes in proptest::collection::vec(change(), 1..8),
+    ) {
+        let bytes = changed(FIXTURES[fixture], &changes);
+        let peak = peak_while_reading(&bytes);
+        prop_assert!(peak <= bound(bytes.len()), "{} bytes held {peak} bytes", bytes.len());
+    }
+}
+
+#[test]
+fn the_real_snapshots_read_whole_within_the_bound() {
+    for file in FIXTURES {
+        Snapshot::from_pickle(file).expect("a real snapshot reads");
+        assert!(peak_while_reading(file) <= bound(file.len()));
+    }
+}
