@@ -53,9 +53,10 @@ pub(super) struct HostWindow {
     start: Result<(HostGrowth, Py<PyAny>), String>,
 }
 
-/// Joins (or starts) tracemalloc for an experiment that opens now and reads what is live;
+/// Joins (or starts) tracemalloc for an experiment that opens now and reads what is live (with
+/// the interrupts `held` let through: a tracemalloc of the user's may hold many traces);
 /// returns notes for the start.
-pub(super) fn open(py: Python) -> (HostWindow, Vec<String>) {
+pub(super) fn open(py: Python, held: &Held) -> (HostWindow, Vec<String>) {
     let mut notes = Vec::new();
     let start = (|| -> PyResult<(HostGrowth, Py<PyAny>)> {
         let tracemalloc = py.import("tracemalloc")?;
@@ -70,11 +71,17 @@ pub(super) fn open(py: Python) -> (HostWindow, Vec<String>) {
             *tracing() = Some(Tracing { pid: crate::fork::pid(), open: 1, started_by_gpuexp: !users });
         }
         let mut live = HostGrowth::default();
-        tally_live(py, &mut live, -1)?;
+        held.let_through(py, || tally_live(py, &mut live, -1))?;
         let marker = PyByteArray::new(py, &[0; 8]).into_any().unbind();
         Ok((live, marker))
     })();
-    let start = start.map_err(|e| format!("trace: tracemalloc's snapshot at opening failed ({e})"));
+    let start = start.map_err(|e| {
+        if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+            "trace: interrupted while tracemalloc's traces were read at opening, so there is no host table".into()
+        } else {
+            format!("trace: tracemalloc's snapshot at opening failed ({e})")
+        }
+    });
     (HostWindow { start }, notes)
 }
 

@@ -165,7 +165,7 @@ pub(super) fn open_scope(
         };
         // After the pins and the inventory: gpuexp's own objects are not the experiment's growth.
         let host_trace = kinds.host().then(|| {
-            let (window, notes) = host_trace::open(py);
+            let (window, notes) = host_trace::open(py, &interrupt);
             trace_notes.extend(notes);
             window
         });
