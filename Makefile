@@ -45,13 +45,14 @@ demo: build
 # page or an API reference that doesn't resolve fails it. mkdocs-material for the pages,
 # mkdocstrings' Python handler for the reference: it reads the sources and _core.pyi statically,
 # so it needs neither the build nor the native module. mkdocs stays below 2, which these plugins
-# don't support.
+# don't support. Never `--quiet`: it hides the warnings that strict mode counts, so nothing fails
+# (tests/test_docs.py plants a broken link and runs this recipe's command to prove it).
 $(DOCS_DEPS): $(DEPS)
 	$(PY) -m pip install -q "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2"
 	touch $@
 
 docs: $(DOCS_DEPS)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Retakes the outputs the documentation shows that need no GPU (docs/capture.py --gpu on a GPU
 # machine retakes the others), and the README's example.
@@ -76,15 +77,16 @@ test-rust:
 test-python: build browser
 	$(PY) -m pytest -q tests
 
-# The browser tests (tests/test_browser.py) drive JupyterLab in Debian's Chromium through its
-# chromedriver. As root with apt (CI), this installs both when chromedriver is missing; elsewhere
-# it says how, and those tests skip.
+# The browser tests (tests/test_browser*.py) drive JupyterLab in Debian's Chromium through its
+# chromedriver. As root with apt (CI), this installs both when chromedriver is missing, without
+# apt's recommended packages (about 26 packages instead of 131, and no avahi, which would change
+# the system's default browser); elsewhere it says how, and those tests skip.
 browser:
 	@command -v chromedriver >/dev/null || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
 	else \
-		echo "no chromedriver: the browser tests will skip (sudo apt-get install chromium chromium-driver)"; \
+		echo "no chromedriver: the browser tests will skip (sudo apt-get install --no-install-recommends chromium chromium-driver)"; \
 	fi
 
 # Retakes the documentation's JupyterLab screenshots (docs/jupyterlab-*.png).

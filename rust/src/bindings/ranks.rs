@@ -164,7 +164,7 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
     match &opened {
         // Ctrl-C during the checks says nothing about the store: it is tried again next time.
         Err(e) if is_interrupt(py, e) => {}
-        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string())),
+        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), said(py, e))),
         Ok(_) => {}
     }
     let store = opened?;
@@ -307,6 +307,18 @@ pub(super) fn complete_report(py: Python, report: &mut Report) {
     report.rank = identity(process_group(py).as_ref());
 }
 
+/// A store's error as a note quotes it: its message, after its class where that says more than
+/// RuntimeError (which our own errors about the store are too, so a note would read
+/// "RuntimeError: RuntimeError: ...").
+fn said(py: Python, error: &PyErr) -> String {
+    let message = error.value(py).str().map(|m| m.to_string()).unwrap_or_default();
+    if error.get_type(py).is(py.get_type::<PyRuntimeError>()) {
+        return message;
+    }
+    let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+    format!("{kind}: {message}")
+}
+
 /// Once the teardown is done and the held interrupt given back: publishes a rank's finished
 /// report. A store that fails costs a note, returned for the report, never the report; where
 /// the named store can't be reached, the group's takes the report.
@@ -321,20 +333,20 @@ pub(super) fn publish_report(py: Python, scope: ScopeId, report: &Report) -> Vec
     let run = match run_token(py, group.as_ref()) {
         Ok(run) => run,
         Err(e) => {
-            notes.push(format!("the process group's store did not answer ({e}): runs are not told apart"));
+            notes.push(format!("the process group's store did not answer ({}): runs are not told apart", said(py, &e)));
             None
         }
     };
     let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
-        notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
+        notes.push(format!("publishing for gpuexp.ranks() failed: {}", said(py, &unreachable)));
         group_target(group.as_ref())
     });
     let published = match store {
         Ok(Some((store, label))) => {
-            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {e}"))
+            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {}", said(py, &e)))
         }
         Ok(None) => Ok(()),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(said(py, &e)),
     };
     if let Err(failure) = published {
         notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
@@ -472,16 +484,19 @@ pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) 
 
 // ---- the gathered table ----------------------------------------------------------------------
 
-/// Every rank's latest report of one experiment: `str()` and `_repr_html_` show the table.
+/// Every rank's latest report of one experiment (``gpuexp.ranks()``): ``str()`` and
+/// ``_repr_html_`` show the table, outliers flagged.
 #[pyclass(name = "Ranks", module = "gpuexp", frozen)]
 pub(super) struct RanksPy(Gathered);
 
 #[pymethods]
 impl RanksPy {
+    /// The experiment's name.
     #[getter]
     fn name(&self) -> &str {
         &self.0.name
     }
+    /// How many ranks the run has.
     #[getter]
     fn world_size(&self) -> u32 {
         self.0.world_size
@@ -491,10 +506,13 @@ impl RanksPy {
     fn reports(&self) -> Vec<Option<ReportPy>> {
         self.0.reports.iter().map(|r| r.as_ref().map(|r| ReportPy(Arc::new(r.clone())))).collect()
     }
+    /// The ranks that never reported.
     #[getter]
     fn missing(&self) -> Vec<u32> {
         self.0.missing()
     }
+    /// The outliers in words: ranks missing, a rank that ran out of memory or raised, one that
+    /// peaked more than 10% over the median.
     #[getter]
     fn flags(&self) -> Vec<String> {
         self.0.flags().to_vec()
@@ -504,7 +522,7 @@ impl RanksPy {
     fn errors(&self) -> Vec<Option<String>> {
         self.0.errors.clone()
     }
-    /// One row per rank (needs pandas), indexed by rank; sizes in bytes.
+    /// One row per rank, indexed by rank, sizes in bytes: a pandas DataFrame.
     fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let pandas = super::error::optional(py, "pandas", "to_pandas()")?;
         let rows = json_to_python(py, &serde_json::to_string(&self.0.rows).expect("rows serialise"))?;
@@ -517,18 +535,22 @@ shown_as_table!(RanksPy, |this| &this.0, this.0.grid());
 /// What a report says about its rank and its children.
 #[pymethods]
 impl ReportPy {
+    /// In a rank of a distributed run, its rank; None outside one (so for the three below).
     #[getter]
     fn rank(&self) -> Option<u32> {
         self.0.rank.rank
     }
+    /// The rank's index on its host (``LOCAL_RANK``).
     #[getter]
     fn local_rank(&self) -> Option<u32> {
         self.0.rank.local_rank
     }
+    /// How many ranks the run has.
     #[getter]
     fn world_size(&self) -> Option<u32> {
         self.0.rank.world_size
     }
+    /// The host the rank ran on.
     #[getter]
     fn hostname(&self) -> Option<&str> {
         self.0.rank.hostname.as_deref()

@@ -9,10 +9,11 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::report::{json_to_python, ReportPy};
+use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
@@ -86,16 +87,19 @@ fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attrib
     Ok(find(&snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer)))
 }
 
-/// The core's findings for `devices` from a snapshot pickle, from `since_us` on.
+/// The core's findings for `devices` from a snapshot pickle, from `since_us` on (None: from
+/// the opening of the experiment the file was saved for, where gpuexp saved it, else all of it).
 fn analyse(
     py: Python,
     pickle: &[u8],
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
-    since_us: i64,
+    since_us: Option<i64>,
 ) -> PyResult<Vec<DeviceTrace>> {
-    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed(py, pickle, |snapshot, attribution| {
+        let window = snapshot.gpuexp.window.as_ref();
+        let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
+        let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
         let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
         let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
         trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
@@ -110,7 +114,7 @@ pub(super) fn cell_peak_sites(
     max_entries: Option<u64>,
     since_us: i64,
 ) -> Result<Vec<CellPeakSite>, String> {
-    let pickle = trace_recording::snapshot_pickle(py)?;
+    let pickle = trace_recording::snapshot_pickle(py, None)?;
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed(py, &pickle, |snapshot, attribution| {
         trace::cell_peak_sites(snapshot, moved, max_entries, since_us, attribution)
@@ -119,20 +123,27 @@ pub(super) fn cell_peak_sites(
 }
 
 /// The out-of-memory error just raised on `torch_index`, in torch's allocation history where
-/// one is being recorded (a traced experiment's, the cell log's or the user's own): the line
-/// that failed and what was live then, for the rescue's diagnosis. The latest OOM recorded is
-/// taken only when it matches what torch's message says was asked (`requested`): an older one
-/// (this one not recorded) would name the wrong line.
-pub(super) fn last_oom(py: Python, torch_index: u32, requested: Option<u64>) -> Option<trace::OomSites> {
+/// one is being recorded (the flight recorder's, a traced experiment's, the cell log's or the
+/// user's own): what grew since `step`, and the failed line and the sites live then where the
+/// record has stacks, else the live blocks by size. The latest OOM recorded is taken only when
+/// it matches what torch's message says was asked (`requested`): an older one (this one not
+/// recorded) would name the wrong line.
+pub(super) fn last_oom(
+    py: Python,
+    torch_index: u32,
+    requested: Option<u64>,
+    step: Option<crate::recorder::StepEnd>,
+) -> Option<crate::recorder::OomRecord> {
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
-    let pickle = trace_recording::snapshot_pickle(py).ok()?;
-    let latest = attributed(py, &pickle, |snapshot, attribution| {
+    let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
+    attributed(py, &pickle, |snapshot, attribution| {
         let replayed = trace::replay(snapshot, torch_index as usize, None);
-        trace::oom(snapshot, &replayed, attribution, trace::TOP_SITES).pop()
-    });
-    latest.ok().flatten().filter(|oom| requested.is_none_or(|asked| oom.matches_message(asked)))
+        crate::recorder::read_oom(snapshot, &replayed, requested, step, attribution)
+    })
+    .ok()
+    .flatten()
 }
 
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
@@ -144,10 +155,17 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         return;
     }
     let devices = report.traced_devices();
-    let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-        let traces = analyse(py, &pickle, Some(&devices), window.max_entries, window.opened_us)?;
-        Ok((pickle, traces))
-    });
+    // Torch's own peak over the experiment, saved with the snapshot: the figure its replay meets.
+    let peaks = (report.gpus.iter())
+        .filter(|gpu| devices.contains(&gpu.torch_index))
+        .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
+        .collect();
+    let key = WindowKey { opened_us: window.opened_us, max_entries: window.max_entries, peaks };
+    let read =
+        trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
+            let traces = analyse(py, &pickle, Some(&devices), window.max_entries, Some(window.opened_us))?;
+            Ok((pickle, traces))
+        });
     match read {
         Ok((pickle, mut traces)) => {
             trace::name_holders(&mut traces, storages);
@@ -178,8 +196,9 @@ fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()>
     written
 }
 
-/// Where in the code one traced experiment (or a snapshot file) peaked: each GPU's live
-/// memory at its peak by source line. `str()` is the text tables; `_repr_html_` the HTML ones.
+/// Where in the code one traced experiment (``report.trace``) or a snapshot file
+/// (``gpuexp.load_snapshot``) peaked: each GPU's live memory at its peak, grouped by the line of
+/// code that allocated it. ``str()`` is the text tables, ``_repr_html_`` the HTML ones.
 #[pyclass(name = "Trace", module = "gpuexp", frozen)]
 pub(super) struct TracePy {
     name: String,
@@ -209,37 +228,53 @@ impl TracePy {
         self.__str__()
     }
 
+    /// The tables as HTML, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         self.devices.iter().map(|d| d.peak.to_html()).collect()
     }
 
+    /// One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
+    /// blocks still held at the end and the out-of-memory errors.
     fn to_json(&self) -> String {
         serde_json::to_string_pretty(&self.devices).expect("plain data serialises")
     }
 
+    /// The same data as lists, dicts, numbers and strings: ``json.loads(self.to_json())``.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &self.to_json())
     }
 
-    /// Why this trace peaks higher (or lower) than `other`'s, by site, sorted by growth.
+    /// Why this trace peaks higher (or lower) than ``other``'s (a traced Report or a Trace), by
+    /// site, sorted by growth.
     fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
         self.diff_from(&trace_of(other)?)
     }
 
-    /// Allocated over time stacked by the top sites, the peak marked: inline SVG in Jupyter;
-    /// `.figure()` draws it with matplotlib.
+    /// Torch allocated over time stacked by the top sites, the peak marked: inline SVG in
+    /// Jupyter; ``.figure()`` draws it with matplotlib.
     fn plot_timeline(&self) -> TimelinePy {
         TimelinePy { name: self.name.clone(), devices: self.devices.clone() }
     }
 
-    /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open; the
+    /// file is replaced atomically.
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
         })?;
         py.detach(|| write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
+}
+
+/// `save_snapshot`'s path, as `save_history` takes one: a str or an os.PathLike.
+fn snapshot_path(path: &Bound<PyAny>) -> PyResult<PathBuf> {
+    path.extract().map_err(|_| {
+        let given = path.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        PyTypeError::new_err(format!(
+            "save_snapshot() takes a file path (a str or os.PathLike), e.g. save_snapshot('peak.pickle'); got {given}"
+        ))
+    })
 }
 
 impl TracePy {
@@ -283,7 +318,8 @@ fn trace_of(value: &Bound<PyAny>) -> PyResult<TracePy> {
     )))
 }
 
-/// `b.diff(a)`: the difference in peak attributed to sites. `str()` is the table.
+/// ``b.diff(a)``: the difference in peak between two traces, attributed to sites, sorted by
+/// growth. ``str()`` is the table.
 #[pyclass(name = "SiteDiff", module = "gpuexp", frozen)]
 pub(super) struct SiteDiffPy(trace::SiteDiff);
 
@@ -295,16 +331,19 @@ impl SiteDiffPy {
     fn __repr__(&self) -> String {
         self.0.to_text()
     }
+    /// The table as HTML, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         self.0.to_html()
     }
+    /// The two peaks, the param that changed, and each site's bytes in both with its growth, as
+    /// dicts, lists, numbers and strings.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &self.0.to_json().to_string())
     }
 }
 
-/// A traced experiment's timeline: inline SVG in Jupyter (no script, nothing fetched);
-/// `.figure()` is a matplotlib Figure of the same data.
+/// Torch allocated over a traced experiment, stacked by its top sites: inline SVG in Jupyter (no
+/// script, nothing fetched); ``.figure()`` is a matplotlib Figure of the same data.
 #[pyclass(name = "Timeline", module = "gpuexp", frozen)]
 pub(super) struct TimelinePy {
     name: String,
@@ -313,6 +352,7 @@ pub(super) struct TimelinePy {
 
 #[pymethods]
 impl TimelinePy {
+    /// The timeline as inline SVG, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         self.devices.iter().map(|d| d.timeline.to_svg()).collect()
     }
@@ -324,11 +364,13 @@ impl TimelinePy {
             .collect();
         format!("<Timeline of {:?}: {}>", self.name, peaks.join(", "))
     }
+    /// One entry per GPU as dicts, lists and numbers: the points' times, the total and each top
+    /// site's series, stacked bottom to top, and the peak.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let data: Vec<serde_json::Value> = self.devices.iter().map(|d| d.timeline.to_json()).collect();
         json_to_python(py, &serde_json::Value::Array(data).to_string())
     }
-    /// The timeline as a matplotlib Figure; saved to `path` when given.
+    /// The timeline as a matplotlib Figure, saved to ``path`` when given.
     #[pyo3(signature = (path=None))]
     fn figure<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         let data = self.to_dict(py)?;
@@ -337,38 +379,40 @@ impl TimelinePy {
 }
 
 /// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
-/// the same peak tables, diff and timeline as a traced experiment.
+/// the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
+/// checks the path first.
 #[pyfunction]
 pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
     let pickle = py
         .detach(|| std::fs::read(&path))
         .map_err(|e| PyOSError::new_err(format!("load_snapshot({}): {e}", path.display())))?;
-    let devices = analyse(py, &pickle, None, None, i64::MIN)?;
+    let devices = analyse(py, &pickle, None, None, None)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
 }
 
 #[pymethods]
 impl ReportPy {
-    /// With `trace=True`: where in the code each GPU peaked (None otherwise).
+    /// With ``trace=True``: where in the code each GPU peaked; None otherwise.
     #[getter]
     fn trace(&self) -> Option<TracePy> {
         TracePy::of_report(&self.0)
     }
 
-    /// Why this experiment peaks higher (or lower) than `other` (a traced Report or a Trace),
+    /// Why this experiment peaks higher (or lower) than ``other`` (a traced Report or a Trace),
     /// by site, sorted by growth, each site's growth related to the params that changed.
     fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
         self.traced()?.diff(other)
     }
 
-    /// Torch allocated over the experiment, stacked by its top sites (`trace=True`).
+    /// Torch allocated over the experiment, stacked by its top sites (``trace=True``).
     fn plot_timeline(&self) -> PyResult<TimelinePy> {
         Ok(self.traced()?.plot_timeline())
     }
 
-    /// Writes the experiment's torch snapshot (`trace=True`) for memory_viz and Mosaic.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    /// Writes the experiment's torch snapshot (``trace=True``) for memory_viz and Mosaic; the file
+    /// is replaced atomically.
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         self.traced()?.save_snapshot(py, path)
     }
 }

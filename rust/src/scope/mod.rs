@@ -149,6 +149,9 @@ pub struct Registry {
     pub trace_by_default: crate::trace::TraceKinds,
     /// The scopes that are training runs measured by a framework's callback.
     pub runs: Runs,
+    /// `gpuexp.config(flight_recorder=)`: torch's allocation history without stacks while gpuexp
+    /// is active, for the OOM diagnosis.
+    pub flight_recorder: bool,
 }
 
 /// The default of `cell_log_min_change`: less than this is the noise of running any cell.
@@ -172,13 +175,15 @@ impl Default for Registry {
             cell_log_min_change: CELL_LOG_MIN_CHANGE,
             cell_log_every_cell: false,
             runs: Runs::default(),
+            flight_recorder: true,
         }
     }
 }
 
 impl Registry {
+    /// The name given, or the next `exp-N` where none was (a blank one would make a blank title).
     pub fn name_or_default(&mut self, name: Option<String>) -> String {
-        name.unwrap_or_else(|| {
+        name.filter(|name| !name.trim().is_empty()).unwrap_or_else(|| {
             self.unnamed += 1;
             format!("exp-{}", self.unnamed)
         })
@@ -319,6 +324,12 @@ impl Registry {
     }
 
     // ---- the per-cell log ----
+
+    /// Whether gpuexp is active: an experiment open, or the cell log on. Nothing gpuexp hooks
+    /// into (torch's allocation history, optimizer hooks) outlives this state.
+    pub fn gpuexp_active(&self) -> bool {
+        self.standalone_log || self.open.iter().any(|s| !s.closing)
+    }
 
     pub fn cell_log_active(&self) -> bool {
         self.standalone_log || self.open.iter().any(|s| s.cell_log && !s.closing)
