@@ -3,7 +3,11 @@ sizes at known lines, and the report's host table names those lines with their b
 tracemalloc is started and stopped by gpuexp, or shared with the user and left running.
 `trace="all"` on a real GPU is the one test marked gpu."""
 
+import queue
+import time
+
 import pytest
+from nbclient.util import run_sync
 
 MiB = 1 << 20
 
@@ -97,3 +101,100 @@ def test_all_traces_the_gpu_and_the_host_side_by_side(kernel):
     assert shown.text.index("At the peak on GPU") < shown.text.index("Host: Python's allocations")
     assert kernel.value("tracemalloc.is_tracing()") is False
     assert kernel.value("torch._C._cuda_isHistoryEnabled()") is False
+
+
+def run_interrupting(kernel, source, every_s=0.2, for_s=60):
+    """Runs a cell that prints "go" and then finishes an experiment, pressing the stop button every
+    `every_s` from "go" until the report is shown (a finish's droppable part lies between);
+    returns (reply, text shown)."""
+    kc, km = kernel.client.kc, kernel.client.km
+    msg_id = kc.execute(source)
+    shown, pressing, deadline = [], False, time.monotonic() + for_s
+    while True:
+        if pressing:
+            run_sync(km.interrupt_kernel)()
+        try:
+            msg = run_sync(kc.get_iopub_msg)(timeout=every_s)
+        except queue.Empty:
+            pressing = pressing and time.monotonic() < deadline
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        content = msg["content"]
+        if msg["msg_type"] == "stream" and content["text"].startswith("go"):
+            pressing = True
+        elif msg["msg_type"] in ("display_data", "execute_result", "stream"):
+            text = content.get("text") or content["data"].get("text/plain", "")
+            pressing = pressing and "· finished" not in text
+            shown.append(text)
+        elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
+            break
+    while True:
+        reply = run_sync(kc.get_shell_msg)(timeout=60)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], "".join(shown)
+
+
+def test_half_a_million_traces_are_compared_in_seconds(kernel):
+    kernel.run("import time, tracemalloc, gpuexp\ntook = {}")  # from before: the teardown keeps it
+    kernel.run("exp = gpuexp.CPUExperiment('many', trace='host')")
+    kernel.run("words = [str(i) for i in range(500_000)]")
+    number = kernel.nb.cells[-1].execution_count
+    kernel.run("took['from'] = time.perf_counter()\nexp.finish()\ntook['s'] = time.perf_counter() - took['from']")
+    report, sites = host_sites(kernel)
+    assert sites[f"In [{number}], line 1"]["blocks"] >= 500_000, sites
+    # Before, tracemalloc's own compare_to took minutes here, with the stop button held.
+    assert kernel.value("took['s']") < 30, "finish took too long"
+    assert kernel.value("tracemalloc.is_tracing()") is False
+
+
+PRESSED_IN_FINISH = """\
+import signal
+def pressed(signum, frame):
+    if frame is not None and frame.f_code.co_name == "finish":
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, pressed)
+"""
+
+
+def test_the_stop_button_during_the_comparison_drops_the_host_table_only(kernel):
+    kernel.run("import tracemalloc, gpuexp")
+    kernel.run("exp = gpuexp.CPUExperiment('stopped', trace='host')")
+    kernel.run("words = [str(i) for i in range(1_500_000)]")
+    # Jupyter's interrupts are real SIGINTs; this handler ignores those that come before
+    # the cell reaches finish (its "go" races them), as a person would not press so early.
+    reply, shown = run_interrupting(kernel, PRESSED_IN_FINISH + "print('go', flush=True)\nexp.finish()")
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    assert "stopped · finished" in shown, shown
+    report = kernel.value("exp.data.to_dict()")
+    assert report.get("host_trace") is None
+    assert any("interrupted while the host's allocations were compared" in n for n in report["notes"]), report
+    assert kernel.value("'words' in globals()") is False, "the teardown ran all the same"
+    assert kernel.value("tracemalloc.is_tracing()") is False, "gpuexp stops what it started"
+    assert kernel.value("sum(range(10))") == 45, "the kernel is usable"
+
+
+def test_a_tracemalloc_restarted_inside_is_the_users_and_kept_running(kernel):
+    kernel.run("import tracemalloc, gpuexp")
+    kernel.run("exp = gpuexp.CPUExperiment('restarted', trace='host')")
+    kernel.run("tracemalloc.stop()\ntracemalloc.start(5)\nkept = bytearray(8 << 20)")
+    number = kernel.nb.cells[-1].execution_count
+    kernel.run("exp.finish()")
+    report, sites = host_sites(kernel)
+    assert close_to(sites[f"In [{number}], line 3"]["bytes"], 8 * MiB)
+    assert any("stopped and started again during the experiment" in n for n in report["notes"]), report["notes"]
+    assert kernel.value("tracemalloc.is_tracing()") is True, "the user's tracing is left running"
+    assert kernel.value("tracemalloc.get_traceback_limit()") == 5
+    kernel.run("exp = gpuexp.CPUExperiment('after', trace='host')\nexp.finish()")
+    assert kernel.value("tracemalloc.is_tracing()") is True, "a later experiment shares it"
+
+
+def test_a_tracemalloc_stopped_inside_is_said_and_left_stopped(kernel):
+    kernel.run("import tracemalloc, gpuexp")
+    kernel.run("exp = gpuexp.CPUExperiment('stopped', trace='host')")
+    kernel.run("tracemalloc.stop()\nkept = bytearray(8 << 20)")
+    kernel.run("exp.finish()")
+    report = kernel.value("exp.data.to_dict()")
+    assert report.get("host_trace") is None
+    assert any("tracemalloc was stopped during the experiment" in n for n in report["notes"]), report["notes"]
+    assert kernel.value("tracemalloc.is_tracing()") is False

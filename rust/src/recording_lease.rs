@@ -134,6 +134,14 @@ impl<M: Copy + Ord> Lease<M> {
         }
     }
 
+    /// The recording gpuexp started was stopped and started again by someone else (the user's
+    /// code, say, restarting tracemalloc): it is theirs from now on, and left running.
+    pub fn disown(&mut self) {
+        if matches!(self.runner, Some(Runner::Gpuexp(_))) {
+            self.runner = Some(Runner::User);
+        }
+    }
+
     /// How many clients hold a share.
     pub fn clients(&self) -> usize {
         self.clients.len()
@@ -177,6 +185,18 @@ mod tests {
 
     fn never() -> bool {
         panic!("asked whether a recording runs while gpuexp's clients hold it")
+    }
+
+    #[test]
+    fn a_recording_restarted_by_someone_else_is_theirs_and_left_running() {
+        let mut lease = Lease::new();
+        assert_eq!(lease.join(Mode::Stacks, || false), Change::Start(Mode::Stacks));
+        assert_eq!(lease.join(Mode::Stacks, never), Change::Keep);
+        lease.disown();
+        assert!(!lease.started_by_gpuexp());
+        assert_eq!(lease.leave(Mode::Stacks), Change::Keep);
+        assert_eq!(lease.leave(Mode::Stacks), Change::Keep, "the last client leaves it running");
+        assert_eq!(lease.join(Mode::Stacks, || false), Change::Start(Mode::Stacks), "a fresh lease after");
     }
 
     #[test]

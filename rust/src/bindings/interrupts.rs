@@ -57,6 +57,29 @@ impl Held<'_> {
         self.caught.load(Ordering::SeqCst)
     }
 
+    /// Runs `work` with the handler put back, so that the stop button stops it (work that may
+    /// take long and can be dropped, such as reading tracemalloc's traces), then holds again.
+    /// An interrupt that stops `work` counts as held: it is raised once the rest is done.
+    pub(super) fn let_through<T>(&self, py: Python, work: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+        let Some((signal, previous)) = &self.replaced else { return work() };
+        let swap = |handler: &Bound<PyAny>| -> PyResult<Bound<PyAny>> {
+            let sigint = signal.getattr("SIGINT")?;
+            let before = signal.call_method1("getsignal", (&sigint,))?;
+            signal.call_method1("signal", (&sigint, handler))?;
+            Ok(before)
+        };
+        // A signal that came before is the recorder's.
+        let _ = py.check_signals();
+        let recorder = swap(previous)?;
+        let done = work();
+        // Between the end of `work` and here, a signal waits unhandled: the recorder takes it.
+        swap(&recorder)?;
+        if done.as_ref().is_err_and(|e| e.is_instance_of::<PyKeyboardInterrupt>(py)) {
+            self.caught.store(true, Ordering::SeqCst);
+        }
+        done
+    }
+
     /// Puts the handler back and raises the interrupt if one came.
     pub(super) fn release_and_raise(self, py: Python) -> PyResult<()> {
         if self.release(py) {

@@ -132,12 +132,13 @@ pub(super) fn open_scope(
     // A closure, so that every error path still gives the held interrupt back below.
     let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
         // Outside a notebook, the experiments found unreachable since the last safe point go first.
-        let mut replaced = finish_due(py, SafePoint::Opening, &mut to_publish)?;
+        let mut replaced = finish_due(py, &interrupt, SafePoint::Opening, &mut to_publish)?;
         // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
         // head would still hold.
         let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack, opened_by);
         for id in replaced_ids {
-            replaced.extend(finish_with_inner(py, id, in_use.iter().cloned().collect(), false, &mut to_publish)?);
+            let keep = in_use.iter().cloned().collect();
+            replaced.extend(finish_with_inner(py, &interrupt, id, keep, false, &mut to_publish)?);
         }
         // A rank covers its own GPU unless `devices=` names others: on a node of 8, the other
         // seven would be idle rows in every rank's report and in `ranks()`.
@@ -174,7 +175,7 @@ pub(super) fn open_scope(
         };
         // After the pins and the inventory: gpuexp's own objects are not the experiment's growth.
         let host_trace = kinds.host().then(|| {
-            let (window, notes) = host_trace::open(py);
+            let (window, notes) = host_trace::open(py, &interrupt);
             trace_notes.extend(notes);
             window
         });
@@ -320,7 +321,7 @@ pub(super) fn finish(
 ) -> PyResult<(Vec<ReportPy>, bool)> {
     let held = interrupts::hold(py);
     let mut to_publish = Vec::new();
-    let finished = finish_with_inner(py, id, keep, during_reset, &mut to_publish);
+    let finished = finish_with_inner(py, &held, id, keep, during_reset, &mut to_publish);
     let interrupted = held.release(py);
     let amended = publish(py, &to_publish);
     Ok((with_notes(finished?, &amended), interrupted))
@@ -352,8 +353,10 @@ pub(super) fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Re
 }
 
 /// `during_reset`: see [`finish`]. `to_publish` gets the scopes whose teardown this call completed: [`publish`] sends them on.
+/// `interrupts`: those held meanwhile, let through where work may be dropped (`host_trace`).
 pub(super) fn finish_with_inner(
     py: Python,
+    interrupts: &interrupts::Held,
     id: ScopeId,
     keep: Vec<String>,
     during_reset: bool,
@@ -362,7 +365,7 @@ pub(super) fn finish_with_inner(
     let inner = registry().inner_of(id);
     let mut finished = Vec::new();
     for inner_id in inner {
-        finished.extend(finish_with_inner(py, inner_id, keep.clone(), during_reset, to_publish)?);
+        finished.extend(finish_with_inner(py, interrupts, inner_id, keep.clone(), during_reset, to_publish)?);
     }
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
@@ -378,7 +381,8 @@ pub(super) fn finish_with_inner(
     let (before, _) = take_snapshot(py, &scope.selection);
     registry().peaks.observe(&before);
     // Before the teardown: what the experiment's code made and still held, not what it leaked.
-    let host = scope_held.as_mut().and_then(|h| h.host_trace.take()).map(|window| host_trace::finish(py, window));
+    let host =
+        scope_held.as_mut().and_then(|h| h.host_trace.take()).map(|window| host_trace::finish(py, window, interrupts));
 
     let mut judged = scope_held
         .as_ref()

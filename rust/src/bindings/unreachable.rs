@@ -55,7 +55,7 @@ pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy
     };
     let held = interrupts::hold(py);
     let mut to_publish = Vec::new();
-    let finished = finish_due(py, at, &mut to_publish);
+    let finished = finish_due(py, &held, at, &mut to_publish);
     let interrupted = held.release(py);
     let amended = publish(py, &to_publish);
     Ok((with_notes(finished?, &amended), interrupted))
@@ -66,7 +66,12 @@ pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy
 /// behind a scope opened inside it gets one collection first, since that scope may be garbage
 /// the collector has not found yet. Each round finishes every scope it took (a finished one
 /// leaves the open scopes) or stops at an error.
-pub(super) fn finish_due(py: Python, at: SafePoint, to_publish: &mut Vec<ScopeId>) -> PyResult<Vec<ReportPy>> {
+pub(super) fn finish_due(
+    py: Python,
+    interrupts: &interrupts::Held,
+    at: SafePoint,
+    to_publish: &mut Vec<ScopeId>,
+) -> PyResult<Vec<ReportPy>> {
     let mut finished = Vec::new();
     let mut collected = false;
     loop {
@@ -79,7 +84,7 @@ pub(super) fn finish_due(py: Python, at: SafePoint, to_publish: &mut Vec<ScopeId
             collected = true;
         }
         for id in due {
-            finished.extend(finish_with_inner(py, id, Vec::new(), false, to_publish)?);
+            finished.extend(finish_with_inner(py, interrupts, id, Vec::new(), false, to_publish)?);
         }
     }
 }

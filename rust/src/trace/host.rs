@@ -12,9 +12,16 @@ use super::peak::SiteTable;
 use super::sites::{SiteNamer, SiteRule};
 use crate::units::bytes;
 
-/// The frames tracemalloc keeps per allocation when gpuexp starts it: enough to reach the
-/// user's line under a library's (a DataFrame built inside pandas is dozens of frames deep).
-pub const HOST_FRAMES: u32 = 25;
+/// The frames tracemalloc keeps per allocation when gpuexp starts it. Each allocation pays for
+/// each frame kept (its line number is looked up then, and IPython's frames under a cell's are
+/// large): in a kernel, a loop of small strings ran 11× slower than untraced with 1 frame, 19×
+/// with 3, 140× with 5 and 700× with 25. Three reach the user's line under a library's Python
+/// wrapper one or two calls deep (`np.ones`).
+pub const HOST_FRAMES: u32 = 3;
+
+/// Frames enough to reach the user's line under a library's Python code (a DataFrame built
+/// inside pandas is dozens of frames deep): what the note on a frameless row suggests.
+pub const DEEP_FRAMES: u32 = 25;
 
 /// The label of allocations with no frame in the user's code (a library's thread, an import).
 pub const NO_USER_FRAME: &str = "(no frame of yours)";
@@ -31,13 +38,30 @@ pub struct HostTraceback {
     pub count: i64,
 }
 
-/// What the bindings read from tracemalloc at finish.
+/// What the bindings read from tracemalloc: the live traces at opening counted negative and
+/// those at finish positive ([`HostGrowth::tally`]), so that each traceback's sum is its growth.
 #[derive(Debug, Default)]
 pub struct HostGrowth {
     pub stacks: Stacks,
     pub tracebacks: Vec<HostTraceback>,
-    /// The frames tracemalloc kept per allocation (fewer than `HOST_FRAMES` where the user started it).
+    /// The frames tracemalloc kept per allocation (`HOST_FRAMES`, or the user's own setting).
     pub frames: u32,
+    /// Where each stack's row is in `tracebacks`.
+    rows: HashMap<StackId, usize>,
+}
+
+impl HostGrowth {
+    /// Adds `bytes` and `count` to the traceback `stack`'s row (negative: live at opening).
+    pub fn tally(&mut self, stack: StackId, bytes: i64, count: i64) {
+        let next = self.tracebacks.len();
+        let row = *self.rows.entry(stack).or_insert(next);
+        if row == next {
+            self.tracebacks.push(HostTraceback { stack, bytes: 0, count: 0 });
+        }
+        let traceback = &mut self.tracebacks[row];
+        traceback.bytes += bytes;
+        traceback.count += count;
+    }
 }
 
 /// Sites whose memory shrank (freed more than they made), together.
@@ -73,7 +97,8 @@ pub fn host_sites(
     mut notes: Vec<String>,
 ) -> HostTrace {
     let mut by_site: Grouped = HashMap::new();
-    for traceback in &growth.tracebacks {
+    // A traceback live at both ends with the same size and number is no growth.
+    for traceback in growth.tracebacks.iter().filter(|t| t.bytes != 0 || t.count != 0) {
         let key = rule.user_frame(&growth.stacks, traceback.stack).map(|frame| (frame.file, frame.line));
         let entry = by_site.entry(key).or_insert((0, 0, *traceback));
         entry.0 += traceback.bytes;
@@ -112,10 +137,11 @@ pub fn host_sites(
     if shrunk.sites > 0 {
         notes.push(format!("{} sites shrank by {} together (not in the table)", shrunk.sites, bytes(shrunk.bytes)));
     }
-    if growth.frames < HOST_FRAMES {
+    if growth.frames < DEEP_FRAMES && grew.iter().any(|row| row.label == NO_USER_FRAME) {
         notes.push(format!(
-            "tracemalloc keeps {} frame(s) per allocation (started before the experiment): what a library allocates \
-             may show as {NO_USER_FRAME}; tracemalloc.start({HOST_FRAMES}) keeps enough to find your line",
+            "tracemalloc keeps {} frame(s) per allocation: what a library allocates in its own Python code shows as \
+             {NO_USER_FRAME}; tracemalloc.start({DEEP_FRAMES}) before the experiment keeps enough to find your line \
+             (each allocation then runs slower)",
             growth.frames
         ));
     }
@@ -174,7 +200,7 @@ mod tests {
         for (stack, bytes, count) in rows {
             let ids: Vec<u32> = stack.iter().map(|(file, line)| growth.stacks.intern_frame(file, *line, "")).collect();
             let stack = growth.stacks.intern_stack(&ids);
-            growth.tracebacks.push(HostTraceback { stack, bytes: *bytes, count: *count });
+            growth.tally(stack, *bytes, *count);
         }
         growth
     }
@@ -195,7 +221,7 @@ mod tests {
                 (&[(CELL, 6), (CELL, 9)], -MIB, -1),
                 (&[(NUMPY, 10)], 512, 4),
             ],
-            HOST_FRAMES,
+            DEEP_FRAMES,
         );
         let trace = host_sites(&data, &SiteRule::default(), &PlainNamer::default(), 10, Vec::new());
         let sites = bytes_by_label(&trace);
@@ -244,10 +270,40 @@ mod tests {
     }
 
     #[test]
+    fn what_was_live_at_opening_is_taken_from_what_is_live_at_finish() {
+        let mut data = HostGrowth { frames: HOST_FRAMES, ..HostGrowth::default() };
+        let kept = [data.stacks.intern_frame(CELL, 2, "")];
+        let kept = data.stacks.intern_stack(&kept);
+        let grew = [data.stacks.intern_frame(NUMPY, 7, ""), data.stacks.intern_frame(CELL, 3, "")];
+        let grew = data.stacks.intern_stack(&grew);
+        let freed = [data.stacks.intern_frame(CELL, 4, "")];
+        let freed = data.stacks.intern_stack(&freed);
+        // At opening: line 2 held 1 MiB in 2 allocations, line 3 one of 10 bytes, line 4 4 MiB.
+        data.tally(kept, -MIB, -2);
+        data.tally(grew, -10, -1);
+        data.tally(freed, -4 * MIB, -1);
+        // At finish: line 2 unchanged, line 3 grown to 3 MiB in 3 allocations, line 4 freed.
+        data.tally(kept, MIB / 2, 1);
+        data.tally(kept, MIB / 2, 1);
+        data.tally(grew, 3 * MIB, 3);
+        assert_eq!(data.tracebacks.len(), 3, "one row per traceback however often it is tallied");
+        let trace = host_sites(&data, &SiteRule::default(), &PlainNamer::default(), 10, Vec::new());
+        let sites = bytes_by_label(&trace);
+        assert_eq!(sites.len(), 1, "{sites:?}");
+        assert_eq!(sites[&format!("{CELL}:3")], (3 << 20) - 10);
+        assert_eq!(trace.table.sites[0].blocks, 2);
+        assert_eq!(trace.shrunk, Shrunk { sites: 1, bytes: 4 << 20 });
+        assert_eq!(trace.net_bytes, 3 * MIB - 10 - 4 * MIB);
+    }
+
+    #[test]
     fn a_users_tracemalloc_with_few_frames_is_said() {
         let data = growth(&[(&[(NUMPY, 190)], MIB, 1)], 1);
         let trace = host_sites(&data, &SiteRule::default(), &PlainNamer::default(), 10, Vec::new());
         assert_eq!(bytes_by_label(&trace)[NO_USER_FRAME], 1 << 20);
         assert!(trace.notes.iter().any(|n| n.contains("keeps 1 frame(s)") && n.contains("tracemalloc.start(25)")));
+        let mine = growth(&[(&[(CELL, 3)], MIB, 1)], 1);
+        let trace = host_sites(&mine, &SiteRule::default(), &PlainNamer::default(), 10, Vec::new());
+        assert!(trace.notes.is_empty(), "every allocation found its line: {:?}", trace.notes);
     }
 }

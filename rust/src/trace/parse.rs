@@ -76,6 +76,11 @@ impl Stacks {
         })
     }
 
+    /// The filename of the frame `frame` (an id from [`Stacks::intern_frame`]).
+    pub fn frame_filename(&self, frame: u32) -> &str {
+        self.string(self.frames[frame as usize].0)
+    }
+
     /// The id of the stack made of these frames (innermost first), stored once.
     pub fn intern_stack(&mut self, frames: &[u32]) -> StackId {
         if let Some(&id) = self.stack_ids.get(frames) {
