@@ -9,9 +9,10 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;
 
+use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
 use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
@@ -26,12 +27,25 @@ pub(super) struct PyNamer<'py> {
     source_line: Option<Bound<'py, PyAny>>,
     cwd: Option<PathBuf>,
     seen: RefCell<HashMap<(String, u32), Named>>,
+    /// A KeyboardInterrupt (or any exception that is not an `Exception`) raised while a line
+    /// was named: kept for the caller to raise once the work ends, never dropped.
+    interrupted: RefCell<Option<PyErr>>,
 }
 
 impl<'py> PyNamer<'py> {
     pub(super) fn new(py: Python<'py>) -> PyNamer<'py> {
         let source_line = py.import("gpuexp.ipython").and_then(|m| m.getattr("source_line")).ok();
-        PyNamer { source_line, cwd: std::env::current_dir().ok(), seen: RefCell::default() }
+        PyNamer {
+            source_line,
+            cwd: std::env::current_dir().ok(),
+            seen: RefCell::default(),
+            interrupted: RefCell::default(),
+        }
+    }
+
+    /// The interrupt that came while naming, to raise now.
+    pub(super) fn interrupted(&self) -> Option<PyErr> {
+        self.interrupted.borrow_mut().take()
     }
 
     fn lookup(&self, filename: &str, line: u32) -> Named {
@@ -39,12 +53,18 @@ impl<'py> PyNamer<'py> {
         if let Some(found) = self.seen.borrow().get(&key) {
             return found.clone();
         }
-        let found = self
-            .source_line
-            .as_ref()
-            .and_then(|f| f.call1((filename, line)).ok()?.extract::<(Option<String>, String)>().ok())
-            .map(|(label, text)| (label, (!text.is_empty()).then_some(text)))
-            .unwrap_or_default();
+        let source_line = self.source_line.as_ref().filter(|_| self.interrupted.borrow().is_none());
+        let called = source_line.and_then(|f| match f.call1((filename, line)) {
+            Ok(found) => found.extract::<(Option<String>, String)>().ok(),
+            Err(error) => {
+                // An ordinary error leaves the line unnamed; an interrupt is the user's, kept.
+                if !error.is_instance_of::<PyException>(f.py()) {
+                    *self.interrupted.borrow_mut() = Some(error);
+                }
+                None
+            }
+        });
+        let found = called.map(|(label, text)| (label, (!text.is_empty()).then_some(text))).unwrap_or_default();
         self.seen.borrow_mut().insert(key, found.clone());
         found
     }
@@ -81,21 +101,35 @@ fn report_key(report: &Report) -> String {
 /// that names sites as the user reads them.
 fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
     let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
-    let namer = PyNamer::new(py);
-    let rule = SiteRule::default();
-    Ok(find(&snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer)))
+    attributed_snapshot(py, &snapshot, find)
 }
 
-/// The core's findings for `devices` from a snapshot pickle, from `since_us` on.
+/// `find` over a snapshot read already; an interrupt that came while a site was named is
+/// raised once it is done.
+fn attributed_snapshot<T>(
+    py: Python,
+    snapshot: &Snapshot,
+    find: impl FnOnce(&Snapshot, &Attribution) -> T,
+) -> PyResult<T> {
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    let found = find(snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer));
+    match namer.interrupted() {
+        Some(interrupt) => Err(interrupt),
+        None => Ok(found),
+    }
+}
+
+/// The core's findings for `devices` (None: every one it has) from a snapshot, from `since_us` on.
 fn analyse(
     py: Python,
-    pickle: &[u8],
+    snapshot: &Snapshot,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
     since_us: i64,
 ) -> PyResult<Vec<DeviceTrace>> {
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
-    attributed(py, pickle, |snapshot, attribution| {
+    attributed_snapshot(py, snapshot, |snapshot, attribution| {
         let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
         let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
         trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
@@ -145,7 +179,8 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     }
     let devices = report.traced_devices();
     let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-        let traces = analyse(py, &pickle, Some(&devices), window.max_entries, window.opened_us)?;
+        let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
+        let traces = analyse(py, &snapshot, Some(&devices), window.max_entries, window.opened_us)?;
         Ok((pickle, traces))
     });
     match read {
@@ -163,19 +198,6 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     if let Some(note) = trace_recording::close(py) {
         report.notes.push(note);
     }
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same directory, so that a failure
-/// leaves any file already there as it was.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    let directory = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    written
 }
 
 /// Where in the code one traced experiment (or a snapshot file) peaked: each GPU's live
@@ -202,6 +224,9 @@ impl TracePy {
 #[pymethods]
 impl TracePy {
     fn __str__(&self) -> String {
+        if self.devices.is_empty() {
+            return format!("{}: {}", self.name, trace::file::NO_HISTORY);
+        }
         self.devices.iter().map(|d| d.peak.to_text()).collect::<Vec<_>>().join("\n\n")
     }
 
@@ -210,10 +235,19 @@ impl TracePy {
     }
 
     fn _repr_html_(&self) -> String {
+        if self.devices.is_empty() {
+            return format!("<p>{}</p>", crate::grid::escape(&self.__str__()));
+        }
         self.devices.iter().map(|d| d.peak.to_html()).collect()
     }
 
+    /// A list of the GPUs' findings; for a file with none, an object that says so
+    /// (`{"devices": [], "note": ...}`).
     fn to_json(&self) -> String {
+        if self.devices.is_empty() {
+            let empty = serde_json::json!({"devices": [], "note": trace::file::NO_HISTORY});
+            return serde_json::to_string_pretty(&empty).expect("plain data serialises");
+        }
         serde_json::to_string_pretty(&self.devices).expect("plain data serialises")
     }
 
@@ -237,7 +271,7 @@ impl TracePy {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
         })?;
-        py.detach(|| write_atomically(&path, &pickle))
+        py.detach(|| crate::files::write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
 }
@@ -338,12 +372,15 @@ impl TimelinePy {
 
 /// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
 /// the same peak tables, diff and timeline as a traced experiment.
+/// Only a regular file is read, without waiting on it (a FIFO, a device are refused), and
+/// Ctrl-C stops the read and the parse, which run with the GIL released.
 #[pyfunction]
 pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
-    let pickle = py
-        .detach(|| std::fs::read(&path))
-        .map_err(|e| PyOSError::new_err(format!("load_snapshot({}): {e}", path.display())))?;
-    let devices = analyse(py, &pickle, None, None, i64::MIN)?;
+    let mut interrupts = Interruptible::new();
+    let read = py.detach(|| trace::file::read(&path, &mut || interrupts.check()));
+    let (pickle, snapshot) = read.map_err(|e| interrupts.error(e))?;
+    let devices = analyse(py, &snapshot, None, None, i64::MIN)?;
+    trace::file::refuse_impossible_peaks(&devices)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
 }

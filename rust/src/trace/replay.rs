@@ -10,8 +10,6 @@
 
 use std::collections::HashMap;
 
-use super::pickle::Quick;
-
 use serde::Serialize;
 
 use super::modules::Modules;
@@ -106,8 +104,9 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         .collect();
     let mut sizes = BlockSizes::default();
     let mut blocks: Vec<Block> = Vec::new();
-    // Addresses hashed by a multiply, not SipHash: two lookups an event, millions of events.
-    let mut live: HashMap<u64, usize, Quick> = HashMap::default();
+    // Addresses are the file's to choose: hashed with a random seed (foldhash), so no file can
+    // make them collide, and fast enough for two lookups an event over millions of events.
+    let mut live: foldhash::HashMap<u64, usize> = HashMap::default();
     let mut before: Vec<Block> = Vec::new();
     let mut deltas: Vec<i64> = Vec::with_capacity(events.len());
     let mut context = Vec::with_capacity(events.len());
@@ -197,12 +196,13 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         }
     }
     completeness.inferred_sizes += blocks.iter().filter(|b| b.free_event.is_some()).count();
-    let baseline: u64 = before.iter().map(|block| block.bytes).sum();
+    // Sizes are at most a PiB each (the parse refuses more), but a file may hold many: the sums saturate.
+    let baseline: u64 = before.iter().fold(0, |sum, block| sum.saturating_add(block.bytes));
     let mut allocated = Vec::with_capacity(events.len());
-    let mut now = baseline as i64;
+    let mut now = i64::try_from(baseline).unwrap_or(i64::MAX);
     let mut peak = Peak { event: None, bytes: baseline, time_us: events.first().map_or(0, |e| e.time_us) };
     for (index, delta) in deltas.iter().enumerate() {
-        now += delta;
+        now = now.saturating_add(*delta);
         let bytes = now.max(0) as u64;
         allocated.push(bytes);
         if bytes > peak.bytes {
@@ -286,7 +286,7 @@ impl Replay {
 /// extents last seen at each address (a segment just made, a block just freed) tell which.
 #[derive(Default)]
 struct BlockSizes {
-    extents: HashMap<u64, u64, Quick>,
+    extents: foldhash::HashMap<u64, u64>,
 }
 
 const SMALL: u64 = 1 << 20;
