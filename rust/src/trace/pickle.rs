@@ -394,7 +394,7 @@ impl<F: Finish> Reader<'_, F> {
         let mut ops = 0u32;
         loop {
             ops = ops.wrapping_add(1);
-            if ops % CHECK_EVERY == 0 {
+            if ops.is_multiple_of(CHECK_EVERY) {
                 self.finish.keep_going()?;
             }
             let op = self.byte()?;
