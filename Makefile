@@ -45,13 +45,14 @@ demo: build
 # page or an API reference that doesn't resolve fails it. mkdocs-material for the pages,
 # mkdocstrings' Python handler for the reference: it reads the sources and _core.pyi statically,
 # so it needs neither the build nor the native module. mkdocs stays below 2, which these plugins
-# don't support.
+# don't support. Never `--quiet`: it hides the warnings that strict mode counts, so nothing fails
+# (tests/test_docs.py plants a broken link and runs this recipe's command to prove it).
 $(DOCS_DEPS): $(DEPS)
 	$(PY) -m pip install -q "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2"
 	touch $@
 
 docs: $(DOCS_DEPS)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Retakes the outputs the documentation shows that need no GPU (docs/capture.py --gpu on a GPU
 # machine retakes the others), and the README's example.

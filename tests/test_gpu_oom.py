@@ -69,3 +69,61 @@ def test_the_diagnosis_reports_the_request_and_free_memory(kernel):
     shown = float(requested_line.split("GiB")[0].split()[-1])
     assert abs(shown - request / GiB) <= 0.011, (request / GiB, requested_line)
     assert "device free" in text and "hint:" in text
+
+
+DEEP_MODEL = """\
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(1024, 4096)
+        self.down = torch.nn.Linear(4096, 1024)
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block() for _ in range(4)])
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+model = Net().cuda()
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(64, 1024, device="cuda")
+def step(batch):
+    opt.zero_grad()
+    model(batch).sum().backward()
+    opt.step()
+step(x)
+opt.zero_grad()
+"""
+
+
+def test_an_untraced_oom_deep_in_a_forward_explains_itself_the_first_time(kernel):
+    kernel.run(SETUP + "exp = gpuexp.GPUExperiment('deep')")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()")  # the flight recorder runs
+    kernel.run(DEEP_MODEL)
+    kernel.run("torch._C._cuda_clearCublasWorkspaces()")  # the rescue frees them too
+    before = allocated(kernel)
+    # A step that fits, then one whose first block's output alone needs 256 GiB.
+    failed = kernel.run("step(x)\nstep(x[:1].expand(1 << 24, -1))", expect_error=True)
+    assert "OutOfMemoryError" in failed.error and "rescued" in failed.text
+    text = failed.text.split("rescued")[1]
+    failed_at = next(line for line in text.splitlines() if "failed at" in line)
+    assert "`return self.down(torch.relu(self.up(x)))`" in failed_at, text
+    assert "blocks.0.up (Linear)" in failed_at, text
+    assert "since the last completed optimizer step" in text and "blocks made since hold" in text, text
+    assert "live then, by size" in text and "made since the last step" in text, text
+    assert "may fit" not in text and "at least" in text, text
+    assert allocated(kernel) == before  # the memory comes back as before the cell
+    kernel.run("exp.finish()")
+    assert not kernel.value("torch._C._cuda_isHistoryEnabled()")  # nothing outlives gpuexp's active state
+
+
+def test_a_users_own_recording_is_shared_and_left_running(kernel):
+    kernel.run(SETUP + "torch.cuda.memory._record_memory_history(max_entries=1000)\n"
+               "exp = gpuexp.GPUExperiment('shared')\nexp.finish()")
+    assert kernel.value("torch._C._cuda_isHistoryEnabled()")
+    kernel.run("gpuexp.config(flight_recorder=False)\nexp = gpuexp.GPUExperiment('off')")
+    kernel.run("torch.cuda.memory._record_memory_history(enabled=None)\nexp2 = gpuexp.GPUExperiment('off2')")
+    assert not kernel.value("torch._C._cuda_isHistoryEnabled()")  # turned off: never started

@@ -1,8 +1,10 @@
 """python/gpuexp/_core.pyi types the native module gpuexp._core: these tests fail when the two
 disagree, which happens whenever rust/src/bindings/ adds, removes or changes a function, class,
-method or argument."""
+method or argument, or changes a doc comment (the stub's docstrings are copied from the module's
+by docs/stub.py)."""
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -92,3 +94,31 @@ def test_the_installed_package_ships_the_stub(core):
     assert shipped.read_text(encoding="utf-8") == STUB.read_text(encoding="utf-8"), (
         "the installed gpuexp has another _core.pyi than python/gpuexp/_core.pyi: run make build"
     )
+
+
+def stub_writer():
+    spec = importlib.util.spec_from_file_location("stub", ROOT / "docs" / "stub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_stubs_docstrings_are_the_modules(core):
+    writer, text = stub_writer(), STUB.read_text(encoding="utf-8")
+    differ = writer.differences(text, core)
+    assert not differ, (
+        f"the docstrings of {differ} in _core.pyi are not the doc comments in rust/src/bindings/ "
+        "(the built module's __doc__): run python docs/stub.py after make build"
+    )
+    assert writer.rewritten(text, core) == text, "run python docs/stub.py: it writes the stub otherwise"
+
+
+def test_a_docstring_written_in_the_stub_alone_is_found(core):
+    writer, text = stub_writer(), STUB.read_text(encoding="utf-8")
+    metric = next(node for node in ast.parse(text).body if isinstance(node, ast.ClassDef) and node.name == "Metric")
+    peak = next(member for member in metric.body if isinstance(member, ast.FunctionDef) and member.name == "peak")
+    written = ast.get_docstring(peak, clean=False)
+    assert written, "Metric.peak has no docstring in the stub"
+    changed = text.replace(written, "Typed into the stub by hand.", 1)
+    assert writer.differences(changed, core) == ["Metric.peak"]
+    assert writer.rewritten(changed, core) == text

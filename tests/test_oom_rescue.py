@@ -65,3 +65,54 @@ def test_the_request_is_read_from_torchs_message(kernel, message, requested, dev
         expected = "2.00 GiB" if requested == 2 << 30 else "20.00 MiB"
         assert expected in failed.text.split("requested")[1].splitlines()[0]
         assert f"cuda:{device}" in failed.text
+
+
+MODEL_OOM = (
+    "class Block(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc1 = Wide()\n"
+    "    def forward(self, x):\n"
+    "        return self.fc1(x)\n"
+    "class Wide(torch.nn.Module):\n"
+    "    def forward(self, x):\n"
+    "        y = x.repeat(4)\n"
+    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total "
+    "capacity of 79.19 GiB of which 1.50 GiB is free.')\n"
+    "class Net(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.blocks = torch.nn.ModuleList([Block(), Block()])\n"
+    "    def forward(self, x):\n"
+    "        for block in self.blocks:\n"
+    "            x = block(x)\n"
+    "        return x\n"
+    "model = Net()\n"
+)
+
+
+def test_an_oom_inside_a_forward_names_the_line_the_module_and_that_no_step_completed(kernel):
+    kernel.run(SETUP + MODEL_OOM)
+    failed = kernel.run("out = model(torch.ones(3))", expect_error=True)
+    # The innermost line of the user's code, with its source, in the innermost module's path.
+    failed_at = next(line for line in failed.text.splitlines() if "failed at" in line)
+    assert "`raise torch.OutOfMemoryError(" in failed_at, failed.text
+    assert "in model.blocks.0.fc1 (Wide), asking 4.00 GiB" in failed_at, failed.text
+    # The setup cell completed: what grew since is unknown without a record (no CUDA here).
+    assert "since the last completed cell: unknown" in failed.text, failed.text
+
+
+def test_without_any_completed_step_the_diagnosis_says_so(kernel):
+    failed = kernel.run(SETUP + MODEL_OOM + "model(torch.ones(3))", expect_error=True)
+    assert "none completed in this kernel" in failed.text, failed.text
+
+
+def test_the_flight_recorder_is_on_by_default_and_one_setting_turns_it_off(kernel):
+    kernel.run(SETUP)
+    assert kernel.value("gpuexp.config()['flight_recorder']") is True
+    assert kernel.value("gpuexp.config(flight_recorder=False)['flight_recorder']") is False
+    failed = kernel.run("gpuexp.config(flight_recorder='off')", expect_error=True)
+    assert "flight_recorder is True or False" in failed.text
+    # Off, and a step completed: the diagnosis says why it cannot tell what grew since.
+    failed = kernel.run(MODEL_OOM + "model(torch.ones(3))", expect_error=True)
+    assert "the flight recorder is off: gpuexp.config(flight_recorder=True)" in failed.text, failed.text

@@ -214,7 +214,7 @@ _UNCHANGED = _Unchanged()
 
 
 def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-           live_view_after_s=_UNCHANGED, trace=None):
+           live_view_after_s=_UNCHANGED, trace=None, flight_recorder=None):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
@@ -232,8 +232,13 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         (Python's, through tracemalloc; CPU experiments too), "all" (both), False (default).
         With the CUDA part on, the cell log names the line behind a cell's torch peak
         ("cuda:0 peak +2.10 GiB, 71% at In [9], line 14").
+    flight_recorder: while gpuexp is active (an experiment open, or the cell log on) and torch
+        has CUDA initialised, keep torch's allocation history on without stacks, so that an
+        out-of-memory error shows what grew since the last completed step and what was live
+        (default True; see docs/oom-rescue.md). False stops it now.
     """
-    for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue)):
+    for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue),
+                       ("flight_recorder", flight_recorder)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} is True or False, e.g. gpuexp.config({name}=True); got {flag!r}")
     if sample_interval_ms is not None and (
@@ -257,6 +262,7 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     return _core.config(
         sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue,
         cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s, trace=trace,
+        flight_recorder=flight_recorder,
     )
 
 

@@ -1,7 +1,9 @@
 """Types of ``gpuexp._core``, the native module built from ``rust/src/bindings/``.
 
 tests/test_native_stub.py fails when this file and the built module disagree: a function, class,
-method or argument added, removed or renamed in the bindings must be changed here too.
+method or argument added, removed or renamed in the bindings must be changed here too. The
+signatures are written here by hand; the docstrings of what the module has are not: they are its
+``__doc__``s (the Rust doc comments), copied by ``python docs/stub.py`` after a build.
 """
 
 import os
@@ -44,6 +46,7 @@ class _Settings(TypedDict):
     sample_interval_ms: float
     cell_log_all_gpus: bool
     oom_rescue: bool
+    flight_recorder: bool
     cell_log_min_change: int
     live_view_after_s: float | None
     trace: bool | Literal["host", "all"]
@@ -59,7 +62,8 @@ class _Progress(Protocol):
         """Once the search stops: its title, and the table."""
 
 class NvmlUnavailable(RuntimeError):
-    """The NVIDIA driver's NVML library cannot be opened (no driver, or no GPU machine)."""
+    """A RuntimeError: NVIDIA's management library (NVML) could not be opened: no NVIDIA driver on
+    this machine, or none this process can load."""
 
 # ---- what gpuexp shows: each is a text table (str), an HTML one (_repr_html_) and JSON --------
 
@@ -67,9 +71,12 @@ class _Table:
     """Not a class at runtime: the methods rust/src/bindings/report.rs's `shown_as_table!` adds
     (with ``__str__`` and ``__repr__``, the text table)."""
 
-    def to_json(self) -> str: ...
-    def to_dict(self) -> dict[str, Any]: ...
-    def _repr_html_(self) -> str: ...
+    def to_json(self) -> str:
+        """The same data as JSON text (its schema: docs/json.md)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The same data as dicts, lists, numbers and strings: ``json.loads(self.to_json())``."""
+    def _repr_html_(self) -> str:
+        """The table as HTML, which Jupyter shows."""
 
 @final
 class Metric:
@@ -99,7 +106,7 @@ class Metric:
 
 @final
 class HostReport:
-    """The host's figures in a report."""
+    """The host's figures in a report (``report.host``)."""
 
     @property
     def rss(self) -> Metric:
@@ -108,14 +115,15 @@ class HostReport:
     def available(self) -> int:
         """What the host can still give, capped by the cgroup's headroom where a limit applies."""
     @property
-    def total(self) -> int: ...
+    def total(self) -> int:
+        """The system's total memory."""
     @property
     def cgroup_limit(self) -> int | None:
         """The cgroup's memory limit; None where there is none."""
 
 @final
 class GpuReport:
-    """One GPU's figures in a report."""
+    """One GPU's figures in a report (``report.gpus``)."""
 
     @property
     def torch_index(self) -> int:
@@ -124,16 +132,21 @@ class GpuReport:
     def nvml_index(self) -> int:
         """The GPU's index in NVML's order (nvidia-smi's)."""
     @property
-    def uuid(self) -> str: ...
+    def uuid(self) -> str:
+        """The GPU's UUID, as nvidia-smi shows it (``GPU-…``)."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The GPU's model, e.g. "NVIDIA H100 80GB HBM3"."""
     @property
-    def total(self) -> int: ...
+    def total(self) -> int:
+        """The GPU's memory, in bytes."""
     @property
     def torch_allocated(self) -> Metric | None:
-        """None when torch was never imported."""
+        """What torch's tensors occupy; None when torch was never imported."""
     @property
-    def torch_reserved(self) -> Metric | None: ...
+    def torch_reserved(self) -> Metric | None:
+        """What torch's caching allocator holds (allocated plus its cache); None when torch was
+        never imported."""
     @property
     def process_used(self) -> Metric | None:
         """NVML's figure for this process; None where the driver doesn't list it."""
@@ -147,10 +160,11 @@ class GpuReport:
 @final
 class Report(_Table):
     """What an experiment found (``exp.data``, ``exp.finish()``, ``gpuexp.history()``): its figures,
-    what its teardown did, and its notes. Sizes are in bytes."""
+    what its teardown did, and its notes. Sizes are in bytes. ``str()`` is the text table."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The experiment's name (``exp-N`` when it was given none)."""
     @property
     def finished(self) -> bool:
         """False while the scope is open."""
@@ -161,7 +175,8 @@ class Report(_Table):
     def finished_at(self) -> str | None:
         """When it finished; None while open."""
     @property
-    def duration_s(self) -> float: ...
+    def duration_s(self) -> float:
+        """Seconds from opening to finishing (so far, while open)."""
     @property
     def deleted(self) -> list[str]:
         """The names the teardown deleted."""
@@ -199,154 +214,210 @@ class Report(_Table):
     def rank(self) -> int | None:
         """In a rank of a distributed run, its rank; None outside one (so for the three below)."""
     @property
-    def local_rank(self) -> int | None: ...
+    def local_rank(self) -> int | None:
+        """The rank's index on its host (``LOCAL_RANK``)."""
     @property
-    def world_size(self) -> int | None: ...
+    def world_size(self) -> int | None:
+        """How many ranks the run has."""
     @property
-    def hostname(self) -> str | None: ...
+    def hostname(self) -> str | None:
+        """The host the rank ran on."""
     @property
     def child_processes(self) -> list[dict[str, Any]]:
-        """Descendants still holding GPU memory at finish: pid, command, torch_index, used."""
+        """Descendants still holding GPU memory at finish, as dicts: pid, command, torch_index, used."""
     def plot(self, path: _Path | None = None) -> Any:
-        """The timeline of ``monitor=True`` as a matplotlib figure."""
+        """The timeline of the experiment's monitor (``monitor=True``) as a matplotlib figure, saved
+        to ``path`` when given."""
     @property
     def trace(self) -> Trace | None:
         """With ``trace=True``: where in the code each GPU peaked; None otherwise."""
     def diff(self, other: Report | Trace) -> SiteDiff:
-        """Why this experiment peaks higher than ``other``, by site, sorted by growth."""
+        """Why this experiment peaks higher (or lower) than ``other`` (a traced Report or a Trace),
+        by site, sorted by growth, each site's growth related to the params that changed."""
     def plot_timeline(self) -> Timeline:
         """Torch allocated over the experiment, stacked by its top sites (``trace=True``)."""
     def save_snapshot(self, path: _Path) -> None:
-        """Torch's snapshot of the experiment (``trace=True``), for memory_viz and Mosaic."""
+        """Writes the experiment's torch snapshot (``trace=True``) for memory_viz and Mosaic; the file
+        is replaced atomically."""
 
 @final
 class Trace:
-    """Each GPU's live memory at its peak, grouped by the line of code that allocated it."""
+    """Where in the code one traced experiment (``report.trace``) or a snapshot file
+    (``gpuexp.load_snapshot``) peaked: each GPU's live memory at its peak, grouped by the line of
+    code that allocated it. ``str()`` is the text tables, ``_repr_html_`` the HTML ones."""
 
-    def to_json(self) -> str: ...
-    def to_dict(self) -> list[dict[str, Any]]: ...
-    def _repr_html_(self) -> str: ...
+    def to_json(self) -> str:
+        """One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
+        blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
+        object that says so: ``{"devices": [], "note": ...}``."""
+    def to_dict(self) -> list[dict[str, Any]]:
+        """The same data as lists, dicts, numbers and strings: ``json.loads(self.to_json())``."""
+    def _repr_html_(self) -> str:
+        """The tables as HTML, which Jupyter shows."""
     def diff(self, other: Report | Trace) -> SiteDiff:
-        """Why this trace peaks higher than ``other``'s, by site."""
-    def plot_timeline(self) -> Timeline: ...
+        """Why this trace peaks higher (or lower) than ``other``'s (a traced Report or a Trace), by
+        site, sorted by growth."""
+    def plot_timeline(self) -> Timeline:
+        """Torch allocated over time stacked by the top sites, the peak marked: inline SVG in
+        Jupyter; ``.figure()`` draws it with matplotlib."""
     def save_snapshot(self, path: _Path) -> None:
-        """Torch's snapshot pickle, written atomically."""
+        """Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open; the
+        file is replaced atomically."""
 
 @final
 class SiteDiff:
-    """The difference in peak between two traces, attributed to sites."""
+    """``b.diff(a)``: the difference in peak between two traces, attributed to sites, sorted by
+    growth. ``str()`` is the table."""
 
-    def to_dict(self) -> dict[str, Any]: ...
-    def _repr_html_(self) -> str: ...
+    def to_dict(self) -> dict[str, Any]:
+        """The two peaks, the param that changed, and each site's bytes in both with its growth, as
+        dicts, lists, numbers and strings."""
+    def _repr_html_(self) -> str:
+        """The table as HTML, which Jupyter shows."""
 
 @final
 class Timeline:
-    """Allocated over time stacked by the top sites: inline SVG in Jupyter."""
+    """Torch allocated over a traced experiment, stacked by its top sites: inline SVG in Jupyter (no
+    script, nothing fetched); ``.figure()`` is a matplotlib Figure of the same data."""
 
-    def to_dict(self) -> list[dict[str, Any]]: ...
-    def _repr_html_(self) -> str: ...
+    def to_dict(self) -> list[dict[str, Any]]:
+        """One entry per GPU as dicts, lists and numbers: the points' times, the total and each top
+        site's series, stacked bottom to top, and the peak."""
+    def _repr_html_(self) -> str:
+        """The timeline as inline SVG, which Jupyter shows."""
     def figure(self, path: _Path | None = None) -> Any:
-        """The same as a matplotlib Figure, saved to ``path`` when given."""
+        """The timeline as a matplotlib Figure, saved to ``path`` when given."""
 
 @final
 class CellRecord(_Table):
-    """One cell of the cell log (``exp.cells``, ``gpuexp.cells()``)."""
+    """One cell of the cell log (``exp.cells``, ``gpuexp.cells()``): what it did to memory. ``str()``
+    is the compact text block, ``_repr_html_`` the HTML one."""
 
     @property
-    def execution_count(self) -> int: ...
+    def execution_count(self) -> int:
+        """The cell's number: N in ``In [N]``."""
     @property
-    def wall_s(self) -> float: ...
+    def wall_s(self) -> float:
+        """How long the cell ran, in seconds."""
     @property
-    def notes(self) -> list[str]: ...
+    def notes(self) -> list[str]:
+        """What the block alone would not say, e.g. that torch's peak counters were reset during the cell."""
 
 @final
 class Holders(_Table):
     """What holds memory, largest first (``gpuexp.holders()``)."""
 
     @property
-    def paths(self) -> list[str]: ...
+    def paths(self) -> list[str]:
+        """The paths, largest holder first."""
     def __len__(self) -> int: ...
 
 @final
 class OomDiagnosis(_Table):
-    """What the OOM rescue shows after a CUDA out-of-memory error."""
+    """What the OOM rescue shows under a CUDA out-of-memory traceback."""
 
     @property
     def requested(self) -> int | None:
-        """What the failed allocation asked for; None where torch's message doesn't say."""
+        """What the failed allocation asked for, in bytes; None where torch's message doesn't say."""
     @property
-    def hints(self) -> list[str]: ...
+    def hints(self) -> list[str]:
+        """What a person can do, from the figures: the batch that should fit, ``expandable_segments``
+        against fragmentation, other processes to stop."""
     @property
     def training(self) -> str | None:
-        """Where the training run that raised it stood: epoch, step, the batch's shapes."""
+        """Where the training run that raised it stood ("epoch 1, step 7, batch input_ids (8, 128) int64")."""
 
 @final
 class Snapshot(_Table):
     """One reading of the host and every visible GPU (``gpuexp.snapshot()``)."""
 
     @property
-    def notes(self) -> list[str]: ...
+    def notes(self) -> list[str]:
+        """What the table alone would not say: a figure missing and why."""
     @property
-    def gpus(self) -> list[dict[str, Any]]: ...
+    def gpus(self) -> list[dict[str, Any]]:
+        """One dict per visible GPU: its identity, NVML's figures and torch's (its JSON shape)."""
     @property
-    def host(self) -> dict[str, Any]: ...
+    def host(self) -> dict[str, Any]:
+        """The host's figures as a dict: RSS, available, total, the cgroup's limit (its JSON shape)."""
 
 @final
 class BatchSizeResult(_Table):
-    """The search ``find_batch_size`` ran: every trial, the fit, the answer."""
+    """The search ``gpuexp.find_batch_size`` ran: every trial, the fit, the answer. ``str()`` and
+    ``_repr_html_`` are its table."""
 
     @property
-    def batch_size(self) -> int | None: ...
+    def batch_size(self) -> int | None:
+        """The largest batch size that ran within the budget (None if none did)."""
     @property
-    def trials(self) -> int: ...
+    def trials(self) -> int:
+        """How many trials the search ran."""
     @property
-    def verdict(self) -> str: ...
+    def verdict(self) -> str:
+        """The answer in a sentence: what was found, against which budget, or why nothing was."""
 
 @final
 class Comparison(_Table):
-    """Experiments side by side (``gpuexp.compare``); ``to_dict()`` is ``{"rows": [...]}``."""
+    """Experiments side by side (``gpuexp.compare``): ``str()`` and ``_repr_html_`` are the table,
+    ``to_dict()`` is ``{"rows": [...]}`` with each report's figures in its own JSON shape."""
 
     def __len__(self) -> int: ...
     def to_pandas(self) -> Any:
-        """One row per experiment, one column per param and figure (a pandas DataFrame)."""
+        """One row per experiment, one column per param (numbers stay numbers) and per figure: a
+        pandas DataFrame."""
     def plot(self, x: str | None = None) -> Any:
-        """Each layer's peak against a numeric param, the levels and a fit (a matplotlib Figure)."""
+        """The peak of each layer against a numeric param (``x``, or the only one that varies), the
+        device's total and the limit as levels, and a fit extrapolated to the largest value
+        that fits: a matplotlib Figure."""
     def sites(self) -> SiteDiff:
-        """Why the last traced experiment peaks higher than the first, by site (``last.diff(first)``)."""
+        """Why the last traced experiment compared peaks higher (or lower) than the first, by site:
+        ``last.diff(first)``, each site's growth related to the params that changed."""
 
 # ---- the monitor and the gpuexp command -------------------------------------------------------
 
 @final
 class Monitor:
-    """The native recorder behind ``gpuexp.Monitor``: it starts at construction."""
+    """The native recorder behind ``gpuexp.Monitor``: it starts at construction, sampling the host
+    and every GPU each ``interval_s`` from a native thread, and appends each sample to ``path``
+    when given."""
 
     def __new__(cls, interval_s: float, path: _Path | None = None, gpus: bool = True) -> Monitor: ...
     @staticmethod
     def check(interval_s: float, path: _Path | None = None) -> None:
-        """Raises what starting would (ValueError, OSError), without starting or writing anything."""
-    def samples_json(self) -> str: ...
+        """Refuses what `Monitor(...)` would refuse at start, without starting or writing anything."""
+    def samples_json(self) -> str:
+        """The samples so far, as a JSON list (the Python side turns it into dicts)."""
     @property
-    def running(self) -> bool: ...
+    def running(self) -> bool:
+        """Whether the recording thread still runs."""
     @property
-    def failure(self) -> str | None: ...
-    def stop(self) -> None: ...
+    def failure(self) -> str | None:
+        """Why the recording stopped early (a write to ``path`` failed, ...); None while it is well."""
+    def stop(self) -> None:
+        """Stops the recording thread and waits for it; the samples stay."""
 
 @final
 class GpuStatus:
-    """Raises NvmlUnavailable without a driver."""
+    """``gpuexp status``: the driver, and every GPU with its compute processes (when asked). Raises
+    NvmlUnavailable without a driver."""
 
     def __new__(cls, cuda_order: bool = False, processes: bool = True) -> GpuStatus: ...
     @property
-    def cuda(self) -> str: ...
+    def cuda(self) -> str:
+        """The newest CUDA version the driver supports, e.g. "13.0"."""
     def __len__(self) -> int: ...
-    def to_json(self) -> str: ...
+    def to_json(self) -> str:
+        """The driver and every GPU as JSON text, as ``gpuexp status --json`` prints it."""
 
 @final
 class Watch:
-    """Raises NvmlUnavailable without a driver."""
+    """``gpuexp watch``: devices opened once, then a refresh every interval, written from Rust.
+    Raises NvmlUnavailable without a driver; ``style`` is "live", "csv" or "json"."""
 
     def __new__(cls, cuda_order: bool, style: Literal["live", "csv", "json"], interval_s: float) -> Watch: ...
-    def run(self, log: _Path | None = None, redraw: bool = False) -> None: ...
+    def run(self, log: _Path | None = None, redraw: bool = False) -> None:
+        """Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes, writing to ``log``
+        too when given; ``redraw`` clears the screen before each refresh."""
 
 # ---- scopes ------------------------------------------------------------------------------------
 
@@ -366,46 +437,80 @@ def open_scope(
     params: dict[str, int | float | bool | str] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
 ) -> tuple[_ScopeId, Snapshot, list[Report], bool]:
-    """(id, the start, the reports of the scopes it replaced, whether an interrupt was held)."""
+    """Opens a scope; returns its id, the state it starts from, the reports of the scopes it
+    replaced (see [`crate::scope::Registry::replaced_by`]; `on_stack`: the open scopes whose code
+    is still running, never replaced by name), which finish first keeping `in_use`:
+    names the constructor's cell binds above the constructor, and whether an interrupt came
+    while it opened (held until then: see `interrupts`). `adapter` is None outside any
+    namespace (a function body in a script): the scope then measures and reports but deletes nothing."""
 def scope_name(id: _ScopeId) -> str: ...
 def is_open(id: _ScopeId) -> bool: ...
-def keep(id: _ScopeId, names: Sequence[str]) -> None: ...
+def keep(id: _ScopeId, names: Sequence[str]) -> None:
+    """Protects names from deletion; each must exist now."""
 def finish(id: _ScopeId, keep: Sequence[str] = ..., during_reset: bool = False) -> tuple[list[Report], bool]:
-    """(the reports of the scopes finished, innermost first; whether an interrupt was held)."""
-def scope_report(id: _ScopeId) -> Report: ...
-def scope_cells(id: _ScopeId) -> list[CellRecord]: ...
+    """Finishes a scope, and first every scope opened inside it. Returns the reports of the
+    scopes it finished, innermost first (empty when this scope's teardown is already under
+    way), and whether an interrupt came meanwhile: it is held until every step has run, and the
+    caller raises it once the reports are shown. `keep` adds names to protect, without the
+    existence check of `keep()`. `during_reset`: IPython's `%reset` is clearing the namespace
+    and would fail on a name deleted under it, so the teardown leaves every name to the reset."""
+def scope_report(id: _ScopeId) -> Report:
+    """The report of a scope as it stands: live while open, final once finished."""
+def scope_cells(id: _ScopeId) -> list[CellRecord]:
+    """The records of the cells that ran while a scope was open."""
 def history() -> list[Report]: ...
 def history_json() -> str: ...
-def snapshot(gpu: bool = True) -> Snapshot: ...
+def snapshot(gpu: bool = True) -> Snapshot:
+    """The current state of the host and (with `gpu`) every visible GPU."""
 def rescue_oom(error: BaseException, adapter: _NamespaceAdapter | None = None) -> OomDiagnosis | None:
-    """The rescue after a CUDA out-of-memory error; None for any other error, or with the rescue off."""
-def holders(memory: int | None, min_bytes: int, adapter: _NamespaceAdapter | None = None) -> Holders: ...
+    """The rescue after a cell's error, when it is a CUDA out-of-memory error and the rescue is on
+    (`config(oom_rescue=)`): the adapter clears the failed cell's frames and the references to
+    its exception, then memory is released as at a teardown. Returns the diagnosis (what was
+    asked for, what the device had, what came back), or None when there was nothing to rescue."""
+def holders(memory: int | None, min_bytes: int, adapter: _NamespaceAdapter | None = None) -> Holders:
+    """What holds memory on a GPU (by torch index) or the host, largest first."""
 
 # ---- training runs (gpuexp.integrations) -------------------------------------------------------
 
 def begin_run(id: _ScopeId) -> None:
-    """The open scope measures a training run from now on; its first interval starts."""
-def run_step(id: _ScopeId, epoch: int, step: int) -> None: ...
+    """The open scope `id` measures a training run from now on: its first interval starts here."""
+def run_step(id: _ScopeId, epoch: int, step: int) -> None:
+    """The run is at `step` (the optimizer steps completed) of `epoch`."""
 def run_batch(id: _ScopeId, batch: object) -> None:
-    """Reads the shapes of the batch's tensors and arrays; keeps no reference to it."""
+    """The batch the run is about to take: its shapes are read now, and no reference is kept."""
 def run_peaks(id: _ScopeId, every: Literal["epoch", "steps"] = "epoch") -> dict[str, float]:
-    """The peaks in MiB by metric name (``gpuexp/torch_allocated_peak_mib``...) of the epoch or of
-    the steps since the last step-level log; the next interval of that kind starts."""
-def runs_in_flight() -> list[_ScopeId]: ...
+    """The peaks of the run's epoch (`every="epoch"`) or of its steps since the last step-level
+    log (`every="steps"`), as a trainer logs them: `{"gpuexp/torch_allocated_peak_mib": 812.5, ...}`.
+    The next interval of that kind starts here."""
+def runs_in_flight() -> list[_ScopeId]:
+    """The runs still training, oldest first: when an error reaches the cell, they have ended."""
 def note_run_error(id: _ScopeId, error: BaseException) -> None:
-    """The run raised ``error``: its report says so, and an OOM diagnosis of it names where it stood."""
+    """The run ended with `error`: its report says so and where it stood, and an OOM diagnosis of
+    the same exception names that position."""
 def compare(reports: Sequence[Report] | None = None) -> Comparison:
     """``reports`` side by side; by default this kernel's history."""
 
 # ---- the cell log and settings -----------------------------------------------------------------
 
 def cell_log_active() -> bool: ...
-def set_standalone_log(on: bool, every_cell: bool = False) -> None: ...
-def begin_cell() -> None: ...
+def set_standalone_log(on: bool, every_cell: bool = False) -> None:
+    """`%gpuexp log on|all|off`: the cell log without an experiment; `every_cell` (`log all`) shows
+    every cell's block, not only those of cells where something moved."""
+def begin_cell() -> None:
+    """Opens the window of a cell about to run (the `pre_run_cell` event): where the previous
+    logged cell ended when nothing came in between, so that a cell reads memory once, at its end."""
+def arm_recorder() -> None:
+    """The flight recorder joins torch's allocation history where gpuexp is active and CUDA is initialised."""
+def mark_step(kind: Literal["optimizer step", "trainer step", "finder step", "cell"]) -> None: ...
 def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
-    """(the record if its block shows, the window of the cell's live view if one was drawn)."""
-def cells() -> list[CellRecord]: ...
-def before_user_peak_reset() -> None: ...
+    """Closes the running cell's window and records it (the `post_run_cell` event). Returns the
+    record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
+    and the window of the cell's live view if one was drawn: the caller replaces it."""
+def cells() -> list[CellRecord]:
+    """Every cell record of this kernel, oldest first."""
+def before_user_peak_reset() -> None:
+    """Called by gpuexp's wrapper of `torch.cuda.reset_peak_memory_stats` just before the
+    user's reset: the peaks seen so far are folded into the open windows, so none is lost."""
 def config(
     sample_interval_ms: float | None = None,
     cell_log_all_gpus: bool | None = None,
@@ -413,19 +518,24 @@ def config(
     cell_log_min_change: int | None = None,
     live_view_after_s: float | Literal[False] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
+    flight_recorder: bool | None = None,
 ) -> _Settings:
-    """``live_view_after_s``: seconds, False for no live view, None to leave it."""
-def shutdown() -> None: ...
+    """Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
+    kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.
+    `live_view_after_s` is seconds, or False for no live view (None leaves it as it is)."""
+def shutdown() -> None:
+    """Stops the sampler thread (at interpreter exit, and when a kernel shuts down)."""
 
 # ---- the live view of a running cell -----------------------------------------------------------
 
 def live_view_wait() -> tuple[int, bool] | None:
-    """Blocks, without the GIL, until a running cell's view is due: (its window, whether the view
-    is new); None once ``live_view_stop`` ran."""
+    """Blocks until a running cell's view is due: (the cell's window, whether the view is new);
+    None once `live_view_stop` ran."""
 def live_view(window: int, width: int) -> tuple[str, str, str] | None:
-    """(one terminal line of at most ``width`` characters, the text table, the HTML); None once
-    that cell has ended."""
-def live_view_stop() -> None: ...
+    """The view of the cell of `window` as it stands: (one line of at most `width` characters for
+    a terminal, the text table, the HTML); None once that cell has ended."""
+def live_view_stop() -> None:
+    """Ends the drawing thread's wait for good (at interpreter exit)."""
 
 # ---- the batch-size finder ---------------------------------------------------------------------
 
@@ -445,83 +555,137 @@ def find_batch_size(
     estimate: bool = True,
     ranks_timeout: float = 600.0,
     adapter: _NamespaceAdapter,
-) -> BatchSizeResult: ...
+) -> BatchSizeResult:
+    """Runs the search. The arguments are checked before anything touches the GPU. `adapter`
+    clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
+    `progress` (`gpuexp.live.Progress`) shows each trial as it ends: `update(line, html)` with
+    the trial's line and the table so far, and `finish(line, html)` once the search stops."""
 
 # ---- where every byte goes, and a step's peak before it runs ------------------------------------
 
 class NoEstimate(RuntimeError):
-    """A step could not run under fake tensors; the message names the operator or the object."""
+    """A RuntimeError: the step could not run under fake tensors, so no estimate was made; the
+    message names the operator and why."""
 
 @final
 class Explanation(_Table):
+    """How one device's memory adds up, in bytes by category (``gpuexp.explain()``). ``str()`` and
+    ``_repr_html_`` are its table."""
+
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """The device explained: ``cuda:N`` or ``cpu``."""
     @property
     def categories(self) -> dict[str, int]:
-        """parameters, gradients, optimizer_state, buffers, other_tensors, no_python_tensor,
-        torch_cache and not_torch, in bytes."""
+        """Bytes by category: parameters, gradients, optimizer_state, buffers, other_tensors,
+        no_python_tensor, torch_cache, not_torch (None where a category does not apply)."""
     @property
-    def paths(self) -> list[str]: ...
+    def paths(self) -> list[str]:
+        """The paths of the other tensors, largest first."""
     @property
-    def notes(self) -> list[str]: ...
+    def notes(self) -> list[str]:
+        """What the table alone would not say: a figure NVML withholds, parts that exceed a total, how
+        many objects were visited."""
 
 @final
 class Estimate(_Table):
-    @property
-    def peak(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def categories(self) -> dict[str, int]: ...
-    @property
-    def fits_free_memory(self) -> bool: ...
-    @property
-    def fits_limit(self) -> bool | None: ...
-    @property
-    def seconds(self) -> float: ...
+    """The prediction of ``gpuexp.estimate``: the peak a step will reach, and whether it fits.
+    ``str()`` and ``_repr_html_`` are its table."""
 
-def explain(memory: int | None, adapter: _NamespaceAdapter | None = None) -> Explanation: ...
+    @property
+    def peak(self) -> int:
+        """The predicted peak of torch allocated above what is allocated now, in bytes."""
+    @property
+    def batch_size(self) -> int:
+        """The batch size the step was run at."""
+    @property
+    def device(self) -> str:
+        """Where the step would run: ``cuda:N`` or ``cpu``."""
+    @property
+    def categories(self) -> dict[str, int]:
+        """What was live at the peak, in bytes by category."""
+    @property
+    def fits_free_memory(self) -> bool:
+        """Whether the peak fits the device's free memory (NVML's free plus torch's cache; for the
+        host, its available memory)."""
+    @property
+    def fits_limit(self) -> bool | None:
+        """Whether what is allocated now plus the peak fits ``limit=``; None without a limit."""
+    @property
+    def seconds(self) -> float:
+        """How long the estimate took, in seconds."""
+
+def explain(memory: int | None, adapter: _NamespaceAdapter | None = None) -> Explanation:
+    """Explains a GPU's memory (by torch index) or, with None, the host's."""
 def estimate(
     step: Any, batch_size: int, *, memory: int | None = None, limit: int | str | None = None, steps: int = 1
-) -> Estimate: ...
+) -> Estimate:
+    """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
 
 # ---- across ranks ------------------------------------------------------------------------------
 
 @final
 class Ranks(_Table):
-    """Every rank's latest report of one experiment (``gpuexp.ranks()``)."""
+    """Every rank's latest report of one experiment (``gpuexp.ranks()``): ``str()`` and
+    ``_repr_html_`` show the table, outliers flagged."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The experiment's name."""
     @property
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """How many ranks the run has."""
     @property
-    def reports(self) -> list[Report | None]: ...
+    def reports(self) -> list[Report | None]:
+        """One report per rank, in rank order; None for a rank that never reported."""
     @property
-    def missing(self) -> list[int]: ...
+    def missing(self) -> list[int]:
+        """The ranks that never reported."""
     @property
-    def flags(self) -> list[str]: ...
+    def flags(self) -> list[str]:
+        """The outliers in words: ranks missing, a rank that ran out of memory or raised, one that
+        peaked more than 10% over the median."""
     @property
-    def errors(self) -> list[str | None]: ...
-    def to_pandas(self) -> Any: ...
+    def errors(self) -> list[str | None]:
+        """The exception that ended each rank's experiment (None where none did), in rank order."""
+    def to_pandas(self) -> Any:
+        """One row per rank, indexed by rank, sizes in bytes: a pandas DataFrame."""
 
-def default_device() -> int | None: ...
-def load_snapshot(path: _Path) -> Trace: ...
-def write_atomically(path: _Path, data: bytes) -> None: ...
-def ranks(name: str | None = None, timeout: float = 10.0) -> Ranks: ...
-def note_scope_error(id: _ScopeId, error: BaseException) -> None: ...
+def default_device() -> int | None:
+    """The GPU `explain`, `holders` and `estimate` mean by default, once CUDA is initialised: the
+    rank's own in a rank, else torch's current one. None before (the host)."""
+def load_snapshot(path: _Path) -> Trace:
+    """Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
+    the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
+    checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
+    is refused); Ctrl-C stops the read and the parse, which run with the GIL released."""
+def write_atomically(path: _Path, data: bytes) -> None:
+    """Replaces `path` with `data` atomically: the old file or the new one, never a cut-off one;
+    the old file's mode kept; no temporary file left on failure."""
+def ranks(name: str | None = None, timeout: float = 10.0) -> Ranks:
+    """`gpuexp.ranks()`: every rank's latest report of an experiment, from the store
+    `GPUEXP_RANKS_STORE` names (the kernel's own), or in a rank without one, its group's."""
+def note_scope_error(id: _ScopeId, error: BaseException) -> None:
+    """The exception that ended an experiment's `with` block: it goes into the published record."""
 def last_publish_s() -> tuple[float, float] | None:
-    """What the last publish cost: wall seconds and this thread's CPU seconds (for the bench)."""
-def kernel_ranks_store() -> str: ...
+    """What the last publish took (identity, run token, both stores), for the bench: wall and
+    CPU seconds."""
+def kernel_ranks_store() -> str:
+    """This kernel's private store directory for the ranks it launches, as `file://…`."""
 def remove_kernel_ranks_store() -> None: ...
-def host_ranks_store(address: str = "127.0.0.1", port: int = 0) -> str: ...
-def before_fork() -> None: ...
+def host_ranks_store(address: str = "127.0.0.1", port: int = 0) -> str:
+    """Hosts a TCPStore in this process, listening on `address` only (loopback by default);
+    returns its address as `tcp://host:port`."""
+def before_fork() -> None:
+    """The GIL stays held: the background threads never take it, and no other Python thread
+    should run now."""
 def after_fork_in_parent() -> None: ...
-def after_fork_in_child() -> None: ...
-def parse_size(text: str) -> int: ...
+def after_fork_in_child() -> None:
+    """Threads and sockets of the parent are forgotten, never joined or closed, since they don't
+    exist here or aren't ours."""
+def parse_size(text: str) -> int:
+    """Bytes from "24GiB", "512MiB" or a number."""
 def report_from_json(json: str) -> Report:
     """A report back from its JSON (how a pickled ``Report`` loads)."""
 def parse_interval(interval: str | float) -> float:
-    """Seconds from 0.1, \"100ms\", \"1s\" or \"2min\"."""
+    """Seconds from 0.1, "100ms", "1s" or "2min": a number is seconds, anything else is read as text."""

@@ -26,18 +26,29 @@ class GPUExperiment:
     Everything the experiment's cells create is deleted and freed when it finishes
     (``del exp``, ``exp.finish()`` or the end of a ``with`` block), and a table shows what it
     consumed, what came back and the peak. Names that existed before are never touched unless
-    the experiment rebound them. While it is open, a cell where memory moved is followed by a
-    compact memory block, and a long cell shows its memory live (``cell_log=False`` turns both
-    off). ``params={"bs": 64}`` says what the experiment varied, for ``gpuexp.compare()``; by
-    default it is read from the name (``"bs=64,lr=3e-4"``). ``trace=True`` records torch's CUDA
-    allocation history while it is open, and the report then says where in the code each GPU
-    peaked (``report.trace``), where what is still held was allocated, and why it peaks higher
-    than another traced experiment (``report.diff(other)``); ``gpuexp.config(trace=True)`` turns
-    it on for every experiment. ``trace="host"`` instead traces Python's allocations
-    (tracemalloc: objects, NumPy's buffers) and the report says which lines grew the host's
-    memory; ``trace="all"`` does both (``"cuda"`` is ``True``). ``delete=False``
-    measures and reports but deletes nothing: the names stay their owner's (a trainer's callback
-    opens one so).
+    the experiment rebound them. Opening it prints the state it starts from.
+
+    :param name: what the report, ``gpuexp.history()`` and ``gpuexp.compare()`` call it (``exp-N`` by
+        default). Opening another experiment of the same name finishes this one first.
+    :param devices: the GPUs it covers: ``0``, ``[0, 1]``, ``'cuda:1'``, ``'cuda'`` (torch's current
+        GPU) or ``torch.device`` objects; by default every visible one.
+    :param cell_log: while it is open, a cell where memory moved is followed by a compact memory
+        block, and a long cell shows its memory live; False turns both off.
+    :param limit: caps torch's allocations while it is open ("24GiB" or bytes: the per-process memory
+        fraction), so a large card behaves like a smaller one; restored at finish.
+    :param monitor: records a timeline of the host and every GPU, every 100 ms (True) or at an
+        interval ("20ms"); ``report.plot()`` draws it.
+    :param params: what the experiment varied, for ``gpuexp.compare()``: ``params={"bs": 64}``; by
+        default read from the name (``"bs=64,lr=3e-4"``).
+    :param trace: ``True`` (or ``"cuda"``) records torch's CUDA allocation history while it is open,
+        and the report then says where in the code each GPU peaked (``report.trace``), where
+        what is still held was allocated, and why it peaks higher than another traced
+        experiment (``report.diff(other)``). ``"host"`` traces Python's allocations instead
+        (tracemalloc: objects, NumPy's buffers) and the report says which lines grew the host's
+        memory; ``"all"`` does both. ``gpuexp.config(trace=True)`` turns it on for every
+        experiment.
+    :param delete: False measures and reports but deletes nothing: the names stay their owner's (a
+        trainer's callback opens one so).
     """
 
     _gpu = True
@@ -90,6 +101,7 @@ class GPUExperiment:
 
     @property
     def name(self):
+        """The experiment's name, as its report shows it."""
         return _core.scope_name(self._id)
 
     @property
@@ -183,8 +195,9 @@ class GPUExperiment:
 
 
 class CPUExperiment(GPUExperiment):
-    """A memory experiment over host RAM only: no GPU rows, no NVML, no torch allocator.
-    ``trace="host"`` says which lines grew the host's memory (tracemalloc)."""
+    """A memory experiment over host RAM only: no GPU rows, no NVML, no torch allocator. The
+    arguments are ``GPUExperiment``'s, less those about GPUs; ``trace="host"`` says which lines
+    grew the host's memory (tracemalloc)."""
 
     _gpu = False
 

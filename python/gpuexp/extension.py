@@ -46,6 +46,7 @@ def unregister(ip):
 
 def _before_cell(info=None):
     module_paths.arm()  # a traced cell's new models get their paths
+    _core.arm_recorder()  # from the first cell that starts with CUDA initialised
     if _core.cell_log_active():
         watch_torch_peak_resets()
         live.start()  # before the cell's window opens: the thread's own memory is not the cell's
@@ -55,6 +56,8 @@ def _before_cell(info=None):
 def _after_cell(result=None):
     # Most cells end here with nothing to rescue, show or finish: that path does the least.
     error = getattr(result, "error_in_exec", None)
+    if error is None:
+        _core.mark_step("cell")  # what grows after it counts towards the next cell's OOM
     # Rescue first: the cell's memory block then shows what the failed cell really kept.
     if error is not None and (ip := shell()) is not None:
         ended = _runs_ended_by(error)

@@ -17,18 +17,23 @@ class Monitor:
 
     ``path`` ending in ``.jsonl`` or ``.csv`` gets every sample as it is taken (flushed, so a
     crash loses at most one interval). Use it as ``with Monitor(...) as mon:`` or with
-    ``start()`` and ``stop()``. The thread never takes the GIL.
+    ``start()`` and ``stop()``. The thread never takes the GIL. ``gpus=False`` records the host
+    only.
     """
 
     def __init__(self, interval="100ms", path=None, *, gpus=True):
         self.interval = seconds(interval)
+        """Seconds between samples."""
         self.path = None if path is None else str(path)
+        """The file (``.jsonl`` or ``.csv``) each sample is also written to as it is taken; None: none."""
         _core.Monitor.check(self.interval, self.path)  # a bad path fails here, not at start()
         self.gpus = gpus
+        """False: the host only."""
         self._native = None
         self._samples = None
 
     def start(self):
+        """Starts recording on a native thread; returns the monitor. RuntimeError if it runs already."""
         if self._native is not None and self._native.running:
             raise RuntimeError("this monitor is already running: stop() it first")
         self._samples = None
@@ -36,6 +41,8 @@ class Monitor:
         return self
 
     def stop(self):
+        """Stops recording and keeps the samples; returns the monitor. OSError if writing to
+        ``path`` failed."""
         if self._native is not None:
             self._native.stop()
             self._samples = json.loads(self._native.samples_json())

@@ -29,6 +29,10 @@ pub mod monitor;
 pub mod peak_sampler;
 /// Experiments across processes: each rank's report published to torch.distributed's store, gathered.
 pub mod ranks;
+/// The flight recorder's side of an OOM: step ends, and what a record without stacks tells.
+pub mod recorder;
+/// One recording shared by its clients (torch's history, tracemalloc): who starts, switches, stops it.
+pub mod recording_lease;
 /// What a scope, a cell, an OOM or a leak hunt found, as JSON and tables.
 pub mod report;
 /// The registry of scopes: nesting, start snapshots, peak windows, history.

@@ -32,6 +32,7 @@ pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
     if !on {
         update_sampler(py, None);
         cell_trace::settle(py);
+        super::recorder::settle(py);
     }
 }
 
@@ -76,6 +77,7 @@ pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy
     }
     update_sampler(py, None);
     cell_trace::settle(py);
+    super::recorder::settle(py);
     (shown, drawn)
 }
 

@@ -12,10 +12,10 @@ use super::trace::{diff_reports, SiteDiffPy};
 use crate::compare::Comparison;
 use crate::report::Report;
 
-/// Experiments side by side: `str()` and `_repr_html_` are the table, `to_dict()` is
-/// `{"rows": [...]}` with each report's figures in its own JSON shape. The reports are kept for
-/// `sites()`.
+/// Experiments side by side (``gpuexp.compare``): ``str()`` and ``_repr_html_`` are the table,
+/// ``to_dict()`` is ``{"rows": [...]}`` with each report's figures in its own JSON shape.
 #[pyclass(name = "Comparison", module = "gpuexp", frozen)]
+// The reports are kept for `sites()`.
 pub(super) struct ComparisonPy(Comparison, Vec<Arc<Report>>);
 
 shown_as_table!(ComparisonPy, |this| &this.0, this.0.grid());
@@ -26,7 +26,8 @@ impl ComparisonPy {
         self.0.rows.len()
     }
 
-    /// One row per experiment, one column per param (numbers stay numbers) and per figure.
+    /// One row per experiment, one column per param (numbers stay numbers) and per figure: a
+    /// pandas DataFrame.
     fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let table = self.0.columns();
         let rows = json_to_python(py, &serde_json::to_string(&table.rows).expect("values serialise"))?;
@@ -35,7 +36,7 @@ impl ComparisonPy {
         super::error::optional(py, "pandas", "to_pandas()")?.call_method("DataFrame", (rows,), Some(&columns))
     }
 
-    /// The peak of each layer against a numeric param (`x`, or the only one that varies), the
+    /// The peak of each layer against a numeric param (``x``, or the only one that varies), the
     /// device's total and the limit as levels, and a fit extrapolated to the largest value
     /// that fits: a matplotlib Figure.
     #[pyo3(signature = (x=None))]
@@ -47,7 +48,7 @@ impl ComparisonPy {
     }
 
     /// Why the last traced experiment compared peaks higher (or lower) than the first, by site:
-    /// `last.diff(first)`, each site's growth related to the params that changed.
+    /// ``last.diff(first)``, each site's growth related to the params that changed.
     fn sites(&self) -> PyResult<SiteDiffPy> {
         let traced: Vec<&Arc<Report>> = self.1.iter().filter(|report| !report.trace.is_empty()).collect();
         match traced[..] {
@@ -62,7 +63,7 @@ impl ComparisonPy {
     }
 }
 
-/// The comparison of `reports`, or of this kernel's finished experiments.
+/// ``reports`` side by side; by default this kernel's history.
 #[pyfunction]
 #[pyo3(signature = (reports=None))]
 pub(super) fn compare(reports: Option<Vec<PyRef<ReportPy>>>) -> ComparisonPy {

@@ -11,7 +11,7 @@ create_exception!(
     gpuexp,
     NvmlUnavailable,
     PyRuntimeError,
-    "NVIDIA's management library (NVML) could not be opened: no NVIDIA driver on this machine, or none this process can load."
+    "A RuntimeError: NVIDIA's management library (NVML) could not be opened: no NVIDIA driver on\nthis machine, or none this process can load."
 );
 
 /// The `?` at every call site: no driver → NvmlUnavailable (a RuntimeError), a failed NVML call
@@ -44,5 +44,5 @@ create_exception!(
     gpuexp,
     NoEstimate,
     PyRuntimeError,
-    "The step could not run under fake tensors, so no estimate was made; the message names the operator and why."
+    "A RuntimeError: the step could not run under fake tensors, so no estimate was made; the\nmessage names the operator and why."
 );

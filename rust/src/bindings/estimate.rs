@@ -296,7 +296,8 @@ fn limit_bytes(limit: Option<&Bound<PyAny>>) -> PyResult<Option<u64>> {
     }
 }
 
-/// The prediction of `gpuexp.estimate`; `str()` and `_repr_html_` are its table.
+/// The prediction of ``gpuexp.estimate``: the peak a step will reach, and whether it fits.
+/// ``str()`` and ``_repr_html_`` are its table.
 #[pyclass(name = "Estimate", module = "gpuexp", frozen)]
 pub(super) struct EstimatePy(Estimate);
 
@@ -307,10 +308,12 @@ impl EstimatePy {
     fn peak(&self) -> u64 {
         self.0.peak
     }
+    /// The batch size the step was run at.
     #[getter]
     fn batch_size(&self) -> u64 {
         self.0.batch_size
     }
+    /// Where the step would run: ``cuda:N`` or ``cpu``.
     #[getter]
     fn device(&self) -> &str {
         &self.0.device
@@ -320,16 +323,18 @@ impl EstimatePy {
     fn categories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         super::report::json_to_python(py, &serde_json::to_string(&self.0.categories).expect("categories serialise"))
     }
-    /// Whether the peak fits the device's free memory (NVML free plus torch's cache; the host's available memory).
+    /// Whether the peak fits the device's free memory (NVML's free plus torch's cache; for the
+    /// host, its available memory).
     #[getter]
     fn fits_free_memory(&self) -> bool {
         self.0.fits.iter().any(|f| f.against == "free memory" && f.fits)
     }
-    /// Whether what is allocated now plus the peak fits `limit=`; None without a limit.
+    /// Whether what is allocated now plus the peak fits ``limit=``; None without a limit.
     #[getter]
     fn fits_limit(&self) -> Option<bool> {
         self.0.fits.iter().find(|f| f.against == "limit").map(|f| f.fits)
     }
+    /// How long the estimate took, in seconds.
     #[getter]
     fn seconds(&self) -> f64 {
         self.0.seconds

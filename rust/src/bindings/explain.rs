@@ -56,12 +56,14 @@ fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
     })
 }
 
-/// How one device's memory adds up: the result of `gpuexp.explain()`.
+/// How one device's memory adds up, in bytes by category (``gpuexp.explain()``). ``str()`` and
+/// ``_repr_html_`` are its table.
 #[pyclass(name = "Explanation", module = "gpuexp", frozen)]
 pub(super) struct ExplanationPy(Explanation);
 
 #[pymethods]
 impl ExplanationPy {
+    /// The device explained: ``cuda:N`` or ``cpu``.
     #[getter]
     fn device(&self) -> &str {
         &self.0.device
@@ -77,6 +79,8 @@ impl ExplanationPy {
     fn paths(&self) -> Vec<String> {
         self.0.holders.iter().map(|h| h.path.clone()).collect()
     }
+    /// What the table alone would not say: a figure NVML withholds, parts that exceed a total, how
+    /// many objects were visited.
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.0.notes.clone()

@@ -19,7 +19,8 @@ use crate::snapshot::{Gauge, GpuSelection};
 use crate::teardown;
 use crate::units;
 
-/// The search of `gpuexp.find_batch_size`; its table is the result a user sees.
+/// The search ``gpuexp.find_batch_size`` ran: every trial, the fit, the answer. ``str()`` and
+/// ``_repr_html_`` are its table.
 #[pyclass(name = "BatchSizeResult", module = "gpuexp", frozen)]
 pub(super) struct BatchSizeResultPy(pub(super) Search);
 
@@ -30,10 +31,12 @@ impl BatchSizeResultPy {
     fn batch_size(&self) -> Option<u64> {
         self.0.batch_size
     }
+    /// How many trials the search ran.
     #[getter]
     fn trials(&self) -> usize {
         self.0.trials.len()
     }
+    /// The answer in a sentence: what was found, against which budget, or why nothing was.
     #[getter]
     fn verdict(&self) -> &str {
         &self.0.verdict
@@ -177,10 +180,17 @@ fn run_trial(
     let window = registry().open_window(&start);
     reset_counters(&torch, &start);
     let started = Instant::now();
-    let ran = (0..steps).try_for_each(|_| step.call1((batch,)).map(drop)).and_then(|()| {
-        cuda.call_method1("synchronize", (index,))?;
-        Ok(())
-    });
+    let ran = (0..steps)
+        .try_for_each(|_| {
+            step.call1((batch,))?;
+            // What grows after it counts towards an OOM that the finder does not catch.
+            crate::recorder::mark_step(crate::recorder::StepKind::FinderStep, super::trace_recording::now_us());
+            Ok(())
+        })
+        .and_then(|()| {
+            cuda.call_method1("synchronize", (index,))?;
+            Ok(())
+        });
     let seconds = started.elapsed().as_secs_f64();
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let peaks = {

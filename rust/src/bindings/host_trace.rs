@@ -3,14 +3,15 @@
 //! anything), their difference handed to `crate::trace::host` as plain frames and sizes.
 //! gpuexp starts tracemalloc where it is not tracing and stops it after the last experiment
 //! that needed it, since tracing slows every allocation; a tracemalloc the user started is
-//! shared and left running, as `trace_recording` shares a user's CUDA recording.
+//! shared and left running (`crate::recording_lease` decides, as for torch's history).
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
 
 use super::trace::PyNamer;
+use crate::recording_lease::{Change, Lease};
 use crate::report::Report;
 use crate::trace::{self, HostGrowth, HostTrace, HostTraceback, SiteRule, TraceKinds, HOST_FRAMES, TOP_SITES};
 
@@ -26,21 +27,12 @@ pub(super) fn trace_kinds(value: &Bound<PyAny>) -> PyResult<TraceKinds> {
     Err(trace::kinds::rejected(&shown).into())
 }
 
-/// How many open experiments trace the host, and whether gpuexp started tracemalloc.
-struct Tracing {
-    pid: u32,
-    open: usize,
-    started_by_gpuexp: bool,
-}
+/// The experiments that trace the host share tracemalloc (it has one mode).
+static TRACING: Mutex<Lease<()>> = Mutex::new(Lease::new());
 
-static TRACING: Mutex<Option<Tracing>> = Mutex::new(None);
-
-fn tracing() -> std::sync::MutexGuard<'static, Option<Tracing>> {
+fn tracing() -> MutexGuard<'static, Lease<()>> {
     let mut guard = TRACING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    // A forked child's experiments are its own: its count starts at zero.
-    if guard.as_ref().is_some_and(|t| t.pid != crate::fork::pid()) {
-        *guard = None;
-    }
+    guard.in_process(crate::fork::pid());
     guard
 }
 
@@ -55,15 +47,19 @@ pub(super) fn open(py: Python) -> (HostWindow, Vec<String>) {
     let mut notes = Vec::new();
     let start = (|| -> PyResult<Py<PyAny>> {
         let tracemalloc = py.import("tracemalloc")?;
-        let joined = tracing().as_mut().map(|running| running.open += 1).is_some();
-        if !joined {
-            let users = tracemalloc.call_method0("is_tracing")?.extract::<bool>()?;
-            if users {
-                notes.push("trace: shares the tracemalloc already tracing, and leaves it running".into());
-            } else {
-                tracemalloc.call_method1("start", (HOST_FRAMES,))?;
+        let mut users = false;
+        let change = tracing().join((), || {
+            users = tracemalloc.call_method0("is_tracing").and_then(|t| t.extract::<bool>()).unwrap_or(false);
+            users
+        });
+        if users {
+            notes.push("trace: shares the tracemalloc already tracing, and leaves it running".into());
+        }
+        if change == Change::Start(()) {
+            if let Err(e) = tracemalloc.call_method1("start", (HOST_FRAMES,)) {
+                tracing().join_failed(());
+                return Err(e);
             }
-            *tracing() = Some(Tracing { pid: crate::fork::pid(), open: 1, started_by_gpuexp: !users });
         }
         Ok(tracemalloc.call_method0("take_snapshot")?.unbind())
     })();
@@ -138,18 +134,7 @@ impl HostFinding {
 
 /// An experiment's share ends; the last one to leave a tracemalloc gpuexp started stops it.
 fn close(py: Python) -> Option<String> {
-    let stop = {
-        let mut shared = tracing();
-        let running = shared.as_mut()?;
-        running.open = running.open.saturating_sub(1);
-        if running.open > 0 {
-            return None;
-        }
-        let stop = running.started_by_gpuexp;
-        *shared = None;
-        stop
-    };
-    if !stop {
+    if tracing().leave(()) != Change::Stop {
         return None;
     }
     py.import("tracemalloc")

@@ -18,8 +18,9 @@ use crate::snapshot::host;
 /// kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.
 /// `live_view_after_s` is seconds, or False for no live view (None leaves it as it is).
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // one per keyword of gpuexp.config
 #[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-                    live_view_after_s=None, trace=None))]
+                    live_view_after_s=None, trace=None, flight_recorder=None))]
 pub(super) fn config<'py>(
     py: Python<'py>,
     sample_interval_ms: Option<f64>,
@@ -28,6 +29,7 @@ pub(super) fn config<'py>(
     cell_log_min_change: Option<u64>,
     live_view_after_s: Option<Bound<'py, PyAny>>,
     trace: Option<Bound<'py, PyAny>>,
+    flight_recorder: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
     if let Some(after) = live_view_after_s {
@@ -54,6 +56,9 @@ pub(super) fn config<'py>(
     if let Some(trace) = trace {
         registry.trace_by_default = trace;
     }
+    if let Some(on) = flight_recorder {
+        registry.flight_recorder = on;
+    }
     let settings = PyDict::new(py);
     settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
@@ -63,11 +68,15 @@ pub(super) fn config<'py>(
         Some(kinds) => settings.set_item("trace", kinds)?,
         None => settings.set_item("trace", registry.trace_by_default.cuda())?,
     }
+    settings.set_item("flight_recorder", registry.flight_recorder)?;
     settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     drop(registry);
     if trace.is_some_and(|kinds| !kinds.cuda()) {
         cell_trace::settle(py);
+    }
+    if flight_recorder == Some(false) {
+        super::recorder::settle(py);
     }
     Ok(settings)
 }

@@ -27,6 +27,7 @@ mod oom;
 mod python_heap;
 mod rank_gpu;
 mod ranks;
+mod recorder;
 mod registry;
 mod scope;
 mod snapshot;
@@ -74,6 +75,8 @@ mod core_module {
         gather_ranks, host_ranks_store, kernel_ranks_store, last_publish_s, note_scope_error,
         remove_kernel_ranks_store, RanksPy,
     };
+    #[pymodule_export]
+    use super::recorder::{arm_recorder, mark_step};
     #[pymodule_export]
     use super::report::{
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,

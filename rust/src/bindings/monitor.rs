@@ -5,6 +5,9 @@ use pyo3::prelude::*;
 
 use crate::{monitor, units};
 
+/// The native recorder behind ``gpuexp.Monitor``: it starts at construction, sampling the host
+/// and every GPU each ``interval_s`` from a native thread, and appends each sample to ``path``
+/// when given.
 #[pyclass(name = "Monitor", module = "gpuexp")]
 pub(super) struct MonitorPy(monitor::Monitor);
 
@@ -31,16 +34,19 @@ impl MonitorPy {
         serde_json::to_string(&self.0.samples()).expect("samples always serialise")
     }
 
+    /// Whether the recording thread still runs.
     #[getter]
     fn running(&self) -> bool {
         self.0.is_running()
     }
 
+    /// Why the recording stopped early (a write to ``path`` failed, ...); None while it is well.
     #[getter]
     fn failure(&self) -> Option<String> {
         self.0.failure()
     }
 
+    /// Stops the recording thread and waits for it; the samples stay.
     fn stop(&mut self, py: Python) {
         let monitor = &mut self.0;
         py.detach(|| monitor.stop());

@@ -7,10 +7,13 @@ use super::registry::registry;
 use super::report::OomPy;
 use super::snapshot::take_snapshot;
 use super::torch::{release, PyTorch};
-use super::trace;
-use crate::report;
+use super::trace::{self, PyNamer};
+use super::trace_recording;
+use crate::recorder::SinceStep;
+use crate::report::{self, FailedLine};
 use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
 use crate::teardown;
+use crate::trace::SiteRule;
 
 /// torch's own OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message
 /// while CUDA is in use. Never a look-alike: an error that merely mentions CUDA and "out of
@@ -44,11 +47,20 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
     let message = error.str()?.to_string();
     let (requested, device) = report::parse_oom_message(&message);
     let (before, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    let sites = before
+    // The traceback is read before the adapter clears its frames.
+    let failed_line = failed_line(py, &error);
+    let step = crate::recorder::last_step();
+    let recorded = before
         .gpus
         .iter()
         .find(|g| device.is_none_or(|index| g.torch_index == index))
-        .and_then(|g| trace::last_oom(py, g.torch_index, requested));
+        .and_then(|g| trace::last_oom(py, g.torch_index, requested, step));
+    let since_step = match (&recorded, step) {
+        (Some(recorded), _) => recorded.since_step.clone(),
+        (None, None) => SinceStep::NoStep,
+        (None, Some(step)) => SinceStep::Unknown { step, why: no_record_why(py) },
+    };
+    let (sites, live_blocks) = recorded.map(|r| (r.sites, r.live)).unwrap_or_default();
     let cleared = match &adapter {
         Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
         None => Vec::new(),
@@ -91,10 +103,32 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         cleared,
         training,
         sites,
+        failed_line,
+        since_step,
+        live_blocks,
     };
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(hints);
     Ok(Some(OomPy(diagnosis)))
+}
+
+/// The failed line and module from the exception's traceback (python/gpuexp/oom_frames.py).
+fn failed_line(py: Python, error: &Bound<PyAny>) -> Option<FailedLine> {
+    let found = py.import("gpuexp.oom_frames").and_then(|m| m.call_method1("failed_frames", (error,))).ok()?;
+    let (frames, module): (Vec<(String, u32, String)>, Option<String>) = found.extract().ok()?;
+    FailedLine::from_frames(&frames, module, &SiteRule::default(), &PyNamer::new(py))
+}
+
+/// Why no allocation record holds the OOM, for the diagnosis.
+fn no_record_why(py: Python) -> String {
+    if !registry().flight_recorder {
+        return "the flight recorder is off: gpuexp.config(flight_recorder=True)".into();
+    }
+    if trace_recording::history_enabled(&PyTorch::find(py)) {
+        "the allocation record holds no OOM of the size torch's message names".into()
+    } else {
+        "no allocation record ran: the recorder starts at the first cell or experiment after CUDA is initialised".into()
+    }
 }
 
 fn process_name(pid: u32) -> String {

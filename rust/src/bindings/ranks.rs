@@ -472,16 +472,19 @@ pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) 
 
 // ---- the gathered table ----------------------------------------------------------------------
 
-/// Every rank's latest report of one experiment: `str()` and `_repr_html_` show the table.
+/// Every rank's latest report of one experiment (``gpuexp.ranks()``): ``str()`` and
+/// ``_repr_html_`` show the table, outliers flagged.
 #[pyclass(name = "Ranks", module = "gpuexp", frozen)]
 pub(super) struct RanksPy(Gathered);
 
 #[pymethods]
 impl RanksPy {
+    /// The experiment's name.
     #[getter]
     fn name(&self) -> &str {
         &self.0.name
     }
+    /// How many ranks the run has.
     #[getter]
     fn world_size(&self) -> u32 {
         self.0.world_size
@@ -491,10 +494,13 @@ impl RanksPy {
     fn reports(&self) -> Vec<Option<ReportPy>> {
         self.0.reports.iter().map(|r| r.as_ref().map(|r| ReportPy(Arc::new(r.clone())))).collect()
     }
+    /// The ranks that never reported.
     #[getter]
     fn missing(&self) -> Vec<u32> {
         self.0.missing()
     }
+    /// The outliers in words: ranks missing, a rank that ran out of memory or raised, one that
+    /// peaked more than 10% over the median.
     #[getter]
     fn flags(&self) -> Vec<String> {
         self.0.flags().to_vec()
@@ -504,7 +510,7 @@ impl RanksPy {
     fn errors(&self) -> Vec<Option<String>> {
         self.0.errors.clone()
     }
-    /// One row per rank (needs pandas), indexed by rank; sizes in bytes.
+    /// One row per rank, indexed by rank, sizes in bytes: a pandas DataFrame.
     fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let pandas = super::error::optional(py, "pandas", "to_pandas()")?;
         let rows = json_to_python(py, &serde_json::to_string(&self.0.rows).expect("rows serialise"))?;
@@ -517,18 +523,22 @@ shown_as_table!(RanksPy, |this| &this.0, this.0.grid());
 /// What a report says about its rank and its children.
 #[pymethods]
 impl ReportPy {
+    /// In a rank of a distributed run, its rank; None outside one (so for the three below).
     #[getter]
     fn rank(&self) -> Option<u32> {
         self.0.rank.rank
     }
+    /// The rank's index on its host (``LOCAL_RANK``).
     #[getter]
     fn local_rank(&self) -> Option<u32> {
         self.0.rank.local_rank
     }
+    /// How many ranks the run has.
     #[getter]
     fn world_size(&self) -> Option<u32> {
         self.0.rank.world_size
     }
+    /// The host the rank ran on.
     #[getter]
     fn hostname(&self) -> Option<&str> {
         self.0.rank.hostname.as_deref()

@@ -18,10 +18,12 @@ macro_rules! shown_as_table {
     ($type:ty, |$this:ident| $value:expr, $grid:expr) => {
         #[pymethods]
         impl $type {
+            /// The same data as JSON text (its schema: docs/json.md).
             fn to_json(&self) -> String {
                 let $this = self;
                 serde_json::to_string_pretty($value).expect("what gpuexp shows always serialises")
             }
+            /// The same data as dicts, lists, numbers and strings: ``json.loads(self.to_json())``.
             fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
                 $crate::bindings::report::json_to_python(py, &self.to_json())
             }
@@ -32,6 +34,7 @@ macro_rules! shown_as_table {
             fn __repr__(&self) -> String {
                 self.__str__()
             }
+            /// The table as HTML, which Jupyter shows.
             fn _repr_html_(&self) -> String {
                 let $this = self;
                 $grid.to_html()
@@ -44,15 +47,23 @@ pub(super) fn json_to_python<'py>(py: Python<'py>, json: &str) -> PyResult<Bound
     py.import("json")?.call_method1("loads", (json,))
 }
 
+/// One figure of a report (host RSS, torch allocated, NVML process, ...), in bytes.
 #[pyclass(name = "Metric", module = "gpuexp", frozen, get_all)]
 #[derive(Clone)]
 pub(super) struct MetricPy {
+    /// When the scope opened.
     pub(super) start: u64,
+    /// Just before the teardown deleted anything (now, while the scope is open).
     pub(super) before_teardown: u64,
+    /// After the teardown; None while the scope is open.
     pub(super) end: Option<u64>,
+    /// The highest it went during the scope.
     pub(super) peak: u64,
+    /// before_teardown - start; can be negative.
     pub(super) consumed: i64,
+    /// before_teardown - end: what the teardown gave back; None while open.
     pub(super) reclaimed: Option<i64>,
+    /// reclaimed / consumed; None while open or when nothing was consumed.
     pub(super) reclaimed_share: Option<f64>,
 }
 
@@ -83,85 +94,116 @@ impl MetricPy {
     }
 }
 
+/// The host's figures in a report (``report.host``).
 #[pyclass(name = "HostReport", module = "gpuexp", frozen, get_all)]
 #[derive(Clone)]
 pub(super) struct HostReportPy {
+    /// This process's resident memory.
     pub(super) rss: MetricPy,
+    /// What the host can still give, capped by the cgroup's headroom where a limit applies.
     pub(super) available: u64,
+    /// The system's total memory.
     pub(super) total: u64,
+    /// The cgroup's memory limit; None where there is none.
     pub(super) cgroup_limit: Option<u64>,
 }
 
+/// One GPU's figures in a report (``report.gpus``).
 #[pyclass(name = "GpuReport", module = "gpuexp", frozen, get_all)]
 #[derive(Clone)]
 pub(super) struct GpuReportPy {
+    /// N in ``cuda:N``.
     pub(super) torch_index: u32,
+    /// The GPU's index in NVML's order (nvidia-smi's).
     pub(super) nvml_index: u32,
+    /// The GPU's UUID, as nvidia-smi shows it (``GPU-…``).
     pub(super) uuid: String,
+    /// The GPU's model, e.g. "NVIDIA H100 80GB HBM3".
     pub(super) name: String,
+    /// The GPU's memory, in bytes.
     pub(super) total: u64,
+    /// What torch's tensors occupy; None when torch was never imported.
     pub(super) torch_allocated: Option<MetricPy>,
+    /// What torch's caching allocator holds (allocated plus its cache); None when torch was
+    /// never imported.
     pub(super) torch_reserved: Option<MetricPy>,
+    /// NVML's figure for this process; None where the driver doesn't list it.
     pub(super) process_used: Option<MetricPy>,
+    /// NVML's figure for the device; None if NVML could not read it.
     pub(super) device_used: Option<MetricPy>,
+    /// The CUDA out-of-memory errors torch counted during the scope.
     pub(super) num_ooms: Option<u64>,
 }
 
-/// What an experiment consumed, reclaimed and peaked at. `str()` is the text table.
+/// What an experiment found (``exp.data``, ``exp.finish()``, ``gpuexp.history()``): its figures,
+/// what its teardown did, and its notes. Sizes are in bytes. ``str()`` is the text table.
 #[pyclass(name = "Report", module = "gpuexp", frozen)]
 #[derive(Clone)]
 pub(super) struct ReportPy(pub(super) Arc<Report>);
 
 #[pymethods]
 impl ReportPy {
+    /// The experiment's name (``exp-N`` when it was given none).
     #[getter]
     fn name(&self) -> &str {
         &self.0.name
     }
+    /// False while the scope is open.
     #[getter]
     fn finished(&self) -> bool {
         self.0.finished
     }
+    /// When the scope opened, RFC 3339 UTC.
     #[getter]
     fn started_at(&self) -> &str {
         &self.0.started_at
     }
+    /// When it finished; None while open.
     #[getter]
     fn finished_at(&self) -> Option<&str> {
         self.0.finished_at.as_deref()
     }
+    /// Seconds from opening to finishing (so far, while open).
     #[getter]
     fn duration_s(&self) -> f64 {
         self.0.duration_s
     }
+    /// The names the teardown deleted.
     #[getter]
     fn deleted(&self) -> Vec<String> {
         self.0.names.deleted.clone()
     }
+    /// Names from before the scope that it rebound to other objects (deleted too).
     #[getter]
     fn rebound(&self) -> Vec<String> {
         self.0.names.rebound.clone()
     }
+    /// Names left alone: modules, ``keep()``, names the constructor cell still uses.
     #[getter]
     fn kept(&self) -> Vec<String> {
         self.0.names.kept.clone()
     }
+    /// IPython's references the teardown dropped: ``Out[n]``, ``_``, the last exception, ...
     #[getter]
     fn cleared(&self) -> Vec<String> {
         self.0.names.cleared.clone()
     }
+    /// Names the teardown meant to delete that are still bound, each with why.
     #[getter]
     fn not_deleted(&self) -> Vec<String> {
         self.0.names.not_deleted.clone()
     }
+    /// Entries the scope made that look like IPython's (``_1``, ``__cache__``), left in place.
     #[getter]
     fn left(&self) -> Vec<String> {
         self.0.names.left.clone()
     }
+    /// What the table alone would not say: a figure missing and why, memory still held, ...
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.0.notes.clone()
     }
+    /// Host RSS and memory.
     #[getter]
     fn host(&self) -> HostReportPy {
         let host = &self.0.host;
@@ -172,6 +214,7 @@ impl ReportPy {
             cgroup_limit: host.cgroup_limit,
         }
     }
+    /// One per GPU the experiment covers.
     #[getter]
     fn gpus(&self) -> Vec<GpuReportPy> {
         self.0
@@ -199,19 +242,22 @@ shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.as_ref());
 /// (the cell log and the monitor's timeline included).
 #[pymethods]
 impl ReportPy {
+    /// Pickled as its JSON (``report_from_json``).
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
         let json = serde_json::to_string(self.0.as_ref()).expect("reports serialise");
         Ok((py.import("gpuexp._core")?.getattr("report_from_json")?, (json,)))
     }
+    /// The report itself: it never changes.
     fn __copy__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
+    /// The report itself: it never changes.
     fn __deepcopy__<'py>(slf: PyRef<'py, Self>, _memo: Bound<'py, PyAny>) -> PyRef<'py, Self> {
         slf
     }
 }
 
-/// A report from the JSON of a pickled one.
+/// A report back from its JSON (how a pickled ``Report`` loads).
 #[pyfunction]
 pub(super) fn report_from_json(json: &str) -> PyResult<ReportPy> {
     serde_json::from_str(json)
@@ -221,7 +267,8 @@ pub(super) fn report_from_json(json: &str) -> PyResult<ReportPy> {
 
 #[pymethods]
 impl ReportPy {
-    /// The timeline of the experiment's monitor (`monitor=True`) as one figure; saved to `path` when given.
+    /// The timeline of the experiment's monitor (``monitor=True``) as a matplotlib figure, saved
+    /// to ``path`` when given.
     #[pyo3(signature = (path=None))]
     fn plot<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         if self.0.monitor.is_empty() {
@@ -236,7 +283,8 @@ impl ReportPy {
     }
 }
 
-/// What one cell did to memory: `str()` is the compact text block, `_repr_html_` the HTML one.
+/// One cell of the cell log (``exp.cells``, ``gpuexp.cells()``): what it did to memory. ``str()``
+/// is the compact text block, ``_repr_html_`` the HTML one.
 #[pyclass(name = "CellRecord", module = "gpuexp", frozen)]
 pub(super) struct CellRecordPy {
     pub(super) record: Arc<CellRecord>,
@@ -245,14 +293,17 @@ pub(super) struct CellRecordPy {
 
 #[pymethods]
 impl CellRecordPy {
+    /// The cell's number: N in ``In [N]``.
     #[getter]
     fn execution_count(&self) -> u64 {
         self.record.execution_count
     }
+    /// How long the cell ran, in seconds.
     #[getter]
     fn wall_s(&self) -> f64 {
         self.record.wall_s
     }
+    /// What the block alone would not say, e.g. that torch's peak counters were reset during the cell.
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.record.notes.clone()
@@ -261,7 +312,7 @@ impl CellRecordPy {
 
 shown_as_table!(CellRecordPy, |this| this.record.as_ref(), this.record.grid(this.all_gpus));
 
-/// What holds memory: the result of `gpuexp.holders()`.
+/// What holds memory, largest first (``gpuexp.holders()``).
 #[pyclass(name = "Holders", module = "gpuexp", frozen)]
 pub(super) struct HoldersPy(pub(super) Holders);
 
@@ -279,16 +330,19 @@ impl HoldersPy {
 
 shown_as_table!(HoldersPy, |this| &this.0, this.0.grid("holders"));
 
-/// The diagnosis shown under a CUDA out-of-memory traceback.
+/// What the OOM rescue shows under a CUDA out-of-memory traceback.
 #[pyclass(name = "OomDiagnosis", module = "gpuexp", frozen)]
 pub(super) struct OomPy(pub(super) report::OomDiagnosis);
 
 #[pymethods]
 impl OomPy {
+    /// What the failed allocation asked for, in bytes; None where torch's message doesn't say.
     #[getter]
     fn requested(&self) -> Option<u64> {
         self.0.requested
     }
+    /// What a person can do, from the figures: the batch that should fit, ``expandable_segments``
+    /// against fragmentation, other processes to stop.
     #[getter]
     fn hints(&self) -> Vec<String> {
         self.0.hints.clone()
@@ -302,7 +356,7 @@ impl OomPy {
 
 shown_as_table!(OomPy, |this| &this.0, this.0.grid());
 
-/// The state of the host and the visible GPUs at one moment.
+/// One reading of the host and every visible GPU (``gpuexp.snapshot()``).
 #[pyclass(name = "Snapshot", module = "gpuexp", frozen)]
 pub(super) struct SnapshotPy {
     pub(super) snapshot: Snapshot,
@@ -311,15 +365,18 @@ pub(super) struct SnapshotPy {
 
 #[pymethods]
 impl SnapshotPy {
+    /// What the table alone would not say: a figure missing and why.
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.snapshot.notes.clone()
     }
+    /// One dict per visible GPU: its identity, NVML's figures and torch's (its JSON shape).
     #[getter]
     fn gpus<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let gpus = serde_json::to_string(&self.snapshot.gpus).expect("readings serialise");
         json_to_python(py, &gpus)?.cast_into::<PyList>().map_err(Into::into)
     }
+    /// The host's figures as a dict: RSS, available, total, the cgroup's limit (its JSON shape).
     #[getter]
     fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &serde_json::to_string(&self.snapshot.host).expect("readings serialise"))

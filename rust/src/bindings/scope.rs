@@ -195,6 +195,7 @@ pub(super) fn open_scope(
         };
         reset_counters(&torch, &start);
         held().insert(id, scope_held);
+        super::recorder::arm_recorder(py);
         Ok((id, SnapshotPy { snapshot: start, title }, replaced))
     };
     let opened = open();
@@ -420,6 +421,7 @@ fn finish_with_inner(
     update_sampler(py, None);
     // The cell log this scope kept on may have held a share of the recording.
     cell_trace::settle(py);
+    super::recorder::settle(py);
     Ok(finished)
 }
 

@@ -6,7 +6,8 @@ use pyo3::prelude::*;
 use crate::status;
 use crate::watch;
 
-/// `gpuexp status`: the driver, and every GPU with its compute processes (when asked).
+/// ``gpuexp status``: the driver, and every GPU with its compute processes (when asked). Raises
+/// NvmlUnavailable without a driver.
 #[pyclass(name = "GpuStatus", module = "gpuexp", frozen)]
 pub(super) struct GpuStatusPy(status::Status);
 
@@ -14,7 +15,6 @@ pub(super) struct GpuStatusPy(status::Status);
 impl GpuStatusPy {
     #[new]
     #[pyo3(signature = (cuda_order=false, processes=true))]
-    /// Without a driver this raises NvmlUnavailable, a RuntimeError of its own.
     fn new(cuda_order: bool, processes: bool) -> PyResult<Self> {
         Ok(GpuStatusPy(status::Status::read(cuda_order, processes)?))
     }
@@ -29,6 +29,7 @@ impl GpuStatusPy {
         self.0.devices.len()
     }
 
+    /// The driver and every GPU as JSON text, as ``gpuexp status --json`` prints it.
     fn to_json(&self) -> String {
         serde_json::to_string(&self.0).expect("a status always serialises")
     }
@@ -38,13 +39,13 @@ impl GpuStatusPy {
     }
 }
 
-/// `gpuexp watch`: devices opened once, then a refresh every interval, written from Rust.
+/// ``gpuexp watch``: devices opened once, then a refresh every interval, written from Rust.
+/// Raises NvmlUnavailable without a driver; ``style`` is "live", "csv" or "json".
 #[pyclass(name = "Watch", module = "gpuexp", frozen)]
 pub(super) struct WatchPy(watch::Watch);
 
 #[pymethods]
 impl WatchPy {
-    /// `style` is "live", "csv" or "json".
     #[new]
     fn new(cuda_order: bool, style: &str, interval_s: f64) -> PyResult<Self> {
         let style = match style {
@@ -60,8 +61,8 @@ impl WatchPy {
         Ok(WatchPy(watch::Watch::open(cuda_order, style, interval)?))
     }
 
-    /// Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes; `redraw` clears
-    /// the screen before each refresh.
+    /// Runs until Ctrl-C (KeyboardInterrupt) or until standard output closes, writing to ``log``
+    /// too when given; ``redraw`` clears the screen before each refresh.
     #[pyo3(signature = (log=None, redraw=false))]
     fn run(&self, py: Python, log: Option<std::path::PathBuf>, redraw: bool) -> PyResult<()> {
         let mut output = watch::Output::open(log.as_deref(), redraw)?;

@@ -153,20 +153,27 @@ pub(super) fn cell_peak_sites(
 }
 
 /// The out-of-memory error just raised on `torch_index`, in torch's allocation history where
-/// one is being recorded (a traced experiment's, the cell log's or the user's own): the line
-/// that failed and what was live then, for the rescue's diagnosis. The latest OOM recorded is
-/// taken only when it matches what torch's message says was asked (`requested`): an older one
-/// (this one not recorded) would name the wrong line.
-pub(super) fn last_oom(py: Python, torch_index: u32, requested: Option<u64>) -> Option<trace::OomSites> {
+/// one is being recorded (the flight recorder's, a traced experiment's, the cell log's or the
+/// user's own): what grew since `step`, and the failed line and the sites live then where the
+/// record has stacks, else the live blocks by size. The latest OOM recorded is taken only when
+/// it matches what torch's message says was asked (`requested`): an older one (this one not
+/// recorded) would name the wrong line.
+pub(super) fn last_oom(
+    py: Python,
+    torch_index: u32,
+    requested: Option<u64>,
+    step: Option<crate::recorder::StepEnd>,
+) -> Option<crate::recorder::OomRecord> {
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
     let pickle = trace_recording::snapshot_pickle(py).ok()?;
-    let latest = attributed(py, &pickle, |snapshot, attribution| {
+    attributed(py, &pickle, |snapshot, attribution| {
         let replayed = trace::replay(snapshot, torch_index as usize, None);
-        trace::oom(snapshot, &replayed, attribution, trace::TOP_SITES).pop()
-    });
-    latest.ok().flatten().filter(|oom| requested.is_none_or(|asked| oom.matches_message(asked)))
+        crate::recorder::read_oom(snapshot, &replayed, requested, step, attribution)
+    })
+    .ok()
+    .flatten()
 }
 
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
@@ -200,8 +207,9 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     }
 }
 
-/// Where in the code one traced experiment (or a snapshot file) peaked: each GPU's live
-/// memory at its peak by source line. `str()` is the text tables; `_repr_html_` the HTML ones.
+/// Where in the code one traced experiment (``report.trace``) or a snapshot file
+/// (``gpuexp.load_snapshot``) peaked: each GPU's live memory at its peak, grouped by the line of
+/// code that allocated it. ``str()`` is the text tables, ``_repr_html_`` the HTML ones.
 #[pyclass(name = "Trace", module = "gpuexp", frozen)]
 pub(super) struct TracePy {
     name: String,
@@ -234,6 +242,7 @@ impl TracePy {
         self.__str__()
     }
 
+    /// The tables as HTML, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         if self.devices.is_empty() {
             return format!("<p>{}</p>", crate::grid::escape(&self.__str__()));
@@ -241,8 +250,9 @@ impl TracePy {
         self.devices.iter().map(|d| d.peak.to_html()).collect()
     }
 
-    /// A list of the GPUs' findings; for a file with none, an object that says so
-    /// (`{"devices": [], "note": ...}`).
+    /// One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
+    /// blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
+    /// object that says so: ``{"devices": [], "note": ...}``.
     fn to_json(&self) -> String {
         if self.devices.is_empty() {
             let empty = serde_json::json!({"devices": [], "note": trace::file::NO_HISTORY});
@@ -251,22 +261,25 @@ impl TracePy {
         serde_json::to_string_pretty(&self.devices).expect("plain data serialises")
     }
 
+    /// The same data as lists, dicts, numbers and strings: ``json.loads(self.to_json())``.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &self.to_json())
     }
 
-    /// Why this trace peaks higher (or lower) than `other`'s, by site, sorted by growth.
+    /// Why this trace peaks higher (or lower) than ``other``'s (a traced Report or a Trace), by
+    /// site, sorted by growth.
     fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
         self.diff_from(&trace_of(other)?)
     }
 
-    /// Allocated over time stacked by the top sites, the peak marked: inline SVG in Jupyter;
-    /// `.figure()` draws it with matplotlib.
+    /// Torch allocated over time stacked by the top sites, the peak marked: inline SVG in
+    /// Jupyter; ``.figure()`` draws it with matplotlib.
     fn plot_timeline(&self) -> TimelinePy {
         TimelinePy { name: self.name.clone(), devices: self.devices.clone() }
     }
 
-    /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open.
+    /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open; the
+    /// file is replaced atomically.
     fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
@@ -317,7 +330,8 @@ fn trace_of(value: &Bound<PyAny>) -> PyResult<TracePy> {
     )))
 }
 
-/// `b.diff(a)`: the difference in peak attributed to sites. `str()` is the table.
+/// ``b.diff(a)``: the difference in peak between two traces, attributed to sites, sorted by
+/// growth. ``str()`` is the table.
 #[pyclass(name = "SiteDiff", module = "gpuexp", frozen)]
 pub(super) struct SiteDiffPy(trace::SiteDiff);
 
@@ -329,16 +343,19 @@ impl SiteDiffPy {
     fn __repr__(&self) -> String {
         self.0.to_text()
     }
+    /// The table as HTML, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         self.0.to_html()
     }
+    /// The two peaks, the param that changed, and each site's bytes in both with its growth, as
+    /// dicts, lists, numbers and strings.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         json_to_python(py, &self.0.to_json().to_string())
     }
 }
 
-/// A traced experiment's timeline: inline SVG in Jupyter (no script, nothing fetched);
-/// `.figure()` is a matplotlib Figure of the same data.
+/// Torch allocated over a traced experiment, stacked by its top sites: inline SVG in Jupyter (no
+/// script, nothing fetched); ``.figure()`` is a matplotlib Figure of the same data.
 #[pyclass(name = "Timeline", module = "gpuexp", frozen)]
 pub(super) struct TimelinePy {
     name: String,
@@ -347,6 +364,7 @@ pub(super) struct TimelinePy {
 
 #[pymethods]
 impl TimelinePy {
+    /// The timeline as inline SVG, which Jupyter shows.
     fn _repr_html_(&self) -> String {
         self.devices.iter().map(|d| d.timeline.to_svg()).collect()
     }
@@ -358,11 +376,13 @@ impl TimelinePy {
             .collect();
         format!("<Timeline of {:?}: {}>", self.name, peaks.join(", "))
     }
+    /// One entry per GPU as dicts, lists and numbers: the points' times, the total and each top
+    /// site's series, stacked bottom to top, and the peak.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let data: Vec<serde_json::Value> = self.devices.iter().map(|d| d.timeline.to_json()).collect();
         json_to_python(py, &serde_json::Value::Array(data).to_string())
     }
-    /// The timeline as a matplotlib Figure; saved to `path` when given.
+    /// The timeline as a matplotlib Figure, saved to ``path`` when given.
     #[pyo3(signature = (path=None))]
     fn figure<'py>(&self, py: Python<'py>, path: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         let data = self.to_dict(py)?;
@@ -371,9 +391,9 @@ impl TimelinePy {
 }
 
 /// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
-/// the same peak tables, diff and timeline as a traced experiment.
-/// Only a regular file is read, without waiting on it (a FIFO, a device are refused), and
-/// Ctrl-C stops the read and the parse, which run with the GIL released.
+/// the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
+/// checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
+/// is refused); Ctrl-C stops the read and the parse, which run with the GIL released.
 #[pyfunction]
 pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
     let mut interrupts = Interruptible::new();
@@ -387,24 +407,25 @@ pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
 
 #[pymethods]
 impl ReportPy {
-    /// With `trace=True`: where in the code each GPU peaked (None otherwise).
+    /// With ``trace=True``: where in the code each GPU peaked; None otherwise.
     #[getter]
     fn trace(&self) -> Option<TracePy> {
         TracePy::of_report(&self.0)
     }
 
-    /// Why this experiment peaks higher (or lower) than `other` (a traced Report or a Trace),
+    /// Why this experiment peaks higher (or lower) than ``other`` (a traced Report or a Trace),
     /// by site, sorted by growth, each site's growth related to the params that changed.
     fn diff(&self, other: &Bound<PyAny>) -> PyResult<SiteDiffPy> {
         self.traced()?.diff(other)
     }
 
-    /// Torch allocated over the experiment, stacked by its top sites (`trace=True`).
+    /// Torch allocated over the experiment, stacked by its top sites (``trace=True``).
     fn plot_timeline(&self) -> PyResult<TimelinePy> {
         Ok(self.traced()?.plot_timeline())
     }
 
-    /// Writes the experiment's torch snapshot (`trace=True`) for memory_viz and Mosaic.
+    /// Writes the experiment's torch snapshot (``trace=True``) for memory_viz and Mosaic; the file
+    /// is replaced atomically.
     fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
         self.traced()?.save_snapshot(py, path)
     }

@@ -1,39 +1,31 @@
-//! Torch's CUDA allocation history for experiments opened with `trace=True`, through
-//! `torch.cuda.memory` (looked up, never imported). gpuexp starts the recording where none runs
-//! and stops it when the last traced experiment that needed it finishes, so no allocator hook
-//! outlives the experiments (pytorch #153571: hooks left behind slow every later allocation).
-//! A recording the user or a framework started is shared and left exactly as it was. While any
-//! traced experiment is open, module hooks mark allocations with their `nn.Module` path.
+//! Torch's CUDA allocation history, through `torch.cuda.memory` (looked up, never imported),
+//! for its three clients: experiments opened with `trace=True` and the cell log's trace (with
+//! stacks), and the flight recorder (events only). One `Lease` decides: gpuexp starts the
+//! recording where none runs, runs it in the strongest mode a client asked for, and stops it
+//! when the last client leaves, so no allocator hook outlives gpuexp's active state (pytorch
+//! #153571: hooks left behind slow every later allocation). A recording the user or a framework
+//! started is shared and left exactly as it was. While any client with stacks holds a share,
+//! module hooks mark allocations with their `nn.Module` path.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
+use crate::recording_lease::{Change, HistoryMode, Lease};
 
-/// Entries the ring buffer keeps: a GPT-2 training step recorded about 1,700 and a resnet50
-/// step about 2,000 on an H100 (../shared/gpu/README.md's measurements of torch's history), so
-/// 200,000 cover about a hundred steps at a few hundred bytes of host memory each.
-const MAX_ENTRIES: u64 = 200_000;
+/// Entries the ring buffer keeps, in either mode (torch would scramble a ring buffer that a
+/// restart shrinks): a GPT-2 training step recorded about 1,700 and a resnet50 step about 2,000
+/// on an H100 (../shared/gpu/README.md), so 200,000 cover about a hundred steps. Its host
+/// memory is stated in docs/trace.md.
+pub(super) const MAX_ENTRIES: u64 = 200_000;
 
-/// What this process's traced experiments share: how many are open, and whether gpuexp
-/// started the recording (then it stops it after the last one).
-struct Recording {
-    pid: u32,
-    open: usize,
-    started_by_gpuexp: bool,
-    max_entries: u64,
-}
+static HISTORY: Mutex<Lease<HistoryMode>> = Mutex::new(Lease::new());
 
-static RECORDING: Mutex<Option<Recording>> = Mutex::new(None);
-
-fn recording() -> std::sync::MutexGuard<'static, Option<Recording>> {
-    let mut guard = RECORDING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    // A forked child's torch records nothing of the parent's: its own count starts at zero.
-    if guard.as_ref().is_some_and(|r| r.pid != crate::fork::pid()) {
-        *guard = None;
-    }
+fn lease() -> MutexGuard<'static, Lease<HistoryMode>> {
+    let mut guard = HISTORY.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    guard.in_process(crate::fork::pid());
     guard
 }
 
@@ -82,17 +74,87 @@ pub(super) fn history_enabled(torch: &PyTorch) -> bool {
         .unwrap_or(false)
 }
 
-/// Joins (or starts) the recording for an experiment that opens now. Torch's allocator keeps no
-/// setting for devices it has not initialised, so CUDA is initialised first: its context then
-/// belongs to the start figures, not to the experiment.
+/// Starts, switches or stops torch's recording as the lease decided.
+fn apply(py: Python, memory: &Bound<PyAny>, change: Change<HistoryMode>) -> PyResult<()> {
+    let kwargs = PyDict::new(py);
+    let mode = match change {
+        Change::Keep => return Ok(()),
+        Change::Stop => {
+            kwargs.set_item("enabled", py.None())?;
+            return memory.call_method("_record_memory_history", (), Some(&kwargs)).map(drop);
+        }
+        Change::Start(mode) | Change::Switch(mode) => mode,
+    };
+    kwargs.set_item("max_entries", MAX_ENTRIES)?;
+    kwargs.set_item("stacks", "python")?;
+    match mode {
+        // Stacks at each allocation and free: what the peak's sites and the diffs read.
+        HistoryMode::Stacks => kwargs.set_item("context", "all")?,
+        HistoryMode::Events => kwargs.set_item("context", py.None())?,
+    }
+    memory.call_method("_record_memory_history", ("all",), Some(&kwargs)).map(drop)
+}
+
+/// How a client's share of the recording began.
+pub(super) struct Joined {
+    /// The ring buffer's size where gpuexp runs the recording (None: the user's).
+    pub(super) max_entries: Option<u64>,
+    pub(super) notes: Vec<String>,
+}
+
+/// A client joins the recording in `mode` (torch must have CUDA initialised: its allocator
+/// keeps no setting for a device it has not). Err: why there is no recording.
+pub(super) fn join(py: Python, mode: HistoryMode) -> Result<Joined, String> {
+    let (torch, memory) = memory_module(py)?;
+    let mut notes = Vec::new();
+    let first_with_stacks = mode == HistoryMode::Stacks && lease().clients_of(HistoryMode::Stacks) == 0;
+    if first_with_stacks {
+        notes.extend(module_paths(py, "install"));
+    }
+    let change = lease().join(mode, || history_enabled(&torch));
+    if let Err(e) = apply(py, &memory, change) {
+        lease().join_failed(mode);
+        if first_with_stacks {
+            notes.extend(module_paths(py, "uninstall"));
+        }
+        return Err(format!("torch did not start recording its allocations ({e})"));
+    }
+    let max_entries = lease().started_by_gpuexp().then_some(MAX_ENTRIES);
+    if max_entries.is_none() && mode == HistoryMode::Stacks {
+        notes.push("trace: shares the allocation history already being recorded, and leaves it as it was".into());
+    }
+    Ok(Joined { max_entries, notes })
+}
+
+/// A client of `mode` leaves: the recording steps down to what the others need, or stops where
+/// gpuexp started it and this was the last. Returns a note where that failed.
+pub(super) fn leave(py: Python, mode: HistoryMode) -> Option<String> {
+    let change = lease().leave(mode);
+    let mut unhooked = None;
+    if mode == HistoryMode::Stacks && lease().clients_of(HistoryMode::Stacks) == 0 {
+        unhooked = module_paths(py, "uninstall");
+    }
+    if change == Change::Keep {
+        return unhooked;
+    }
+    let (_, memory) = memory_module(py).ok()?;
+    apply(py, &memory, change)
+        .err()
+        .map(|e| format!("trace: torch's recording could not be changed ({e})"))
+        .or(unhooked)
+}
+
+/// Joins (or starts) the recording, with stacks, for a traced experiment that opens now. Torch's
+/// allocator keeps no setting for devices it has not initialised, so CUDA is initialised first:
+/// its context then belongs to the start figures, not to the experiment.
 pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
     let mut notes = Vec::new();
     let opened_us = now_us();
     let unavailable = |why: String| TraceWindow { opened_us, max_entries: None, unavailable: Some(why) };
-    let (torch, memory) = match memory_module(py) {
-        Ok(found) => found,
-        Err(why) => return (unavailable(why), notes),
-    };
+    let torch = PyTorch::find(py);
+    if let Err(why) = memory_module(py) {
+        return (unavailable(why), notes);
+    }
     if torch.cuda().is_none() {
         let initialised = torch.torch.as_ref().map(|t| t.getattr("cuda").and_then(|c| c.call_method0("init")));
         if let Some(Err(e)) = initialised {
@@ -100,41 +162,18 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
         }
         notes.push("trace=True initialised CUDA: its context is in the start figures".into());
     }
-    let mut shared = recording();
-    if let Some(running) = shared.as_mut() {
-        running.open += 1;
-        let max_entries = running.started_by_gpuexp.then_some(running.max_entries);
-        return (TraceWindow { opened_us, max_entries, unavailable: None }, notes);
-    }
-    notes.extend(module_paths(py, "install"));
-    if history_enabled(&torch) {
-        *shared = Some(Recording { pid: crate::fork::pid(), open: 1, started_by_gpuexp: false, max_entries: 0 });
-        notes.push("trace: shares the allocation history already being recorded, and leaves it as it was".into());
-        return (TraceWindow { opened_us, max_entries: None, unavailable: None }, notes);
-    }
-    let max_entries = MAX_ENTRIES;
-    let started = (|| -> PyResult<()> {
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("max_entries", max_entries)?;
-        kwargs.set_item("stacks", "python")?;
-        memory.call_method("_record_memory_history", ("all",), Some(&kwargs))?;
-        Ok(())
-    })();
-    match started {
-        Ok(()) => {
-            *shared = Some(Recording { pid: crate::fork::pid(), open: 1, started_by_gpuexp: true, max_entries });
-            (TraceWindow { opened_us, max_entries: Some(max_entries), unavailable: None }, notes)
+    match join(py, HistoryMode::Stacks) {
+        Ok(joined) => {
+            notes.extend(joined.notes);
+            (TraceWindow { opened_us, max_entries: joined.max_entries, unavailable: None }, notes)
         }
-        Err(e) => {
-            notes.extend(module_paths(py, "uninstall"));
-            (unavailable(format!("trace=True: torch did not start recording ({e})")), notes)
-        }
+        Err(why) => (unavailable(format!("trace=True: {why}")), notes),
     }
 }
 
-/// How many share the recording gpuexp knows of: open traced experiments and the cell log.
+/// How many clients with stacks share the recording: open traced experiments and the cell log.
 pub(super) fn open_shares() -> usize {
-    recording().as_ref().map_or(0, |running| running.open)
+    lease().clients_of(HistoryMode::Stacks)
 }
 
 /// Torch's snapshot now, pickled (protocol 4, as memory_viz and Mosaic read it): the format the
@@ -149,27 +188,8 @@ pub(super) fn snapshot_pickle(py: Python) -> Result<Vec<u8>, String> {
     pickled.extract::<Vec<u8>>().map_err(|e| e.to_string())
 }
 
-/// An experiment's share ends; the last one to leave a recording gpuexp started stops it.
-/// Returns a note where stopping failed.
+/// A traced experiment's (or the cell log's) share ends. Returns a note where changing the
+/// recording failed.
 pub(super) fn close(py: Python) -> Option<String> {
-    let mut shared = recording();
-    let running = shared.as_mut()?;
-    running.open = running.open.saturating_sub(1);
-    if running.open > 0 {
-        return None;
-    }
-    let started_by_gpuexp = running.started_by_gpuexp;
-    *shared = None;
-    drop(shared);
-    let unhooked = module_paths(py, "uninstall");
-    if !started_by_gpuexp {
-        return unhooked;
-    }
-    let (_, memory) = memory_module(py).ok()?;
-    let kwargs = PyDict::new(py);
-    kwargs
-        .set_item("enabled", py.None())
-        .and_then(|()| memory.call_method("_record_memory_history", (), Some(&kwargs)))
-        .err()
-        .map(|e| format!("trace: torch's recording could not be stopped ({e})"))
+    leave(py, HistoryMode::Stacks)
 }

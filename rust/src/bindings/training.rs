@@ -38,6 +38,7 @@ pub(super) fn begin_run(py: Python, id: ScopeId) -> PyResult<()> {
 #[pyfunction]
 pub(super) fn run_step(id: ScopeId, epoch: u64, step: u64) {
     registry().runs.step(id, epoch, step);
+    crate::recorder::mark_step(crate::recorder::StepKind::TrainerStep, super::trace_recording::now_us());
 }
 
 /// The batch the run is about to take: its shapes are read now, and no reference is kept.

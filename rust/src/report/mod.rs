@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
-pub use oom::{parse_oom_message, OomDiagnosis, OtherProcess};
+pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
 pub use params::{Param, Params};
 pub use rank::{hostname, RankIdentity};
 pub use snapshot::snapshot_grid;

@@ -4,7 +4,8 @@
 use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
-use crate::trace::OomSites;
+use crate::recorder::{LiveBlocks, SinceStep};
+use crate::trace::{OomSites, SiteNamer, SiteRule, Stacks};
 use crate::training::Position;
 use crate::units::{bytes, size_in_bytes};
 
@@ -35,8 +36,51 @@ pub struct OomDiagnosis {
     pub cleared: Vec<String>,
     /// Where the training run that raised it stood, when a framework's callback measured it.
     pub training: Option<Position>,
-    /// The failed line and what was live then, where torch's allocation history was recording.
+    /// The failed line and what was live then, where torch's allocation history was recording
+    /// with stacks (a traced experiment or cell, or the user's own recording).
     pub sites: Option<OomSites>,
+    /// The failed line and module from the exception's traceback (no recording needed).
+    pub failed_line: Option<FailedLine>,
+    /// What grew since the last completed step.
+    pub since_step: SinceStep,
+    /// The blocks live at the failure by size, where the record had no stacks.
+    pub live_blocks: Option<LiveBlocks>,
+}
+
+/// The line whose allocation failed, read from the exception's traceback: the innermost frame
+/// of the user's code, and the `nn.Module` whose forward was running innermost.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FailedLine {
+    /// `In [7], line 3` or `train.py:41`.
+    pub label: String,
+    pub source: Option<String>,
+    /// `model.blocks.3.fc1 (Linear)`.
+    pub module: Option<String>,
+}
+
+impl FailedLine {
+    /// From the traceback's frames (file, line, function), innermost first.
+    pub fn from_frames(
+        frames: &[(String, u32, String)],
+        module: Option<String>,
+        rule: &SiteRule,
+        namer: &dyn SiteNamer,
+    ) -> Option<FailedLine> {
+        let mut stacks = Stacks::default();
+        let ids: Vec<u32> = frames.iter().map(|(file, line, name)| stacks.intern_frame(file, *line, name)).collect();
+        let stack = stacks.intern_stack(&ids);
+        let frame = rule.user_frame(&stacks, stack)?;
+        let label = namer.label(frame.filename, frame.line);
+        Some(FailedLine { label, source: namer.source(frame.filename, frame.line), module })
+    }
+
+    /// `In [7], line 3 `y = self.fc(x)` in model.fc (Linear), asking 4.00 GiB`
+    fn describe(&self, requested: Option<u64>) -> String {
+        let source = self.source.as_deref().map(|s| format!(" `{s}`")).unwrap_or_default();
+        let module = self.module.as_deref().map(|m| format!(" in {m}")).unwrap_or_default();
+        let asking = requested.map(|r| format!(", asking {}", bytes(r))).unwrap_or_default();
+        format!("{}{source}{module}{asking}", self.label)
+    }
 }
 
 /// Reads "Tried to allocate 2.00 GiB" and "GPU 0 has a total capacity" from torch's message.
@@ -56,51 +100,63 @@ pub fn parse_oom_message(message: &str) -> (Option<u64>, Option<u32>) {
 }
 
 impl OomDiagnosis {
-    /// Suggestions a person can act on, from the figures. The batch-size factor assumes
-    /// memory grows linearly with the batch, as it nearly does for most models.
+    /// Suggestions a person can act on, from the figures. What the failed step held plus what
+    /// it asked for is only a lower bound of its need (it failed before asking for the rest), so
+    /// it is said as "at least", a batch factor from it is an upper bound, and a rerun is
+    /// suggested only where a rerun removes the cause: fragmentation, or another process.
     pub fn hints(&self) -> Vec<String> {
         let mut hints = Vec::new();
+        let cached = self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
+        let fragmented =
+            cached.zip(self.requested).is_some_and(|(cached, requested)| requested > 0 && cached >= requested);
+        let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
+        let crowded = self.total.is_some_and(|total| others > total / 10);
         let freed = self.torch_allocated_before.zip(self.torch_allocated_after).map(|(b, a)| b.saturating_sub(a));
         if let (Some(requested), Some(freed), Some(free)) = (self.requested, freed, self.free_after) {
-            let needed = freed + requested;
-            if needed > 0 {
-                let factor = free as f64 / needed as f64;
+            let at_least = freed + requested;
+            if at_least > 0 {
+                let factor = free as f64 / at_least as f64;
                 if factor < 1.0 {
                     hints.push(format!(
-                        "the failed step needed about {} ({} it held + {} more); {} is free now: \
-                         a batch about {:.2}× the size should fit (memory grows about linearly with the batch)",
-                        bytes(needed),
+                        "the failed step needed at least {} ({} it held + {} more, before it failed); {} is free now: \
+                         a batch of at most about {:.2}× the size could fit (memory grows about linearly with the batch; \
+                         the step may need more than this lower bound)",
+                        bytes(at_least),
                         bytes(freed),
                         bytes(requested),
                         bytes(free),
                         (factor * 0.95).max(0.0)
                     ));
+                } else if fragmented || crowded {
+                    hints.push(format!(
+                        "{} is free now, more than the at least {} the step held and asked for, and the cause is \
+                         one a rerun can remove ({}): running it again may fit",
+                        bytes(free),
+                        bytes(at_least),
+                        if fragmented { "fragmentation" } else { "another process's memory" }
+                    ));
                 } else {
                     hints.push(format!(
-                        "{} is free now, more than the step needed ({}): running it again may fit",
-                        bytes(free),
-                        bytes(needed)
+                        "the failed step needed at least {} ({} it held + {} more); {} is free now, but that is a \
+                         lower bound: the step failed before asking for the rest, so running it again as it is may \
+                         fail the same way. Make the step smaller (batch, sequence length) or see what grew above",
+                        bytes(at_least),
+                        bytes(freed),
+                        bytes(requested),
+                        bytes(free)
                     ));
                 }
             }
         }
-        if let (Some(reserved), Some(allocated), Some(requested)) =
-            (self.torch_reserved_before, self.torch_allocated_before, self.requested)
-        {
-            let cached = reserved.saturating_sub(allocated);
-            if cached >= requested && requested > 0 {
-                hints.push(format!(
-                    "torch held {} reserved but unallocated, more than the request: fragmentation. \
-                     Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA allocation (a new kernel)",
-                    bytes(cached)
-                ));
-            }
+        if let (true, Some(cached)) = (fragmented, cached) {
+            hints.push(format!(
+                "torch held {} reserved but unallocated, more than the request: fragmentation. \
+                 Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA allocation (a new kernel)",
+                bytes(cached)
+            ));
         }
-        let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
-        if let Some(total) = self.total {
-            if others > total / 10 {
-                hints.push(format!("other processes hold {} of this GPU: stop them or use another GPU", bytes(others)));
-            }
+        if crowded {
+            hints.push(format!("other processes hold {} of this GPU: stop them or use another GPU", bytes(others)));
         }
         hints
     }
@@ -125,10 +181,16 @@ impl OomDiagnosis {
         if let Some(position) = &self.training {
             lines.push(format!("raised in training at {}", position.describe()));
         }
+        match (&self.failed_line, &self.sites) {
+            (Some(line), _) => lines.push(format!("failed at {}", line.describe(self.requested))),
+            (None, Some(sites)) => lines.push(format!("failed at {}", sites.failed_at())),
+            (None, None) => {}
+        }
+        lines.push(self.since_step.describe());
         if let Some(sites) = &self.sites {
-            lines.push(format!("failed at {}", sites.failed_at()));
             lines.extend(sites.live_then(3).map(|live| format!("live then: {live}")));
         }
+        lines.extend(self.live_blocks.as_ref().map(LiveBlocks::describe));
         if !self.cleared.is_empty() {
             lines.push(format!("cleared: {}", self.cleared.join(", ")));
         }
@@ -179,7 +241,57 @@ mod tests {
             cleared: Vec::new(),
             training: None,
             sites: None,
+            failed_line: None,
+            since_step: SinceStep::NoStep,
+            live_blocks: None,
         }
+    }
+
+    #[test]
+    fn a_lower_bound_is_said_as_at_least_and_a_rerun_is_suggested_only_where_it_removes_the_cause() {
+        // The GPT-2 step of issue 29: it held 119.21 GiB and asked 4 more; 138.10 GiB is free
+        // after the rescue, yet its logits alone needed about 250 GiB.
+        let mut d = diagnosis();
+        d.total = Some(141 * GIB);
+        d.torch_allocated_before = Some(121 * GIB);
+        d.torch_allocated_after = Some(2 * GIB);
+        d.torch_reserved_before = Some(122 * GIB); // 1 GiB cached: less than the 2 GiB asked for
+        d.requested = Some(4 * GIB);
+        d.free_after = Some(138 * GIB);
+        let hints = d.hints();
+        assert!(hints[0].contains("at least 123.00 GiB") && hints[0].contains("lower bound"), "{hints:?}");
+        assert!(!hints.iter().any(|h| h.contains("may fit")), "{hints:?}");
+        // Fragmentation is a cause a rerun (with expandable segments) removes.
+        d.torch_reserved_before = Some(130 * GIB);
+        let hints = d.hints();
+        assert!(hints[0].contains("running it again may fit") && hints[0].contains("fragmentation"), "{hints:?}");
+        // The batch factor rests on the same lower bound: an upper bound on the batch.
+        let hints = diagnosis().hints();
+        assert!(hints[0].contains("needed at least 10.00 GiB") && hints[0].contains("at most about"), "{hints:?}");
+    }
+
+    #[test]
+    fn the_traceback_names_the_users_line_and_the_innermost_module() {
+        use crate::trace::PlainNamer;
+        let frames = vec![
+            ("/venv/lib/python3.12/site-packages/torch/nn/modules/linear.py".to_string(), 125, "forward".to_string()),
+            ("/venv/lib/python3.12/site-packages/torch/nn/modules/module.py".to_string(), 1775, "_call_impl".into()),
+            ("/home/u/model.py".to_string(), 14, "forward".to_string()),
+            ("/home/u/train.py".to_string(), 3, "<module>".to_string()),
+        ];
+        let module = Some("model.blocks.3.fc1 (Linear)".to_string());
+        let line = FailedLine::from_frames(&frames, module, &SiteRule::default(), &PlainNamer::default())
+            .expect("a user frame");
+        assert_eq!(line.label, "/home/u/model.py:14");
+        let mut d = diagnosis();
+        d.failed_line = Some(line);
+        let text = d.grid().to_text();
+        assert!(
+            text.contains("failed at /home/u/model.py:14 in model.blocks.3.fc1 (Linear), asking 2.00 GiB"),
+            "{text}"
+        );
+        assert!(text.contains("none completed"), "{text}");
+        assert!(FailedLine::from_frames(&frames[..2], None, &SiteRule::default(), &PlainNamer::default()).is_none());
     }
 
     #[test]

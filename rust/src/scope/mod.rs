@@ -149,6 +149,9 @@ pub struct Registry {
     pub trace_by_default: crate::trace::TraceKinds,
     /// The scopes that are training runs measured by a framework's callback.
     pub runs: Runs,
+    /// `gpuexp.config(flight_recorder=)`: torch's allocation history without stacks while gpuexp
+    /// is active, for the OOM diagnosis.
+    pub flight_recorder: bool,
 }
 
 /// The default of `cell_log_min_change`: less than this is the noise of running any cell.
@@ -172,6 +175,7 @@ impl Default for Registry {
             cell_log_min_change: CELL_LOG_MIN_CHANGE,
             cell_log_every_cell: false,
             runs: Runs::default(),
+            flight_recorder: true,
         }
     }
 }
@@ -319,6 +323,12 @@ impl Registry {
     }
 
     // ---- the per-cell log ----
+
+    /// Whether gpuexp is active: an experiment open, or the cell log on. Nothing gpuexp hooks
+    /// into (torch's allocation history, optimizer hooks) outlives this state.
+    pub fn gpuexp_active(&self) -> bool {
+        self.standalone_log || self.open.iter().any(|s| !s.closing)
+    }
 
     pub fn cell_log_active(&self) -> bool {
         self.standalone_log || self.open.iter().any(|s| s.cell_log && !s.closing)

@@ -64,19 +64,9 @@ impl OomSites {
         format!("{}{source}, asking {}", self.site.label, crate::units::bytes(self.requested))
     }
 
-    /// Whether this is the failure torch's message describes, which names `asked` (two decimals
-    /// of a unit): the segment torch tried to make for the request (2 MiB for 1 MiB or less,
-    /// 20 MiB below 10 MiB, else the request rounded up to 2 MiB), or, with expandable
-    /// segments, the request itself.
+    /// Whether this is the failure torch's message describes (see `message_matches`).
     pub fn matches_message(&self, asked: u64) -> bool {
-        const MIB: u64 = 1 << 20;
-        let segment = match self.requested {
-            small if small <= MIB => 2 * MIB,
-            medium if medium < 10 * MIB => 20 * MIB,
-            large => large.div_ceil(2 * MIB) * 2 * MIB,
-        };
-        let near = |expected: u64| asked.abs_diff(expected) <= expected / 100;
-        near(segment) || near(self.requested)
+        message_matches(self.requested, asked)
     }
 
     /// The top `count` sites live when it failed: `In [6], line 1 (1.00 GiB, 97%); ...`.
@@ -90,6 +80,21 @@ impl OomSites {
             .collect();
         (!sites.is_empty()).then(|| sites.join("; "))
     }
+}
+
+/// Whether an OOM that asked for `requested` is the one torch's message describes with `asked`
+/// (two decimals of a unit): the segment torch tried to make for the request (2 MiB for 1 MiB or
+/// less, 20 MiB below 10 MiB, else the request rounded up to 2 MiB), or, with expandable
+/// segments, the request itself.
+pub fn message_matches(requested: u64, asked: u64) -> bool {
+    const MIB: u64 = 1 << 20;
+    let segment = match requested {
+        small if small <= MIB => 2 * MIB,
+        medium if medium < 10 * MIB => 20 * MIB,
+        large => large.div_ceil(2 * MIB) * 2 * MIB,
+    };
+    let near = |expected: u64| asked.abs_diff(expected) <= expected / 100;
+    near(segment) || near(requested)
 }
 
 /// Every OOM in `replay`'s trace, in order.

@@ -1,0 +1,313 @@
+//! The flight recorder's side of an out-of-memory error: where training steps ended, and what an
+//! OOM reads from torch's allocation history when nobody asked for a trace. The recorder keeps
+//! that history on without stacks while gpuexp is active (the bindings' `recorder`), so the
+//! history knows every block's size and time, not its line: what grew since the last completed
+//! step, and the blocks live at the failure by size, made since that step or held from before.
+
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+use crate::trace::{oom, Action, Attribution, OomSites, Replay, Snapshot};
+use crate::units::bytes;
+
+/// What completed: the point "what grew since the last step" counts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// `optimizer.step()` returned (torch's global optimizer step hook).
+    OptimizerStep,
+    /// A framework's callback saw a training step end.
+    TrainerStep,
+    /// The batch-size finder's call of the user's step returned.
+    FinderStep,
+    /// A notebook cell ran to its end without an error.
+    Cell,
+}
+
+impl StepKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            StepKind::OptimizerStep => "optimizer step",
+            StepKind::TrainerStep => "trainer step",
+            StepKind::FinderStep => "finder step",
+            StepKind::Cell => "cell",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<StepKind> {
+        [StepKind::OptimizerStep, StepKind::TrainerStep, StepKind::FinderStep, StepKind::Cell]
+            .into_iter()
+            .find(|k| k.label() == name)
+    }
+}
+
+/// The end of a completed step, on torch's `time_us` clock (Unix microseconds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct StepEnd {
+    pub kind: StepKind,
+    pub time_us: i64,
+}
+
+/// The latest step end in this process (a forked child's steps are its own).
+static LAST_STEP: Mutex<Option<(u32, StepEnd)>> = Mutex::new(None);
+
+/// A step of `kind` ended at `time_us`: one lock and one store, cheap enough for every step.
+pub fn mark_step(kind: StepKind, time_us: i64) {
+    let mut last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    *last = Some((crate::fork::pid(), StepEnd { kind, time_us }));
+}
+
+/// The latest step that ended in this process.
+pub fn last_step() -> Option<StepEnd> {
+    let last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    last.filter(|(pid, _)| *pid == crate::fork::pid()).map(|(_, step)| step)
+}
+
+/// What grew from the last completed step to the failure.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum SinceStep {
+    /// No step completed in this process.
+    NoStep,
+    /// The step ended before the record's first event (the recorder started after it, or its
+    /// ring buffer has dropped it).
+    BeforeRecord { step: StepEnd },
+    /// Torch's allocated bytes at the step's end and at the failure, and the blocks made since
+    /// that were still live.
+    Grew { step: StepEnd, failed_us: i64, held_then: u64, held_at_failure: u64, made_since: u64, blocks_since: usize },
+    /// No record to read it from.
+    Unknown { step: StepEnd, why: String },
+}
+
+impl SinceStep {
+    /// One line for the diagnosis.
+    pub fn describe(&self) -> String {
+        match self {
+            SinceStep::NoStep => "since the last completed step: none completed in this kernel \
+                                  (no optimizer step, trainer step or cell), so what grew in this one is unknown"
+                .into(),
+            SinceStep::BeforeRecord { step } => format!(
+                "since the last completed {}: unknown, it ended before the allocation record's first event",
+                step.kind.label()
+            ),
+            SinceStep::Grew { step, failed_us, held_then, held_at_failure, made_since, blocks_since } => {
+                let seconds = (failed_us - step.time_us).max(0) as f64 / 1e6;
+                let change = *held_at_failure as i128 - *held_then as i128;
+                let sign = if change < 0 { "−" } else { "+" };
+                format!(
+                    "since the last completed {} ({seconds:.1} s before): torch's allocated went from {} to {} \
+                     ({sign}{}); {blocks_since} blocks made since hold {}",
+                    step.kind.label(),
+                    bytes(*held_then),
+                    bytes(*held_at_failure),
+                    bytes(change.unsigned_abs() as u64),
+                    bytes(*made_since)
+                )
+            }
+            SinceStep::Unknown { step, why } => {
+                format!("since the last completed {}: unknown ({why})", step.kind.label())
+            }
+        }
+    }
+}
+
+/// Blocks of one size live at the failure.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SizeGroup {
+    pub bytes: u64,
+    pub count: usize,
+}
+
+/// The blocks live when the allocation failed, from a record without stacks: the largest sizes,
+/// and what of them was made since the last completed step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LiveBlocks {
+    pub total: u64,
+    pub blocks: usize,
+    /// The sizes holding the most, most first.
+    pub largest: Vec<SizeGroup>,
+    /// Of `total`, what was made since the last completed step (None: no step in the record).
+    pub made_since_step: Option<u64>,
+}
+
+impl LiveBlocks {
+    /// Size groups the diagnosis names.
+    pub const SHOWN: usize = 4;
+
+    /// One line for the diagnosis.
+    pub fn describe(&self) -> String {
+        let groups: Vec<String> = self.largest.iter().map(|g| format!("{} × {}", g.count, bytes(g.bytes))).collect();
+        let mut line = format!(
+            "live then, by size (recorded without stacks: trace=True names their lines): {} of {} in {} blocks",
+            groups.join(", "),
+            bytes(self.total),
+            self.blocks
+        );
+        if let Some(since) = self.made_since_step {
+            line.push_str(&format!(
+                "; {} made since the last step (the failing step's activations and temporaries), {} from before \
+                 (parameters, optimizer state, tensors kept)",
+                bytes(since),
+                bytes(self.total.saturating_sub(since))
+            ));
+        }
+        line
+    }
+}
+
+/// What the record holds of the OOM torch's message describes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OomRecord {
+    /// The failed line and the sites live then, where the record has stacks.
+    pub sites: Option<OomSites>,
+    /// The live blocks by size, where it has none.
+    pub live: Option<LiveBlocks>,
+    pub since_step: SinceStep,
+}
+
+/// The OOM torch's message describes (asking `asked`, where the message says) in `snapshot`'s
+/// record of `device`: the latest OOM event whose size agrees. None where the record holds none:
+/// an older OOM of another size would name the wrong line.
+pub fn read_oom(
+    snapshot: &Snapshot,
+    replay: &Replay,
+    asked: Option<u64>,
+    step: Option<StepEnd>,
+    attribution: &Attribution,
+) -> Option<OomRecord> {
+    let events = snapshot.device_traces.get(replay.device)?;
+    let (event, failed) = events.iter().enumerate().rev().find(|(_, e)| e.action == Action::Oom)?;
+    if asked.is_some_and(|asked| !crate::trace::held::message_matches(failed.size, asked)) {
+        return None;
+    }
+    let with_stacks = !snapshot.stacks.is_bare(failed.stack);
+    let sites = with_stacks
+        .then(|| oom(snapshot, replay, attribution, crate::trace::TOP_SITES).into_iter().find(|o| o.event == event))
+        .flatten();
+    // The events recorded up to the step's end: the step is in the record where any is.
+    let recorded_by_step = step.map(|s| replay.time_us[..event].partition_point(|&t| t <= s.time_us));
+    let since_step = match (step, recorded_by_step) {
+        (None, _) | (_, None) => SinceStep::NoStep,
+        (Some(step), Some(0)) => SinceStep::BeforeRecord { step },
+        (Some(step), Some(first_after)) => {
+            let made: Vec<u64> = replay
+                .live_at(event)
+                .filter(|b| b.alloc_event.is_some_and(|a| a >= first_after))
+                .map(|b| b.bytes)
+                .collect();
+            SinceStep::Grew {
+                step,
+                failed_us: failed.time_us,
+                held_then: replay.allocated_at(first_after - 1),
+                held_at_failure: replay.allocated_at(event),
+                made_since: made.iter().sum(),
+                blocks_since: made.len(),
+            }
+        }
+    };
+    let live = (!with_stacks).then(|| live_blocks(replay, event, &since_step));
+    Some(OomRecord { sites, live, since_step })
+}
+
+fn live_blocks(replay: &Replay, event: usize, since_step: &SinceStep) -> LiveBlocks {
+    let mut by_size: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+    let (mut total, mut blocks) = (0, 0);
+    for block in replay.live_at(event) {
+        *by_size.entry(block.bytes).or_default() += 1;
+        total += block.bytes;
+        blocks += 1;
+    }
+    let mut largest: Vec<SizeGroup> = by_size.into_iter().map(|(bytes, count)| SizeGroup { bytes, count }).collect();
+    largest.sort_by_key(|g| std::cmp::Reverse((g.bytes * g.count as u64, g.bytes)));
+    largest.truncate(LiveBlocks::SHOWN);
+    let made_since_step = match since_step {
+        SinceStep::Grew { made_since, .. } => Some(*made_since),
+        _ => None,
+    };
+    LiveBlocks { total, blocks, largest, made_since_step }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{replay, Event, PlainNamer, SiteRule};
+
+    const MIB: u64 = 1 << 20;
+
+    fn event(action: Action, addr: u64, size: u64, time_us: i64) -> Event {
+        Event { action, addr, size, stream: 0, time_us, stack: 0, device_free: 0, annotation: None }
+    }
+
+    /// A step that held 4 MiB and ended at t=10, then 2 × 8 MiB and 1 × 2 MiB made, then an
+    /// OOM asking 64 MiB at t=30.
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            device_traces: vec![vec![
+                event(Action::Alloc, 0x1000_0000, 4 * MIB, 5),
+                event(Action::Alloc, 0x2000_0000, 8 * MIB, 20),
+                event(Action::Alloc, 0x3000_0000, 8 * MIB, 21),
+                event(Action::Alloc, 0x4000_0000, 2 * MIB, 22),
+                event(Action::Oom, 0, 64 * MIB, 30),
+            ]],
+            ..Snapshot::default()
+        }
+    }
+
+    fn read(step: Option<StepEnd>, asked: Option<u64>) -> Option<OomRecord> {
+        let snapshot = snapshot();
+        let replayed = replay(&snapshot, 0, None);
+        let (rule, namer) = (SiteRule::default(), PlainNamer::default());
+        read_oom(&snapshot, &replayed, asked, step, &Attribution::new(&snapshot.stacks, &rule, &namer))
+    }
+
+    #[test]
+    fn what_grew_since_the_last_step_and_the_live_blocks_by_size_come_from_a_stackless_record() {
+        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10 };
+        let found = read(Some(step), Some(64 * MIB)).expect("the OOM is in the record");
+        assert!(found.sites.is_none());
+        assert_eq!(
+            found.since_step,
+            SinceStep::Grew {
+                step,
+                failed_us: 30,
+                held_then: 4 * MIB,
+                held_at_failure: 22 * MIB,
+                made_since: 18 * MIB,
+                blocks_since: 3
+            }
+        );
+        let live = found.live.expect("live blocks by size");
+        assert_eq!((live.total, live.blocks, live.made_since_step), (22 * MIB, 4, Some(18 * MIB)));
+        assert_eq!(live.largest[0], SizeGroup { bytes: 8 * MIB, count: 2 });
+        let text = format!("{}\n{}", found.since_step.describe(), live.describe());
+        assert!(text.contains("since the last completed optimizer step") && text.contains("(+18.00 MiB)"), "{text}");
+        assert!(text.contains("2 × 8.00 MiB, 1 × 4.00 MiB, 1 × 2.00 MiB of 22.00 MiB in 4 blocks"), "{text}");
+    }
+
+    #[test]
+    fn without_a_step_or_before_the_record_it_says_so() {
+        let none = read(None, None).expect("the OOM is in the record");
+        assert_eq!(none.since_step, SinceStep::NoStep);
+        assert!(none.since_step.describe().contains("none completed"));
+        assert_eq!(none.live.and_then(|l| l.made_since_step), None);
+        let early = StepEnd { kind: StepKind::Cell, time_us: 1 };
+        let before = read(Some(early), None).expect("the OOM is in the record");
+        assert_eq!(before.since_step, SinceStep::BeforeRecord { step: early });
+        assert!(before.since_step.describe().contains("before the allocation record's first event"));
+    }
+
+    #[test]
+    fn an_oom_of_another_size_is_not_the_one_the_message_names() {
+        assert!(read(None, Some(4 << 30)).is_none());
+    }
+
+    #[test]
+    fn a_step_end_is_kept_until_the_next_one() {
+        mark_step(StepKind::Cell, 100);
+        mark_step(StepKind::OptimizerStep, 200);
+        assert_eq!(last_step(), Some(StepEnd { kind: StepKind::OptimizerStep, time_us: 200 }));
+        assert_eq!(StepKind::parse("trainer step"), Some(StepKind::TrainerStep));
+        assert_eq!(StepKind::parse("epoch"), None);
+    }
+}
