@@ -77,15 +77,16 @@ test-rust:
 test-python: build browser
 	$(PY) -m pytest -q tests
 
-# The browser tests (tests/test_browser.py) drive JupyterLab in Debian's Chromium through its
-# chromedriver. As root with apt (CI), this installs both when chromedriver is missing; elsewhere
-# it says how, and those tests skip.
+# The browser tests (tests/test_browser*.py) drive JupyterLab in Debian's Chromium through its
+# chromedriver. As root with apt (CI), this installs both when chromedriver is missing, without
+# apt's recommended packages (about 26 packages instead of 131, and no avahi, which would change
+# the system's default browser); elsewhere it says how, and those tests skip.
 browser:
 	@command -v chromedriver >/dev/null || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
 	else \
-		echo "no chromedriver: the browser tests will skip (sudo apt-get install chromium chromium-driver)"; \
+		echo "no chromedriver: the browser tests will skip (sudo apt-get install --no-install-recommends chromium chromium-driver)"; \
 	fi
 
 # Retakes the documentation's JupyterLab screenshots (docs/jupyterlab-*.png).

@@ -1,4 +1,5 @@
-"""Runs a notebook headless in a real Jupyter kernel and prints each cell with its outputs.
+"""Runs a notebook headless in a real Jupyter kernel and prints it: the text of its markdown
+cells, then each code cell with its outputs, and at the end how to open it in JupyterLab.
 
     python notebooks/run.py notebooks/quickstart.ipynb [--save executed.ipynb]
 
@@ -11,12 +12,17 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
+# Markdown's emphasis, shown as plain text in a terminal (inline `code` keeps its backticks).
+EMPHASIS = re.compile(r"(\*\*|\*)(?=\S)(.+?)(?<=\S)\1")
 
 
 def output_text(output):
@@ -29,18 +35,57 @@ def output_text(output):
     return ""
 
 
+def markdown_text(source):
+    """A markdown cell as a terminal shows it: headings underlined, emphasis marks dropped."""
+    lines = []
+    for line in source.splitlines():
+        heading = HEADING.match(line)
+        if heading:
+            title = EMPHASIS.sub(r"\2", heading.group(2))
+            lines += [title, ("=" if len(heading.group(1)) == 1 else "-") * len(title)]
+        else:
+            lines.append(EMPHASIS.sub(r"\2", line))
+    return "\n".join(lines).strip("\n")
+
+
 def print_cells(nb):
-    for cell in nb.cells:
+    """Every markdown cell up to the last cell run, and every code cell run. A note repeated
+    word for word under a later output (the same "note: no NVIDIA driver ..." under every table
+    on a machine without a GPU) is printed the first time only."""
+    ran = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.get("execution_count")]
+    notes_shown = set()
+    for cell in nb.cells[: ran[-1] + 1 if ran else 0]:
+        if cell.cell_type == "markdown":
+            print(markdown_text(cell.source))
+            print()
+            continue
         count = cell.get("execution_count")
         if cell.cell_type != "code" or count is None:
-            continue  # markdown, or not reached because an earlier cell failed
+            continue  # not reached because an earlier cell failed
         prompt = f"In [{count}]: "
         print(prompt + cell.source.replace("\n", "\n" + " " * len(prompt)))
         for output in cell.get("outputs", []):
-            text = output_text(output)
-            if text:
-                print(text.rstrip("\n"))
+            lines = []
+            for line in output_text(output).rstrip("\n").splitlines():
+                if line.startswith("note: "):
+                    if line in notes_shown:
+                        continue
+                    notes_shown.add(line)
+                lines.append(line)
+            if lines:
+                print("\n".join(lines))
         print()
+
+
+def how_to_open(notebook):
+    """The command that opens the notebook in JupyterLab from this environment, whose "python3"
+    kernel is the Python running this one (the one that has gpuexp)."""
+    jupyter = os.path.join(os.path.dirname(sys.executable), "jupyter")
+    if not os.path.exists(jupyter):
+        jupyter = "jupyter"
+    elif not os.path.relpath(jupyter).startswith(".."):
+        jupyter = os.path.relpath(jupyter)
+    return f"To open it in JupyterLab and run it cell by cell: {jupyter} lab {notebook}"
 
 
 def main(argv=None):
@@ -51,19 +96,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     nb = nbformat.read(args.notebook, as_version=4)
-    client = NotebookClient(
-        nb,
-        kernel_name="python3",
-        timeout=args.timeout,
-        allow_errors=False,
-        resources={"metadata": {"path": os.path.dirname(os.path.abspath(args.notebook))}},
-    )
     failed = None
-    try:
-        client.execute()
-    except CellExecutionError as error:
-        failed = error
+    # The kernel talks over Unix sockets in a folder of its own: over TCP, ipykernel warns at
+    # start that the traffic is not encrypted, and that warning would open the demo.
+    with tempfile.TemporaryDirectory(prefix="gpuexp-kernel-") as sockets:
+        client = NotebookClient(
+            nb,
+            config=Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}}),
+            kernel_name="python3",
+            timeout=args.timeout,
+            allow_errors=False,
+            resources={"metadata": {"path": os.path.dirname(os.path.abspath(args.notebook))}},
+        )
+        try:
+            client.execute()
+        except CellExecutionError as error:
+            failed = error
     print_cells(nb)
+    print(how_to_open(args.notebook))
     if args.save:
         nbformat.write(nb, args.save)
     if failed is not None:

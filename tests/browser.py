@@ -42,7 +42,8 @@ def find_browser():
     }
     missing = [name for name, path in found.items() if not (path and os.access(path, os.X_OK))]
     if missing:
-        why = f"{' and '.join(missing)} not found: `apt-get install chromium chromium-driver` (make test does, as root)"
+        why = (f"{' and '.join(missing)} not found: `apt-get install --no-install-recommends chromium "
+               "chromium-driver` (make test does, as root)")
         return None, None, why
     if importlib.util.find_spec("selenium") is None:
         return None, None, "selenium is not installed in this Python: `make venv` installs it"

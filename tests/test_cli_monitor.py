@@ -24,15 +24,17 @@ def cli(*args, timeout=30):
 
 @pytest.mark.skipif(GPU, reason="checks the machine without an NVIDIA driver")
 @pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["watch", "-n", "0.1"], ["watch", "--csv"]])
-def test_without_a_driver_the_cli_says_so_and_fails(args):
+def test_without_a_driver_the_cli_says_so_and_what_to_do_instead(args):
+    from gpuexp.cli import NO_DRIVER_FIX
+
+    said = f"no NVIDIA driver (libnvidia-ml.so.1 not found): {NO_DRIVER_FIX}"
+    assert "install the NVIDIA driver" in said and "gpuexp.snapshot()" in said
     done = cli(*args)
     assert done.returncode == 3, done
-    assert done.stderr.strip() == "gpuexp: no NVIDIA driver (libnvidia-ml.so.1 not found)"
+    assert done.stderr.strip() == f"gpuexp: {said}"
     if "--json" in args:
         # A script reading --json still gets JSON: the error and no devices.
-        assert json.loads(done.stdout) == {
-            "error": "no NVIDIA driver (libnvidia-ml.so.1 not found)", "exit_code": 3, "devices": [],
-        }
+        assert json.loads(done.stdout) == {"error": said, "exit_code": 3, "devices": []}
     else:
         assert done.stdout == ""
 
@@ -120,7 +122,8 @@ def test_each_failure_exits_with_its_own_code(monkeypatch, capsys, kind, message
 
     monkeypatch.setattr(command, "status", fail)
     assert command.main(["status"]) == code
-    assert capsys.readouterr().err == f"gpuexp: {message}\n"
+    fix = f": {command.NO_DRIVER_FIX}" if kind == "NvmlUnavailable" else ""
+    assert capsys.readouterr().err == f"gpuexp: {message}{fix}\n"
 
 
 def test_a_bug_in_the_command_keeps_its_traceback(monkeypatch):

@@ -1,6 +1,10 @@
 """gpuexp.explain('cpu'): the host's RSS split into parameters, gradients, optimizer state,
 buffers, other tensors and the rest, in real kernels."""
 
+import pytest
+
+from conftest import GPU
+
 KEYS = {"parameters", "gradients", "optimizer_state", "buffers", "other_tensors", "no_python_tensor",
         "torch_cache", "not_torch"}
 
@@ -91,3 +95,11 @@ def test_a_finished_experiment_says_what_the_memory_it_still_holds_is(kernel):
     roles = kernel.value("gpuexp.history()[-1].to_dict()['holders'][0]['roles']")
     assert roles["parameters"] == roles["gradients"] == weights
     assert roles["optimizer_state"] == 2 * weights + 2 * 4  # exp_avg, exp_avg_sq, two float32 steps
+
+
+@pytest.mark.skipif(GPU, reason="checks the machine without an NVIDIA driver")
+def test_explaining_a_gpu_without_a_driver_says_what_to_explain_instead(kernel):
+    kernel.run("import gpuexp")
+    error = kernel.run("gpuexp.explain(0)", expect_error=True).error
+    assert error.startswith("NvmlUnavailable: explain(0): no NVIDIA driver"), error
+    assert "explain('cpu') explains host memory" in error, error

@@ -1,4 +1,9 @@
-"""The leak hunter on host memory (CPU tensors and numpy arrays), in real kernels."""
+"""The leak hunter on host memory (CPU tensors and numpy arrays), in real kernels and scripts."""
+
+import subprocess
+import sys
+
+import pytest
 
 MiB = 1 << 20
 
@@ -98,3 +103,46 @@ def test_bad_arguments_get_clear_errors(kernel):
     assert kernel.run("gpuexp.holders(min_bytes=-1)", expect_error=True).error.startswith("ValueError")
     bad = kernel.run("gpuexp.holders(device='gpu')", expect_error=True)
     assert bad.error.startswith("ValueError") and "device" in bad.error
+
+
+SCRIPT = """\
+import sys
+import numpy as np
+{imports}
+import gpuexp
+
+arr = np.ones(8 << 20, dtype=np.uint8)
+
+
+def main():
+    print(gpuexp.holders("cpu"))
+    print("PATHS", gpuexp.holders("cpu").paths)
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize("imports", ["", "import torch"])
+def test_in_a_script_called_from_a_function_the_scripts_globals_are_found(tmp_path, imports):
+    """A script's globals are `__main__`'s, whichever other name torch's multiprocessing gives
+    that module (`__mp_main__`)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(imports=imports))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    if imports:
+        assert "__mp_main__" in subprocess.run(
+            [sys.executable, "-c", "import sys, torch; print(sorted(sys.modules))"], capture_output=True, text=True,
+        ).stdout, "torch no longer adds the alias: this case tests nothing new"
+    paths = next(line for line in done.stdout.splitlines() if line.startswith("PATHS "))
+    assert paths == "PATHS ['__main__.arr']", done.stdout
+    assert "│ __main__.arr ┆ 8.00 MiB ┆ ndarray [8388608] cpu │" in done.stdout, done.stdout
+
+
+def test_an_empty_result_says_where_it_looked_and_that_nothing_was_found(kernel):
+    kernel.run(SETUP)
+    shown = kernel.run("gpuexp.holders('cpu', min_bytes=1 << 40)")
+    said = "nothing found: no tensor or array of 1.00 TiB or more in host memory is reachable from your names"
+    assert said in shown.text, shown.text
+    assert "any module's globals (a script's own as __main__)" in shown.text, shown.text

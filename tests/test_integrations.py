@@ -182,3 +182,14 @@ def test_bad_callback_arguments_name_the_fix(kernel):
     assert "drop delete= and params=" in cell.error
     cell = kernel.run("GPUExperimentCallback(limt='1GiB')", expect_error=True)
     assert "limt" in cell.error
+
+
+def test_a_callbacks_bad_values_are_refused_when_it_is_made_not_when_fit_starts(kernel):
+    kernel.run("from gpuexp.integrations.transformers import GPUExperimentCallback")
+    cell = kernel.run("GPUExperimentCallback(limit='abc')", expect_error=True)
+    assert cell.error.startswith("ValueError: limit='abc'") and '"24GiB"' in cell.error, cell.error
+    cell = kernel.run("GPUExperimentCallback(name=5)", expect_error=True)
+    assert cell.error == "TypeError: name must be a string such as 'bs=64', got int", cell.error
+    cell = kernel.run("GPUExperimentCallback(monitor='often')", expect_error=True)
+    assert cell.error.startswith("ValueError") and "often" in cell.error, cell.error
+    kernel.run("GPUExperimentCallback(name='ok', limit='1GiB', monitor='50ms')")

@@ -182,9 +182,9 @@ def test_objects_that_raise_when_inspected_are_skipped_and_counted(kernel):
         kernel.run("with gpuexp.CPUExperiment('hostile'):\n    made = torch.zeros(1 << 20)")
         notes = kernel.value("gpuexp.history()[-1].notes")
         skipped = [n for n in notes if SKIPPED in n]
-        # BadDict; BadClass is inspected through its type, not its __class__, and a dead proxy is
-        # never expanded (it can hold nothing), so neither raises into the walk.
-        assert len(skipped) == 1 and skipped[0].startswith("1 object in the namespace"), notes
+        # BadDict and the two dead proxies (`proxy`, `held["proxy"]`: any use raises); BadClass is
+        # inspected through its type, not its __class__, so it does not raise into the walk.
+        assert len(skipped) == 1 and skipped[0].startswith("3 objects in the namespace"), notes
         assert "made" in kernel.value("gpuexp.history()[-1].to_dict()['deleted']")
         explained = kernel.run("print(gpuexp.explain('cpu'))").text
         assert SKIPPED in explained, explained

@@ -25,6 +25,31 @@ def test_quickstart_runs_whole_and_shows_its_reports():
     assert "gpuexp · numpy only · finished" in out
 
 
+def test_the_demo_explains_itself_without_noise():
+    """run.py prints the markdown between the cells (why less than 100% comes back), no
+    warning from the kernel's start, a note repeated under every table once, and how to open
+    the notebook in JupyterLab with this environment's kernel."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "notebooks" / "run.py"), "notebooks/quickstart.ipynb"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    lines = out.splitlines()
+    assert lines[:2] == ["gpuexp quickstart", "================="], out[:500]
+    assert "Expect less than 100% back on the first experiment of a kernel: the first backward pass, optimizer" in lines
+    assert lines.index("Finish it") < lines.index("In [5]: del exp")
+    assert "without encryption" not in out + done.stderr and "WARNING" not in out + done.stderr
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert len(notes) == len(set(notes)), notes
+    if not GPU:
+        assert notes.count("note: no NVIDIA driver (libnvidia-ml.so.1 not found): GPU rows are not shown") == 1
+    said, command = lines[-1].split(": ", 1)
+    jupyter, rest = command.split(" ", 1)
+    assert (said, rest) == ("To open it in JupyterLab and run it cell by cell", "lab notebooks/quickstart.ipynb")
+    assert (ROOT / jupyter).resolve() == (Path(sys.executable).parent / "jupyter").resolve()
+
+
 def test_batch_size_notebook_runs_whole_here_or_says_why_it_skips():
     done = subprocess.run(
         [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / "batch_size.ipynb")],

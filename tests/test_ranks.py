@@ -293,4 +293,7 @@ def test_a_store_that_is_gone_costs_a_note_once_never_the_report(tmp_path):
     assert result["rank"] == 0
     assert all(any("publishing for gpuexp.ranks() failed" in n for n in notes) for notes in result["notes"]), result
     assert "not tried again" in " ".join(result["notes"][1])
+    # The store's error is quoted once, without its class stacked on ours.
+    assert not any("RuntimeError: RuntimeError" in n for notes in result["notes"] for n in notes), result["notes"]
+    assert not any("failed: RuntimeError: " in n for notes in result["notes"] for n in notes), result["notes"]
     assert result["seconds"][1] < 0.5, result["seconds"]

@@ -6,6 +6,8 @@ import pickle
 
 import pytest
 
+from conftest import GPU
+
 MiB = 1 << 20
 
 # The scripted program: each line allocates a known size per sample; a batch's blocks are all
@@ -120,3 +122,11 @@ def test_the_cell_log_with_the_trace_on_and_no_cuda_shows_what_it_showed_with_it
         kernel.value("sorted(gpuexp.cells()[-3].to_dict())")] * 3, "no key added: the record is as before"
     assert kernel.value("any('peak_sites' in c.to_dict() for c in gpuexp.cells())") is False
     assert kernel.value("torch.cuda.is_initialized()") is False, "the log created no CUDA context to trace"
+
+
+@pytest.mark.skipif(GPU, reason="checks a machine where torch sees no CUDA GPU")
+def test_trace_true_without_cuda_points_at_the_host_trace(kernel):
+    kernel.run("import torch, gpuexp")
+    finished = kernel.run("exp = gpuexp.GPUExperiment('t', trace=True)\nexp.finish()")
+    said = "trace=True records torch's CUDA allocations, and torch sees no CUDA GPU: trace=\"host\" traces the host's"
+    assert said in finished.text, finished.text

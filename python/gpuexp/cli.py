@@ -25,6 +25,12 @@ EXIT_CODES = {
 }
 
 
+# What to do instead where there is no driver: both commands read NVML and nothing else.
+NO_DRIVER_FIX = ("this machine has no NVIDIA GPU this process can reach. On a GPU machine, install the NVIDIA driver "
+                 "(`nvidia-smi` works once it is there); here, gpuexp.snapshot() and CPUExperiment measure host "
+                 "memory from Python")
+
+
 def exit_code(error):
     """The exit code for `error`, or None when it is not a failure the command reports."""
     return next((EXIT_CODES[kind] for kind in type(error).__mro__ if kind in EXIT_CODES), None)
@@ -147,10 +153,11 @@ def main(argv=None):
         code = exit_code(error)
         if code is None:
             raise
+        said = f"{error}: {NO_DRIVER_FIX}" if isinstance(error, NvmlUnavailable) else str(error)
         if args.command == "status" and args.json:
             # A script reading --json gets JSON whatever happened: the error and no GPUs.
-            print(json.dumps({"error": str(error), "exit_code": code, "devices": []}, indent=2))
-        print(f"gpuexp: {error}", file=sys.stderr)
+            print(json.dumps({"error": said, "exit_code": code, "devices": []}, indent=2))
+        print(f"gpuexp: {said}", file=sys.stderr)
         return code
 
 

@@ -58,8 +58,7 @@ class GPUExperiment:
         self._id = None
         self._pid = os.getpid()
         self._entered = 0  # open `with` blocks over this experiment
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
+        check_name(name)
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         if not isinstance(delete, bool):
@@ -136,7 +135,9 @@ class GPUExperiment:
             return _core.scope_report(self._id)
         # `%reset` deletes every name itself, and fails on one deleted under it.
         reports, interrupted = _core.finish(self._id, during_reset=ipython.resetting())
-        for report in reports:
+        # Its own report comes last; where the cell displays what this returns, that shows it.
+        shown_as_result = not interrupted and ipython.cell_displays_finish()
+        for report in reports[:-1] if shown_as_result else reports:
             ipython.show(report)
         if interrupted:  # held while the teardown ran: every step ran and the report is shown
             raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had finished")
@@ -251,6 +252,15 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
         progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
         adapter=ipython.DetachedNamespace(),
     )
+
+
+def check_name(name):
+    """An experiment's name: None (``exp-N``) or text that a table and a JSON file can show."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string such as 'bs=64', got {type(name).__name__}")
+    if name is not None and not name.isascii() and name.encode("utf-8", "replace").decode() != name:
+        raise ValueError(f"name {name!r} holds a lone surrogate, which no file or table can show: "
+                         "pass a name of plain text, e.g. name.encode('utf-8', 'replace').decode()")
 
 
 def size(value, name, *, zero=False):

@@ -160,6 +160,14 @@ def _unquoted(name):
     return name
 
 
+def _ends_with_semicolon(ip, cell):
+    """Whether the cell ends with `;`, which silences its last expression as in a plain cell."""
+    try:
+        return ip.displayhook.semicolon_at_end_of_expression(cell)
+    except Exception:  # a cell the tokenizer rejects raised already, as a SyntaxError, in ast_parse
+        return False
+
+
 def _run_as_experiment(ip, line, cell, trace=None):
     tree = ip.compile.ast_parse(ip.transform_cell(cell))
     # The body starts on the cell's second line, below `%%gpuexp`: its line numbers say so.
@@ -168,9 +176,16 @@ def _run_as_experiment(ip, line, cell, trace=None):
     whole = f"%%gpuexp {line}\n{cell}"
     number = len(getattr(ip.history_manager, "input_hist_raw", [])) - 1
     filename = ip.compile.cache(whole, number if number > 0 else ip.execution_count, raw_code=whole)
+    # The last expression is displayed as a plain cell's is (Out, `_`; not after a `;`), before
+    # the experiment finishes: its teardown then clears those references to what it created.
+    shows_last = tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(ip, cell)
+    last = tree.body.pop() if shows_last else None
     code = compile(tree, filename, "exec", flags=ip.compile.flags, dont_inherit=True)
+    shown = last and compile(ast.Expression(last.value), filename, "eval", flags=ip.compile.flags, dont_inherit=True)
     experiment = GPUExperiment(_unquoted(line.strip()) or None, trace=trace)
     try:
         exec(code, ip.user_global_ns, ip.user_ns)
+        if shown is not None:
+            ip.displayhook(eval(shown, ip.user_global_ns, ip.user_ns))
     finally:
         experiment.finish()

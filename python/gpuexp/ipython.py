@@ -249,6 +249,24 @@ def _running_cell():
         return None
 
 
+def cell_displays_finish():
+    """Whether the running cell ends with ``<experiment>.finish()`` as an expression that IPython
+    displays itself (as ``Out``; no ``;`` after it): then ``finish()`` leaves its report to that
+    display, so that it shows once."""
+    ip = shell()
+    tree = _running_cell()
+    if ip is None or tree is None or not tree.body:
+        return False
+    last = tree.body[-1]
+    ends_with_finish = (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+                        and isinstance(last.value.func, ast.Attribute) and last.value.func.attr == "finish"
+                        and not last.value.args and not last.value.keywords)
+    try:
+        return ends_with_finish and ip.ast_node_interactivity != "none" and not ip.displayhook.quiet()
+    except Exception:  # an unusual shell: show the report, as everywhere else
+        return False
+
+
 def assignment_targets():
     """Names the running cell binds to a new experiment (``exp = GPUExperiment(...)``).
 

@@ -25,8 +25,11 @@ impl Grid {
         for row in &self.rows {
             table.add_row(row);
         }
-        for column in table.column_iter_mut().skip(1) {
-            column.set_cell_alignment(CellAlignment::Right);
+        for (column, align) in table.column_iter_mut().zip(self.alignments()) {
+            column.set_cell_alignment(match align {
+                Align::Left => CellAlignment::Left,
+                Align::Right => CellAlignment::Right,
+            });
         }
         let mut out = String::new();
         out.push_str(&self.title);
@@ -43,7 +46,25 @@ impl Grid {
         out
     }
 
+    /// How each column lines up, by what it holds: the first column names its rows and every
+    /// column of text reads from the left; a column of figures lines up on the right, so that
+    /// their digits and units align. A column is text when any of its cells is.
+    fn alignments(&self) -> Vec<Align> {
+        (0..self.header.len())
+            .map(|column| {
+                let figures = self.rows.iter().filter_map(|row| row.get(column)).all(|cell| is_figure(cell));
+                if column > 0 && figures {
+                    Align::Right
+                } else {
+                    Align::Left
+                }
+            })
+            .collect()
+    }
+
     pub fn to_html(&self) -> String {
+        let alignments = self.alignments();
+        let align = |column: usize| alignments.get(column).copied().unwrap_or(Align::Left).css();
         let mut out = String::from(if self.compact {
             "<div class=\"gpuexp\" style=\"font-size:smaller\">"
         } else {
@@ -79,12 +100,28 @@ pub fn prefixed(label: &str, lines: &[String]) -> Vec<String> {
     lines.iter().map(|line| format!("{label}: {line}")).collect()
 }
 
-fn align(column: usize) -> &'static str {
-    if column == 0 {
-        "left"
-    } else {
-        "right"
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Align {
+    Left,
+    Right,
+}
+
+impl Align {
+    fn css(self) -> &'static str {
+        match self {
+            Align::Left => "left",
+            Align::Right => "right",
+        }
     }
+}
+
+/// A figure: a number, maybe signed, with what follows it (`1.00 GiB`, `+3 MiB`, `85.5%`,
+/// `2.0×`, `80.00 GiB total`), or a cell that stands for none (empty, `—`). A comma makes it
+/// prose (`2.0×, linear in bs`), as does anything that starts with a letter or a symbol.
+fn is_figure(cell: &str) -> bool {
+    let cell = cell.trim();
+    let unsigned = cell.trim_start_matches(['+', '-', '−', '±', '~']);
+    matches!(cell, "" | "—" | "-") || (unsigned.starts_with(|c: char| c.is_ascii_digit()) && !cell.contains(','))
 }
 
 pub(crate) fn escape(text: &str) -> String {
@@ -160,13 +197,46 @@ mod tests {
         );
     }
 
+    fn table(rows: &[[&str; 4]]) -> Grid {
+        Grid {
+            title: "t".into(),
+            lines: Vec::new(),
+            header: ["site", "line", "bytes", "growth"].map(String::from).to_vec(),
+            rows: rows.iter().map(|row| row.map(String::from).to_vec()).collect(),
+            notes: Vec::new(),
+            compact: false,
+        }
+    }
+
     #[test]
-    fn labels_are_left_aligned_and_figures_right() {
-        let html = grid(false).to_html();
-        let row = "<td style=\"text-align:left\">x&lt;y</td><td style=\"text-align:right\">1.00 GiB</td>";
+    fn labels_and_text_are_left_aligned_and_figures_right() {
+        let g = table(&[
+            ["In [2], line 16", "w = s.softmax(-1)", "512.00 MiB", "2.0×, linear in bs"],
+            ["(before)", "", "—", "new"],
+        ]);
+        let text = g.to_text();
+        assert!(text.contains("│ site            ┆ line              ┆      bytes ┆ growth             │"), "{text}");
+        assert!(text.contains("│ In [2], line 16 ┆ w = s.softmax(-1) ┆ 512.00 MiB ┆ 2.0×, linear in bs │"), "{text}");
+        assert!(text.contains("│ (before)        ┆                   ┆          — ┆ new                │"), "{text}");
+        let html = g.to_html();
+        let head = "<th style=\"text-align:left\">line</th><th style=\"text-align:right\">bytes</th>";
+        assert!(html.contains(head), "{html}");
+        let row = "<td style=\"text-align:left\">w = s.softmax(-1)</td><td style=\"text-align:right\">512.00 MiB</td>";
         assert!(html.contains(row), "{html}");
-        let text = grid(false).to_text();
-        assert!(text.contains("│ a & b  ┆      \"q\" │"), "{text}");
+    }
+
+    #[test]
+    fn a_column_is_figures_only_when_every_cell_is_one() {
+        for figure in ["1.00 GiB", "+3 MiB", "-65.00 MiB", "−2 B", "85.5%", "2.0×", "80.00 GiB total", "12", "—", ""]
+        {
+            assert!(is_figure(figure), "{figure}");
+        }
+        for text in ["tensor [16, 256]", "2.0×, linear in bs", "new", "x = 1", "cuda:0", "(no Python tensor)"] {
+            assert!(!is_figure(text), "{text}");
+        }
+        // The first column names the rows, even when they are numbers (ranks).
+        let g = table(&[["0", "a", "1 B", "2"], ["1", "3", "2 B", "4"]]);
+        assert_eq!(g.alignments(), [Align::Left, Align::Left, Align::Right, Align::Right]);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 import inspect
 
 from .. import _core
-from ..experiment import GPUExperiment
+from ..experiment import GPUExperiment, check_name, size
+from ..monitor import seconds
 
 
 class TrainingRun:
@@ -58,6 +59,7 @@ def settle(callback, name, every_n_steps, experiment):
     if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
                                       or every_n_steps < 1):
         raise ValueError(f"every_n_steps must be a positive int, e.g. every_n_steps=50; got {every_n_steps!r}")
+    check_name(name)
     callback.name = name
     callback.every_n_steps = every_n_steps
     callback.experiment = experiment_options(experiment)
@@ -71,4 +73,8 @@ def experiment_options(options):
         raise TypeError("a callback's experiment deletes nothing and takes its params from the run: "
                         "drop delete= and params= (name= sets its name)")
     inspect.signature(GPUExperiment.__init__).bind(None, **options)  # a TypeError names the bad keyword
+    # The values the experiment reads without a device, read now as it will read them.
+    size(options.get("limit"), "limit")
+    if options.get("monitor") not in (None, True, False):
+        seconds(options["monitor"])
     return options

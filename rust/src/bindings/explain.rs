@@ -8,10 +8,12 @@ use std::time::Instant;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::error::NvmlUnavailable;
 use super::holders::{hunt_roots, roles_of, sum_roles, survey, Buffer, Memory};
 use super::rank_gpu;
 use super::report::json_to_python;
 use super::snapshot::take_snapshot;
+use crate::error::Error;
 use crate::explain::{Explanation, Found, GpuFigures, OtherProcess, Reading};
 use crate::snapshot::{host, nvml, own_pids, GpuSelection};
 use crate::uninspectable::Uninspectable;
@@ -19,6 +21,9 @@ use crate::uninspectable::Uninspectable;
 fn gpu_figures(py: Python, index: u32) -> PyResult<GpuFigures> {
     let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![index]));
     let gpu = snapshot.gpus.iter().find(|g| g.torch_index == index).ok_or_else(|| match nvml::available() {
+        Err(Error::NoDriver(why)) => NvmlUnavailable::new_err(format!(
+            "explain({index}): {why}, so this machine has no GPU to explain: explain('cpu') explains host memory"
+        )),
         Err(why) => PyErr::from(why),
         Ok(()) => {
             PyValueError::new_err(format!("cuda:{index} is not a visible GPU: name one torch sees, e.g. explain(0)"))

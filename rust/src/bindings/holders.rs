@@ -162,6 +162,7 @@ pub fn hunt<'py>(
         skipped: survey.skipped,
         truncated: survey.truncated,
         seconds: started.elapsed().as_secs_f64(),
+        min_bytes,
         holders: survey
             .held
             .iter()

@@ -1,7 +1,7 @@
 //! Where a leak hunt starts: every place a user's objects live, each labelled as a person
 //! would say it. The core decides the order ([`RootKind`]); this file only finds them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString};
@@ -9,6 +9,7 @@ use pyo3::types::{PyDict, PyModule, PyString};
 use super::namespace::{hidden_refs, user_names};
 use super::python_heap::frame_label;
 use crate::holders_walk::{Root, RootKind};
+use crate::teardown::is_system_name;
 
 pub(super) type PyRoot<'py> = Root<Bound<'py, PyAny>>;
 
@@ -103,14 +104,20 @@ fn thread_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
 }
 
 /// Every module's globals, as `module.name`: the user's own modules, then libraries. Read
-/// from the module's dict, never by attribute, so a lazy module is not imported.
+/// from the module's dict, never by attribute, so a lazy module is not imported. The main
+/// module is walked once, as `__main__`, under whichever names `sys.modules` gives it (torch's
+/// multiprocessing adds `__mp_main__`): a script's globals, when `holders()` is called from one
+/// of its functions. Where they are the namespace's own names they were walked first, as names.
 fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<'py>>> {
     let modules = py.import("sys")?.getattr("modules")?.call_method0("copy")?.cast_into::<PyDict>()?;
+    let main = modules.get_item("__main__")?;
     let mut roots = Vec::new();
     for (name, module) in modules.iter() {
         let Ok(name) = name.extract::<String>() else { continue };
         let Ok(module) = module.cast_into::<PyModule>() else { continue };
-        if name == "__main__" {
+        let is_main = main.as_ref().is_some_and(|main| module.is(main));
+        let no_hidden = HashSet::new();
+        if is_main && name != "__main__" {
             continue;
         }
         let globals = module.dict();
@@ -119,7 +126,10 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
         for (key, value) in globals.iter() {
             let Ok(key) = key.cast_into::<PyString>() else { continue };
             let key = key.to_string();
-            if !key.starts_with("__") {
+            // IPython's own names in a notebook's main module (`Out`, `_3`, `_i3`) are its
+            // hidden references, already walked under their own labels.
+            let ipythons = is_main && is_system_name(&key, &no_hidden);
+            if !key.starts_with("__") && !ipythons {
                 roots.push(root(kind, format!("{name}.{key}"), value));
             }
         }

@@ -35,6 +35,7 @@ mod status;
 mod step_state;
 mod torch;
 mod trace;
+mod trace_opening;
 mod trace_recording;
 mod training;
 mod units;

@@ -164,7 +164,7 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
     match &opened {
         // Ctrl-C during the checks says nothing about the store: it is tried again next time.
         Err(e) if is_interrupt(py, e) => {}
-        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), e.to_string())),
+        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), said(py, e))),
         Ok(_) => {}
     }
     let store = opened?;
@@ -307,6 +307,18 @@ pub(super) fn complete_report(py: Python, report: &mut Report) {
     report.rank = identity(process_group(py).as_ref());
 }
 
+/// A store's error as a note quotes it: its message, after its class where that says more than
+/// RuntimeError (which our own errors about the store are too, so a note would read
+/// "RuntimeError: RuntimeError: ...").
+fn said(py: Python, error: &PyErr) -> String {
+    let message = error.value(py).str().map(|m| m.to_string()).unwrap_or_default();
+    if error.get_type(py).is(py.get_type::<PyRuntimeError>()) {
+        return message;
+    }
+    let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+    format!("{kind}: {message}")
+}
+
 /// Once the teardown is done and the held interrupt given back: publishes a rank's finished
 /// report. A store that fails costs a note, returned for the report, never the report; where
 /// the named store can't be reached, the group's takes the report.
@@ -321,20 +333,20 @@ pub(super) fn publish_report(py: Python, scope: ScopeId, report: &Report) -> Vec
     let run = match run_token(py, group.as_ref()) {
         Ok(run) => run,
         Err(e) => {
-            notes.push(format!("the process group's store did not answer ({e}): runs are not told apart"));
+            notes.push(format!("the process group's store did not answer ({}): runs are not told apart", said(py, &e)));
             None
         }
     };
     let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
-        notes.push(format!("publishing for gpuexp.ranks() failed: {unreachable}"));
+        notes.push(format!("publishing for gpuexp.ranks() failed: {}", said(py, &unreachable)));
         group_target(group.as_ref())
     });
     let published = match store {
         Ok(Some((store, label))) => {
-            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {e}"))
+            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {}", said(py, &e)))
         }
         Ok(None) => Ok(()),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(said(py, &e)),
     };
     if let Err(failure) = published {
         notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));

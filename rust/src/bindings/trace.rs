@@ -9,11 +9,12 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyException, PyOSError, PyValueError};
+use pyo3::exceptions::{PyException, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
+use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
@@ -120,16 +121,19 @@ fn attributed_snapshot<T>(
     }
 }
 
-/// The core's findings for `devices` (None: every one it has) from a snapshot, from `since_us` on.
+/// The core's findings for `devices` from a snapshot, from `since_us` on (None: from
+/// the opening of the experiment the file was saved for, where gpuexp saved it, else all of it).
 fn analyse(
     py: Python,
     snapshot: &Snapshot,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
-    since_us: i64,
+    since_us: Option<i64>,
 ) -> PyResult<Vec<DeviceTrace>> {
-    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed_snapshot(py, snapshot, |snapshot, attribution| {
+        let window = snapshot.gpuexp.window.as_ref();
+        let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
+        let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
         let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
         let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
         trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
@@ -144,7 +148,7 @@ pub(super) fn cell_peak_sites(
     max_entries: Option<u64>,
     since_us: i64,
 ) -> Result<Vec<CellPeakSite>, String> {
-    let pickle = trace_recording::snapshot_pickle(py)?;
+    let pickle = trace_recording::snapshot_pickle(py, None)?;
     let max_entries = max_entries.and_then(|m| usize::try_from(m).ok());
     attributed(py, &pickle, |snapshot, attribution| {
         trace::cell_peak_sites(snapshot, moved, max_entries, since_us, attribution)
@@ -167,7 +171,7 @@ pub(super) fn last_oom(
     if !trace_recording::history_enabled(&super::torch::PyTorch::find(py)) {
         return None;
     }
-    let pickle = trace_recording::snapshot_pickle(py).ok()?;
+    let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
     attributed(py, &pickle, |snapshot, attribution| {
         let replayed = trace::replay(snapshot, torch_index as usize, None);
         crate::recorder::read_oom(snapshot, &replayed, requested, step, attribution)
@@ -185,11 +189,18 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         return;
     }
     let devices = report.traced_devices();
-    let read = trace_recording::snapshot_pickle(py).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-        let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
-        let traces = analyse(py, &snapshot, Some(&devices), window.max_entries, window.opened_us)?;
-        Ok((pickle, traces))
-    });
+    // Torch's own peak over the experiment, saved with the snapshot: the figure its replay meets.
+    let peaks = (report.gpus.iter())
+        .filter(|gpu| devices.contains(&gpu.torch_index))
+        .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
+        .collect();
+    let key = WindowKey { opened_us: window.opened_us, max_entries: window.max_entries, peaks };
+    let read =
+        trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
+            let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
+            let traces = analyse(py, &snapshot, Some(&devices), window.max_entries, Some(window.opened_us))?;
+            Ok((pickle, traces))
+        });
     match read {
         Ok((pickle, mut traces)) => {
             trace::name_holders(&mut traces, storages);
@@ -280,13 +291,23 @@ impl TracePy {
 
     /// Writes torch's snapshot in its own pickle format, which memory_viz and Mosaic open; the
     /// file is replaced atomically.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
         })?;
         py.detach(|| crate::files::write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
+}
+
+/// `save_snapshot`'s path, as `save_history` takes one: a str or an os.PathLike.
+fn snapshot_path(path: &Bound<PyAny>) -> PyResult<PathBuf> {
+    path.extract().map_err(|_| {
+        let given = path.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        PyTypeError::new_err(format!(
+            "save_snapshot() takes a file path (a str or os.PathLike), e.g. save_snapshot('peak.pickle'); got {given}"
+        ))
+    })
 }
 
 impl TracePy {
@@ -399,7 +420,7 @@ pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
     let mut interrupts = Interruptible::new();
     let read = py.detach(|| trace::file::read(&path, &mut || interrupts.check()));
     let (pickle, snapshot) = read.map_err(|e| interrupts.error(e))?;
-    let devices = analyse(py, &snapshot, None, None, i64::MIN)?;
+    let devices = analyse(py, &snapshot, None, None, None)?;
     trace::file::refuse_impossible_peaks(&devices)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
@@ -426,7 +447,7 @@ impl ReportPy {
 
     /// Writes the experiment's torch snapshot (``trace=True``) for memory_viz and Mosaic; the file
     /// is replaced atomically.
-    fn save_snapshot(&self, py: Python, path: PathBuf) -> PyResult<()> {
+    fn save_snapshot(&self, py: Python, #[pyo3(from_py_with = snapshot_path)] path: PathBuf) -> PyResult<()> {
         self.traced()?.save_snapshot(py, path)
     }
 }

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
+use super::trace_opening::WindowKey;
 use crate::recording_lease::{Change, HistoryMode, Lease};
 
 /// Entries the ring buffer keeps, in either mode (torch would scramble a ring buffer that a
@@ -44,13 +45,20 @@ pub(super) fn now_us() -> i64 {
     i64::try_from(since.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// What to trace instead where there is no CUDA allocation to record.
+const TRACE_HOST: &str =
+    "trace=\"host\" traces the host's memory instead (Python's objects and NumPy's arrays, through tracemalloc)";
+
 fn memory_module<'py>(py: Python<'py>) -> Result<(PyTorch<'py>, Bound<'py, PyAny>), String> {
     let torch = PyTorch::find(py);
-    let module = torch.torch.as_ref().ok_or("trace=True records torch's CUDA allocations: import torch first")?;
+    let module = torch
+        .torch
+        .as_ref()
+        .ok_or_else(|| format!("trace=True records torch's CUDA allocations: import torch first, or {TRACE_HOST}"))?;
     let cuda = module.getattr("cuda").map_err(|e| e.to_string())?;
     let available = cuda.call_method0("is_available").and_then(|a| a.extract::<bool>()).unwrap_or(false);
     if !available {
-        return Err("trace=True records torch's CUDA allocations, and torch sees no CUDA GPU".into());
+        return Err(format!("trace=True records torch's CUDA allocations, and torch sees no CUDA GPU: {TRACE_HOST}"));
     }
     let memory = cuda.getattr("memory").map_err(|e| e.to_string())?;
     Ok((torch, memory))
@@ -80,10 +88,17 @@ fn apply(py: Python, memory: &Bound<PyAny>, change: Change<HistoryMode>) -> PyRe
     let mode = match change {
         Change::Keep => return Ok(()),
         Change::Stop => {
+            super::trace_opening::forget();
             kwargs.set_item("enabled", py.None())?;
             return memory.call_method("_record_memory_history", (), Some(&kwargs)).map(drop);
         }
-        Change::Start(mode) | Change::Switch(mode) => mode,
+        Change::Start(mode) => {
+            // The allocator's state just before the history starts: the exact sizes of the blocks
+            // made before it (see trace_opening).
+            super::trace_opening::take(memory, MAX_ENTRIES);
+            mode
+        }
+        Change::Switch(mode) => mode,
     };
     kwargs.set_item("max_entries", MAX_ENTRIES)?;
     kwargs.set_item("stacks", "python")?;
@@ -113,6 +128,9 @@ pub(super) fn join(py: Python, mode: HistoryMode) -> Result<Joined, String> {
     }
     let change = lease().join(mode, || history_enabled(&torch));
     if let Err(e) = apply(py, &memory, change) {
+        if matches!(change, Change::Start(_)) {
+            super::trace_opening::forget();
+        }
         lease().join_failed(mode);
         if first_with_stacks {
             notes.extend(module_paths(py, "uninstall"));
@@ -177,10 +195,12 @@ pub(super) fn open_shares() -> usize {
 }
 
 /// Torch's snapshot now, pickled (protocol 4, as memory_viz and Mosaic read it): the format the
-/// core reads, whether it comes from this process or from a file.
-pub(super) fn snapshot_pickle(py: Python) -> Result<Vec<u8>, String> {
+/// core reads, whether it comes from this process or from a file. What makes its replay exact
+/// (the state at the recording's start, the experiment's `window`) goes in under `gpuexp`.
+pub(super) fn snapshot_pickle(py: Python, window: Option<&WindowKey>) -> Result<Vec<u8>, String> {
     let (_, memory) = memory_module(py)?;
     let snapshot = memory.call_method0("_snapshot").map_err(|e| format!("torch's snapshot failed: {e}"))?;
+    super::trace_opening::annotate(py, &snapshot, window).map_err(|e| format!("torch's snapshot: {e}"))?;
     let pickled = py
         .import("pickle")
         .and_then(|pickle| pickle.call_method1("dumps", (snapshot, 4)))

@@ -129,7 +129,7 @@ impl Comparison {
         for index in &gpus {
             header.extend(GPU_LAYERS[..3].iter().map(|layer| format!("cuda:{index} {} peak", layer.column)));
         }
-        header.extend(["consumed", "reclaimed", "OOMs"].map(String::from));
+        header.extend(["consumed", "share reclaimed", "OOMs"].map(String::from));
         let dash = || "—".to_string();
         let rows = self
             .rows

@@ -81,7 +81,7 @@ fn the_table_shows_a_column_per_param_and_per_layers_peak() {
             "cuda:0 reserved peak",
             "cuda:0 NVML peak",
             "consumed",
-            "reclaimed",
+            "share reclaimed",
             "OOMs"
         ]
     );

@@ -44,6 +44,9 @@ pub struct Holders {
     #[serde(default)]
     pub truncated: bool,
     pub seconds: f64,
+    /// The smallest holder listed: smaller ones were found and left out.
+    #[serde(default)]
+    pub min_bytes: u64,
 }
 
 impl Holders {
@@ -67,18 +70,36 @@ impl Holders {
         extra("(no reachable referrer)", Some(self.unreachable), "live tensors only C++ or a cycle holds");
         extra("(no Python tensor)", self.no_python_tensor, "saved for backward, CUDA graph pools, workspaces");
         extra("(reserved, unallocated)", self.cached, "torch's cache and fragmentation: empty_cache() frees it");
+        let mut notes = self.notes();
+        if rows.is_empty() {
+            notes.insert(0, self.nothing_found());
+        }
         Grid {
             title: format!("gpuexp · {title} · {}", self.device),
             lines: Vec::new(),
             header: ["held by", "size", "what"].map(String::from).to_vec(),
             rows,
-            notes: self.notes(),
+            notes,
             compact: false,
         }
     }
 }
 
 impl Holders {
+    /// What an empty table means: where the hunt looked, and that nothing there held enough.
+    fn nothing_found(&self) -> String {
+        let (kind, place) = match self.device.as_str() {
+            "host" | "cpu" => ("tensor or array", "in host memory".to_string()),
+            device => ("tensor", format!("on {device}")),
+        };
+        format!(
+            "nothing found: no {kind} of {} or more {place} is reachable from your names, IPython's outputs and \
+             last traceback, any thread's frames, any module's globals (a script's own as __main__), paused \
+             generators and tasks, or the interpreter's hooks (min_bytes sets the size)",
+            bytes(self.min_bytes),
+        )
+    }
+
     /// The hunt's own figures, and what it could not see.
     pub fn notes(&self) -> Vec<String> {
         let mut notes = vec![format!("{} objects visited in {:.2} s", self.objects_visited, self.seconds)];
@@ -231,13 +252,24 @@ mod tests {
             skipped: 0,
             truncated: false,
             seconds: 0.01,
+            min_bytes: 1 << 20,
         };
         let text = holders.grid("holders").to_text();
+        assert!(!text.contains("nothing found"), "{text}");
         assert!(
             text.contains("cache[0]") && text.contains("1.00 GiB") && text.contains("(no Python tensor)"),
             "{text}"
         );
         assert!(!text.contains("(reserved, unallocated)") && !text.contains("(no reachable referrer)"), "{text}");
+    }
+
+    #[test]
+    fn an_empty_table_says_where_it_looked_and_that_nothing_was_there() {
+        let holders = Holders { device: "cpu".into(), min_bytes: 1 << 20, objects_visited: 7, ..Holders::default() };
+        let text = holders.grid("holders").to_text();
+        let said = "nothing found: no tensor or array of 1.00 MiB or more in host memory is reachable from your names";
+        assert!(text.contains(said) && text.contains("any module's globals (a script's own as __main__)"), "{text}");
+        assert!(text.contains("7 objects visited"), "{text}");
     }
 
     #[test]

@@ -181,8 +181,9 @@ impl Default for Registry {
 }
 
 impl Registry {
+    /// The name given, or the next `exp-N` where none was (a blank one would make a blank title).
     pub fn name_or_default(&mut self, name: Option<String>) -> String {
-        name.unwrap_or_else(|| {
+        name.filter(|name| !name.trim().is_empty()).unwrap_or_else(|| {
             self.unnamed += 1;
             format!("exp-{}", self.unnamed)
         })

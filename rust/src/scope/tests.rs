@@ -217,6 +217,8 @@ fn default_names_are_numbered_and_given_names_do_not_use_a_number() {
     assert_eq!(registry.name_or_default(None), "exp-2");
     assert_eq!(registry.name_or_default(Some("exp-7".into())), "exp-7");
     assert_eq!(registry.name_or_default(None), "exp-3");
+    assert_eq!(registry.name_or_default(Some(String::new())), "exp-4", "a blank name is no name");
+    assert_eq!(registry.name_or_default(Some(" \t".into())), "exp-5");
 }
 
 #[test]

@@ -114,6 +114,7 @@ pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top:
                 alloc_event: Some(index),
                 free_event: Some(index),
                 module: None,
+                exact: true,
             };
             let live: Vec<&Block> = replay.live_at(index).collect();
             OomSites {

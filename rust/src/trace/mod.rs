@@ -4,7 +4,9 @@
 //! - `file`: a snapshot file from elsewhere, read with its checks (regular, uncompressed, plausible);
 //! - `pickle`: a reader of plain-data pickles that runs nothing;
 //! - `parse`: the snapshot pickle into typed events with interned stacks;
+//! - `layout`: the allocator's segments followed event by event, for each block's exact size;
 //! - `replay`: one device's `memory_allocated` after every event, its peak, the live blocks;
+//! - `opening`: what gpuexp saves with a snapshot to make it exact (the state at opening, the true peak);
 //! - `modules`: the `nn.Module` (path, forward or backward) gpuexp's hooks marked an allocation with;
 //! - `sites`: a block's site (the innermost user frame, else its phase) and category;
 //! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
@@ -23,7 +25,9 @@ pub mod held;
 pub mod holders;
 pub mod host;
 pub mod kinds;
+pub mod layout;
 pub mod modules;
+pub mod opening;
 pub mod parse;
 pub mod peak;
 pub mod pickle;
@@ -39,9 +43,10 @@ pub use holders::{name_holders, HolderStorages};
 pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
 pub use modules::{ModuleFamily, ModuleMark, Modules};
+pub use opening::{Gpuexp, Opening, Window};
 pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
-pub use replay::{replay, Block, Completeness, Peak, Replay};
+pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
 pub use scope::{peak_since, scope_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
@@ -54,5 +59,7 @@ mod cell_tests;
 mod holders_tests;
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod opening_tests;
 #[cfg(test)]
 mod tests;

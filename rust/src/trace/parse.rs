@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::opening::{Gpuexp, Opening, Window};
 use super::pickle::{self, Finish, Value};
 use crate::error::{Error, Result};
 
@@ -199,6 +200,8 @@ pub struct Snapshot {
     pub segments: Vec<Segment>,
     pub device_traces: Vec<Vec<Event>>,
     pub stacks: Stacks,
+    /// What gpuexp saved with it to make the replay exact (absent from torch's own files).
+    pub gpuexp: Gpuexp,
 }
 
 impl Snapshot {
@@ -245,7 +248,8 @@ impl Snapshot {
                 crate::units::bytes(MAX_SIZE)
             )));
         }
-        Ok(Snapshot { segments, device_traces, stacks: builder.stacks })
+        let gpuexp = root.get("gpuexp").map(|key| builder.gpuexp(&key)).unwrap_or_default();
+        Ok(Snapshot { segments, device_traces, stacks: builder.stacks, gpuexp })
     }
 
     /// The devices that have a trace or a segment.
@@ -438,6 +442,31 @@ impl<'a> Builder<'a> {
         }
         event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
         event
+    }
+
+    /// The `gpuexp` key (see `opening`); what is missing or malformed reads as absent.
+    fn gpuexp(&mut self, key: &Value) -> Gpuexp {
+        let cap =
+            |value: &Value| value.get("max_entries").and_then(|m| m.as_int()).and_then(|m| usize::try_from(m).ok());
+        let opening = key.get("opening").filter(|o| matches!(o, Value::Dict(_))).map(|opening| Opening {
+            time_us: int(&opening, "time_us"),
+            max_entries: cap(&opening),
+            segments: opening
+                .get("segments")
+                .map(|s| s.items())
+                .unwrap_or_default()
+                .iter()
+                .map(|s| self.segment(s))
+                .collect(),
+        });
+        let window = key.get("window").filter(|w| matches!(w, Value::Dict(_))).map(|window| Window {
+            opened_us: int(&window, "opened_us"),
+            max_entries: cap(&window),
+            peaks: (window.get("peaks").map(|p| p.items()).unwrap_or_default().iter())
+                .map(|peak| (int(peak, "device").max(0) as usize, int(peak, "max_memory_allocated").max(0) as u64))
+                .collect(),
+        });
+        Gpuexp { opening, window }
     }
 
     fn segment(&mut self, dict: &Value) -> Segment {

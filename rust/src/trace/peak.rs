@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::replay::{Block, Completeness, Peak, Replay};
+use super::replay::{Block, Completeness, Peak, PeakBounds, Replay};
 use super::sites::{Attribution, SiteKey};
 use crate::estimate::Category;
 use crate::grid::{escape, prefixed, Grid};
@@ -64,6 +64,13 @@ pub struct PeakSites {
     #[serde(flatten)]
     pub table: SiteTable,
     pub completeness: Completeness,
+    /// Where the true peak lies, where block sizes alive then were inferred (a file from
+    /// elsewhere); None when the peak is exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bounds: Option<PeakBounds>,
+    /// Torch's own `max_memory_allocated` over the window, where the snapshot carries it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub true_peak: Option<u64>,
 }
 
 /// Groups `blocks` by site: the top `top` sites, the rest, and the categories.
@@ -118,6 +125,8 @@ pub fn peak_sites(replay: &Replay, attribution: &Attribution, top: usize) -> Pea
         peak: replay.peak,
         table: site_table(replay, attribution, &live, top),
         completeness: replay.completeness.clone(),
+        bounds: replay.peak_bounds(0),
+        true_peak: None,
     }
 }
 
@@ -222,7 +231,35 @@ impl PeakSites {
     }
 
     fn notes(&self) -> Vec<String> {
-        prefixed("note", &self.completeness.unknown)
+        let mut notes = self.completeness.unknown.clone();
+        notes.extend(self.exactness());
+        prefixed("note", &notes)
+    }
+
+    /// How exact the peak is, where it may not be: the bound of the error, and torch's own
+    /// peak where the snapshot carries it and the replay does not meet it.
+    pub fn exactness(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(bounds) = self.bounds {
+            lines.push(format!(
+                "{} block sizes were inferred from the sizes asked for: the true peak lies between {} and {} \
+                 (up to {} above the one shown, {} below)",
+                self.completeness.inferred_sizes,
+                bytes(bounds.at_least),
+                bytes(bounds.at_most),
+                bytes(bounds.at_most.saturating_sub(self.peak.bytes)),
+                bytes(self.peak.bytes.saturating_sub(bounds.at_least)),
+            ));
+        }
+        if let Some(true_peak) = self.true_peak.filter(|&t| t != self.peak.bytes) {
+            lines.push(format!(
+                "torch counted a peak of {} ({true_peak} bytes) over the experiment; the replay's is {} ({} bytes)",
+                bytes(true_peak),
+                bytes(self.peak.bytes),
+                self.peak.bytes
+            ));
+        }
+        lines
     }
 
     pub fn to_text(&self) -> String {

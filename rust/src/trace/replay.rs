@@ -3,8 +3,11 @@
 //!
 //! The counter moves as torch's does: up by the block's size at `alloc`, down at `free_requested`
 //! (a block still busy on another stream is no longer allocated). The trace records the size the
-//! caller asked for; the block's size is what the counter counts, so it is taken from the
-//! snapshot's segments where the block is still there, else inferred (see `BlockSizes`).
+//! caller asked for; the block's size is what the counter counts. It is the allocator's own
+//! figure where one is known: the snapshot's segments for blocks still there, the allocator's
+//! state when the recording began (gpuexp takes it: `opening`) for blocks from before, and the
+//! layout of its segments followed event by event (`layout`) for the rest. Elsewhere it is
+//! inferred from the request, and `Replay::peak_bounds` says how far the true peak can be.
 //! Blocks allocated before recording began are reconstructed from their frees and from the
 //! segments, so the figures add up to torch's even when the ring buffer wrapped.
 
@@ -12,6 +15,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::layout::{round, Layout, SMALL};
 use super::modules::Modules;
 use super::parse::{Action, BlockState, Snapshot, StackId};
 
@@ -31,6 +35,9 @@ pub struct Block {
     pub free_event: Option<usize>,
     /// The module it was made in (an index into `Replay::modules`), where the hooks marked one.
     pub module: Option<u32>,
+    /// `bytes` is the allocator's own figure (from its segments, or its layout followed from a
+    /// known state), not inferred from the size asked for.
+    pub exact: bool,
 }
 
 impl Block {
@@ -42,6 +49,25 @@ impl Block {
     pub fn before_recording(&self) -> bool {
         self.alloc_event.is_none()
     }
+
+    /// How far the true size of a block whose size was inferred can be above and below `bytes`:
+    /// torch's block is the request rounded to 512 bytes, or in the large pool the whole free
+    /// block it was cut from when at most 1 MiB would have been left over.
+    fn uncertainty(&self) -> (u64, u64) {
+        if self.exact {
+            return (0, 0);
+        }
+        let least = round(self.requested);
+        let most = if least > SMALL { least + SMALL } else { least };
+        (most.saturating_sub(self.bytes), self.bytes.saturating_sub(least))
+    }
+}
+
+/// Where the true peak lies when block sizes were inferred.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PeakBounds {
+    pub at_least: u64,
+    pub at_most: u64,
 }
 
 /// The highest `memory_allocated` reached.
@@ -67,6 +93,8 @@ pub struct Completeness {
     pub alive_from_before: usize,
     /// Blocks whose size could not be read from the segments and was inferred.
     pub inferred_sizes: usize,
+    /// Blocks from before the recording freed in it whose size the state at its start gave.
+    pub sized_from_opening: usize,
     /// What is unknown, in words, for the report.
     pub unknown: Vec<String>,
 }
@@ -102,7 +130,10 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         .flat_map(|segment| &segment.blocks)
         .map(|block| (block.address, block))
         .collect();
-    let mut sizes = BlockSizes::default();
+    // The allocator's state when the recording began, where gpuexp took it: every block from
+    // before then has its exact size, and every free block its extent.
+    let opening = snapshot.gpuexp.opening_of(device, events.len(), max_entries);
+    let mut layout = opening.as_deref().map(Layout::opening).unwrap_or_default();
     let mut blocks: Vec<Block> = Vec::new();
     // Addresses are the file's to choose: hashed with a random seed (foldhash), so no file can
     // make them collide, and fast enough for two lookups an event over millions of events.
@@ -122,7 +153,8 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         let mut delta = 0i64;
         match event.action {
             Action::Alloc => {
-                let bytes = sizes.alloc(event.addr, event.size);
+                let exact = layout.alloc(event.addr, event.size);
+                let bytes = exact.unwrap_or_else(|| round(event.size));
                 if let Some(previous) = live.insert(event.addr, blocks.len()) {
                     // An address handed out twice without a free: the free was not recorded.
                     blocks[previous].free_event = Some(index);
@@ -136,19 +168,20 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
                     alloc_event: Some(index),
                     free_event: None,
                     module,
+                    exact: exact.is_some(),
                 });
                 delta += bytes as i64;
             }
             Action::FreeRequested => match live.remove(&event.addr) {
                 Some(block) => {
                     blocks[block].free_event = Some(index);
-                    sizes.freed(event.addr, blocks[block].bytes);
                     delta -= blocks[block].bytes as i64;
                 }
                 None => {
-                    let bytes = sizes.unknown(event.size);
+                    let exact = layout.busy(event.addr);
                     completeness.unknown_frees += 1;
-                    completeness.inferred_sizes += 1;
+                    completeness.sized_from_opening += usize::from(exact.is_some());
+                    let bytes = exact.unwrap_or_else(|| round(event.size));
                     before.push(Block {
                         addr: event.addr,
                         bytes,
@@ -157,11 +190,15 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
                         alloc_event: None,
                         free_event: Some(index),
                         module: None,
+                        exact: exact.is_some(),
                     });
                     delta -= bytes as i64;
                 }
             },
-            Action::SegmentAlloc | Action::SegmentMap => sizes.segment(event.addr, event.size),
+            Action::FreeCompleted => layout.free_completed(event.addr),
+            Action::SegmentAlloc => layout.segment(event.addr, event.size),
+            Action::SegmentMap => layout.map(event.addr, event.size),
+            Action::SegmentFree | Action::SegmentUnmap => layout.unmap(event.addr, event.size),
             _ => {}
         }
         deltas.push(delta);
@@ -182,20 +219,20 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         alloc_event: None,
         free_event: None,
         module: None,
+        exact: true,
     }));
     // Blocks still alive take their exact size from the segments.
     for &index in live.values() {
         if let Some(segment_block) = segment_blocks.get(&blocks[index].addr) {
-            if segment_block.state == BlockState::ActiveAllocated && segment_block.size != blocks[index].bytes {
+            if segment_block.state == BlockState::ActiveAllocated {
                 let correction = segment_block.size as i64 - blocks[index].bytes as i64;
                 deltas[blocks[index].alloc_event.expect("recorded")] += correction;
                 blocks[index].bytes = segment_block.size;
+                blocks[index].exact = true;
             }
-        } else {
-            completeness.inferred_sizes += 1;
         }
     }
-    completeness.inferred_sizes += blocks.iter().filter(|b| b.free_event.is_some()).count();
+    completeness.inferred_sizes = before.iter().chain(&blocks).filter(|block| !block.exact).count();
     // Sizes are at most a PiB each (the parse refuses more), but a file may hold many: the sums saturate.
     let baseline: u64 = before.iter().fold(0, |sum, block| sum.saturating_add(block.bytes));
     let mut allocated = Vec::with_capacity(events.len());
@@ -210,10 +247,13 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         }
     }
     // With the cap known, only a full buffer wrapped: frees of older blocks then mean the
-    // recording began after them (as when an experiment starts it). Without it, they may mean either.
-    completeness.may_have_wrapped = match max_entries {
+    // recording began after them (as when an experiment starts it). Without it, they may mean
+    // either, unless the state at the recording's start explains every one.
+    let cap = max_entries.or_else(|| snapshot.gpuexp.opening.as_ref().and_then(|opening| opening.max_entries));
+    completeness.max_entries = cap;
+    completeness.may_have_wrapped = match cap {
         Some(cap) => events.len() >= cap,
-        None => completeness.unknown_frees > 0,
+        None => completeness.unknown_frees > completeness.sized_from_opening,
     };
     completeness.unknown = unknown_in_words(&completeness);
     before.append(&mut blocks);
@@ -239,11 +279,18 @@ fn unknown_in_words(completeness: &Completeness) -> Vec<String> {
             completeness.max_entries.map_or(String::new(), |cap| format!(", cap {cap}"))
         ));
     }
-    if completeness.unknown_frees > 0 {
+    let inferred = completeness.unknown_frees - completeness.sized_from_opening;
+    if completeness.sized_from_opening > 0 {
         unknown.push(format!(
             "{} blocks freed in the trace were allocated before it began: their sites are unknown \
-             and their sizes inferred from the size asked for",
-            completeness.unknown_frees
+             (their sizes are the allocator's, from its state when the recording began)",
+            completeness.sized_from_opening
+        ));
+    }
+    if inferred > 0 {
+        unknown.push(format!(
+            "{inferred} blocks freed in the trace were allocated before it began: their sites are unknown \
+             and their sizes inferred from the size asked for"
         ));
     }
     if completeness.alive_from_before > 0 {
@@ -274,50 +321,57 @@ impl Replay {
         self.blocks.iter().filter(|block| block.free_event.is_none())
     }
 
+    /// Where the true peak from event `first` on lies, given the blocks whose sizes were
+    /// inferred (each within `Block::uncertainty`); None when every size alive then is exact.
+    pub fn peak_bounds(&self, first: usize) -> Option<PeakBounds> {
+        let events = self.allocated.len();
+        // Per event, how much the true figure can be above (over) and below (under) the replayed.
+        let (mut over, mut under) = (vec![0i64; events + 1], vec![0i64; events + 1]);
+        let mut any = false;
+        for block in &self.blocks {
+            let (above, below) = block.uncertainty();
+            if above == 0 && below == 0 {
+                continue;
+            }
+            any = true;
+            let from = block.alloc_event.map_or(0, |event| event + 1);
+            over[from] += above as i64;
+            under[from] += below as i64;
+            if let Some(free) = block.free_event {
+                over[free + 1] -= above as i64;
+                under[free + 1] -= below as i64;
+            }
+        }
+        if !any {
+            return None;
+        }
+        // Index 0 is before the first event; index e + 1 just after event e.
+        let (mut above, mut below) = (0i64, 0i64);
+        let mut bounds: Option<PeakBounds> = None;
+        for state in 0..=events {
+            above += over[state];
+            below += under[state];
+            if state < first {
+                continue;
+            }
+            let bytes = if state == 0 { self.baseline } else { self.allocated[state - 1] } as i64;
+            let (least, most) = ((bytes - below).max(0) as u64, (bytes + above) as u64);
+            bounds = Some(match bounds {
+                None => PeakBounds { at_least: least, at_most: most },
+                Some(b) => PeakBounds { at_least: b.at_least.max(least), at_most: b.at_most.max(most) },
+            });
+        }
+        bounds.filter(|b| b.at_least != b.at_most || b.at_least != self.peak_from(first))
+    }
+
+    /// The replayed peak from state `first` on (0: before the first event).
+    fn peak_from(&self, first: usize) -> u64 {
+        let opening = if first == 0 { self.baseline } else { self.allocated[first - 1] };
+        self.allocated.iter().skip(first).copied().fold(opening, u64::max)
+    }
+
     /// `memory_allocated` just after event `event` (the baseline for an empty trace).
     pub fn allocated_at(&self, event: usize) -> u64 {
         self.allocated.get(event).copied().unwrap_or(self.baseline)
     }
-}
-
-/// A block's size from the size asked for. Torch's trace records the request; the counter
-/// counts the block: the request rounded up to 512 bytes, or the whole free block it was cut
-/// from when too little would be left over to split off (1 MiB for the large pool). The
-/// extents last seen at each address (a segment just made, a block just freed) tell which.
-#[derive(Default)]
-struct BlockSizes {
-    extents: foldhash::HashMap<u64, u64>,
-}
-
-const SMALL: u64 = 1 << 20;
-
-impl BlockSizes {
-    fn alloc(&mut self, addr: u64, requested: u64) -> u64 {
-        let rounded = round(requested);
-        let Some(extent) = self.extents.remove(&addr) else { return rounded };
-        let leftover = extent.checked_sub(rounded);
-        match leftover {
-            // The large pool splits only when more than 1 MiB would be left; the small pool
-            // splits any whole 512 bytes, and blocks are whole 512s.
-            Some(left) if rounded > SMALL && left <= SMALL => extent,
-            _ => rounded,
-        }
-    }
-
-    fn segment(&mut self, addr: u64, size: u64) {
-        self.extents.insert(addr, size);
-    }
-
-    fn freed(&mut self, addr: u64, bytes: u64) {
-        self.extents.insert(addr, bytes);
-    }
-
-    fn unknown(&self, requested: u64) -> u64 {
-        round(requested)
-    }
-}
-
-/// The caching allocator's rounding: whole 512-byte units, at least one.
-fn round(requested: u64) -> u64 {
-    requested.div_ceil(512).max(1) * 512
 }

@@ -25,7 +25,7 @@ pub struct DeviceTrace {
 /// The highest allocated from the first event at or after `since_us` on (what was allocated
 /// when the window opened counts too).
 pub fn peak_since(replay: &Replay, since_us: i64) -> Peak {
-    let first = replay.time_us.iter().position(|&t| t >= since_us).unwrap_or(replay.time_us.len());
+    let first = first_event(replay, since_us);
     let opening = match first.checked_sub(1) {
         Some(before) => Peak { event: Some(before), bytes: replay.allocated[before], time_us: since_us },
         None => Peak { event: None, bytes: replay.baseline, time_us: since_us },
@@ -37,6 +37,11 @@ pub fn peak_since(replay: &Replay, since_us: i64) -> Peak {
             best
         }
     })
+}
+
+/// The first event at or after `since_us` (the trace's length when none is).
+fn first_event(replay: &Replay, since_us: i64) -> usize {
+    replay.time_us.iter().position(|&t| t >= since_us).unwrap_or(replay.time_us.len())
 }
 
 /// Each of `devices` (torch indices) in `snapshot`, from `since_us` on.
@@ -61,6 +66,8 @@ pub fn scope_traces(
                 peak,
                 table: site_table(&replayed, attribution, &live, TOP_SITES),
                 completeness: replayed.completeness.clone(),
+                bounds: replayed.peak_bounds(first_event(&replayed, since_us)),
+                true_peak: snapshot.gpuexp.true_peak(torch_index as usize),
             };
             let in_scope: Vec<u64> = replayed
                 .live_at_end()

@@ -144,7 +144,7 @@ impl Program {
         for event in &mut events {
             event.annotation = event.annotation.map(|text| stacks.intern_string(self.stacks.string(text)));
         }
-        let snapshot = Snapshot { segments: vec![segment], device_traces: vec![events], stacks };
+        let snapshot = Snapshot { segments: vec![segment], device_traces: vec![events], stacks, ..Snapshot::default() };
         (snapshot, self.truth[start..].to_vec(), self.by_site[start..].to_vec())
     }
 }
@@ -410,8 +410,12 @@ fn a_large_block_keeps_the_whole_segment_when_too_little_is_left_to_split() {
         annotation: None,
     });
     p.truth = Vec::new();
-    let snapshot =
-        Snapshot { segments: Vec::new(), device_traces: vec![p.events.clone()], stacks: p.snapshot(0).0.stacks };
+    let snapshot = Snapshot {
+        segments: Vec::new(),
+        device_traces: vec![p.events.clone()],
+        stacks: p.snapshot(0).0.stacks,
+        ..Snapshot::default()
+    };
     let replay = replay(&snapshot, 0, None);
     assert_eq!(replay.allocated, [0, 12 << 20, 0]);
 }

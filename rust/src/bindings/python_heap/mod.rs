@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use pyo3::exceptions::PyAttributeError;
+use pyo3::exceptions::{PyAttributeError, PyReferenceError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType, PyWeakrefMethods, PyWeakrefProxy};
 
 use crate::holders_walk::{Edge, Heap, Kind, Memory, Name, Refs, Unreadable};
 
@@ -32,6 +32,9 @@ pub(super) enum Collected {
 enum Class {
     /// Refers to nothing worth following: numbers, strings, code, descriptors, weak references.
     Atomic,
+    /// A `weakref.proxy`: it holds nothing either, but a dead one raises on any use, so it is
+    /// looked at, to be counted among the objects that could not be inspected.
+    Proxy,
     Dict,
     List,
     Tuple,
@@ -70,6 +73,7 @@ enum Class {
 /// The types the walk tells apart, looked up once per hunt; torch and numpy only if imported.
 struct Known<'py> {
     atomic: Vec<Bound<'py, PyAny>>,
+    proxies: Vec<Bound<'py, PyAny>>,
     dict: Bound<'py, PyAny>,
     list: Bound<'py, PyAny>,
     tuple: Bound<'py, PyAny>,
@@ -121,14 +125,14 @@ impl<'py> Known<'py> {
                 atomic.push(found);
             }
         }
-        for name in ["ReferenceType", "ProxyType", "CallableProxyType"] {
-            atomic.push(weakref.getattr(name)?);
-        }
+        atomic.push(weakref.getattr("ReferenceType")?);
+        let proxies = vec![weakref.getattr("ProxyType")?, weakref.getattr("CallableProxyType")?];
         let mut iterable = vec![b("set")?, b("frozenset")?];
         iterable.extend(imported(py, "collections", &["deque"]));
         let suspendable = |frame, awaits| Class::Suspendable { frame, awaits };
         Ok(Known {
             atomic,
+            proxies,
             dict: b("dict")?,
             list: b("list")?,
             tuple: b("tuple")?,
@@ -212,6 +216,9 @@ impl<'py> PythonHeap<'py> {
         if k.atomic.iter().any(|a| class.is(a)) || k.atomic.iter().any(sub) {
             return Ok(Class::Atomic);
         }
+        if k.proxies.iter().any(|p| class.is(p)) {
+            return Ok(Class::Proxy);
+        }
         if let Some((_, found)) = k.exact.iter().find(|(t, _)| class.is(t)) {
             return Ok(found.clone());
         }
@@ -276,6 +283,12 @@ impl<'py> PythonHeap<'py> {
         let attr = |name: &'static str| Edge::Attr(Name::Fixed(name));
         match self.class(object) {
             Class::Atomic | Class::Leaf => return Ok(Kind::Leaf),
+            Class::Proxy => {
+                return match object.cast::<PyWeakrefProxy>()?.upgrade() {
+                    Some(_) => Ok(Kind::Leaf),
+                    None => Err(PyReferenceError::new_err("weakly-referenced object no longer exists")),
+                }
+            }
             Class::Dict => {
                 for (key, value) in object.cast::<PyDict>()?.iter() {
                     self.add(refs, Edge::Key(key), value);
