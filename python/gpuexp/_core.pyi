@@ -248,7 +248,8 @@ class Trace:
 
     def to_json(self) -> str:
         """One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
-        blocks still held at the end and the out-of-memory errors."""
+        blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
+        object that says so: ``{"devices": [], "note": ...}``."""
     def to_dict(self) -> list[dict[str, Any]]:
         """The same data as lists, dicts, numbers and strings: ``json.loads(self.to_json())``."""
     def _repr_html_(self) -> str:
@@ -671,7 +672,11 @@ def default_device() -> int | None:
 def load_snapshot(path: _Path) -> Trace:
     """Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
     the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
-    checks the path first."""
+    checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
+    is refused); Ctrl-C stops the read and the parse, which run with the GIL released."""
+def write_atomically(path: _Path, data: bytes) -> None:
+    """Replaces `path` with `data` atomically: the old file or the new one, never a cut-off one;
+    the old file's mode kept; no temporary file left on failure."""
 def ranks(name: str | None = None, timeout: float = 10.0) -> Ranks:
     """`gpuexp.ranks()`: every rank's latest report of an experiment, from the store
     `GPUEXP_RANKS_STORE` names (the kernel's own), or in a rank without one, its group's."""

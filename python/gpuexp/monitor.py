@@ -1,10 +1,9 @@
 """A timeline of the host and every visible GPU, recorded by a native thread (``gpuexp._core``)."""
 
 import json
-import os
 
 from . import _core
-from .files import write_atomically
+from .files import save_figure
 
 
 def seconds(interval):
@@ -117,6 +116,5 @@ def plot_samples(samples, path=None, title="gpuexp monitor"):
     figure.suptitle(title)
     figure.tight_layout()
     if path is not None:
-        extension = os.path.splitext(os.fspath(path))[1][1:] or None
-        write_atomically(path, lambda out: figure.savefig(out, dpi=110, format=extension))
+        save_figure(figure, path, dpi=110)
     return figure

@@ -2,6 +2,8 @@
 allocated over time stacked by its top sites, the peak marked. The data and the inline SVG come
 from the core; this only draws."""
 
+from .files import save_figure
+
 
 def figure(devices, title, path=None):
     """One panel per GPU from ``Timeline.to_dict()``; saved to ``path`` when given."""
@@ -25,5 +27,5 @@ def figure(devices, title, path=None):
         ax.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path)
+        save_figure(fig, path)
     return fig

@@ -15,6 +15,8 @@ pub enum Error {
     InvalidArgument(String),
     /// A file or the terminal could not be written or read; the message names the path.
     Io(String),
+    /// The caller asked a long job to stop (Ctrl-C): the bindings raise the interrupt itself.
+    Interrupted,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -22,9 +24,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// The message alone: the kind is for programs, which match on it.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (Error::NoDriver(message) | Error::Nvml(message) | Error::InvalidArgument(message) | Error::Io(message)) =
-            self;
-        f.write_str(message)
+        match self {
+            Error::NoDriver(message) | Error::Nvml(message) | Error::InvalidArgument(message) | Error::Io(message) => {
+                f.write_str(message)
+            }
+            Error::Interrupted => f.write_str("interrupted"),
+        }
     }
 }
 

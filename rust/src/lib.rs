@@ -11,6 +11,8 @@ pub mod error;
 pub mod estimate;
 /// How one device's memory adds up: torch's tensors by role, its cache, what torch does not track.
 pub mod explain;
+/// Paths a user names: regular files read without waiting, files written whole atomically.
+pub mod files;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
 /// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.

@@ -230,23 +230,10 @@ impl Drop for Monitor {
 
 /// A timeline goes to a regular file only: a FIFO without a reader would block its writer,
 /// and a device or socket is no timeline.
+const REGULAR_ONLY: &str = "the monitor writes its timeline to a regular file; name a new .jsonl or .csv file";
+
 fn refuse_special(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    let kind = meta.file_type();
-    let what = if kind.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if kind.is_socket() {
-        "a socket"
-    } else if kind.is_char_device() || kind.is_block_device() {
-        "a device"
-    } else {
-        return Ok(());
-    };
-    Err(Error::InvalidArgument(format!(
-        "{} is {what}, not a regular file: the monitor writes its timeline to a regular file; name a new .jsonl \
-         or .csv file",
-        path.display()
-    )))
+    crate::files::refuse_special(path, meta, REGULAR_ONLY)
 }
 
 /// Opens (creates or truncates) the timeline file without ever waiting: O_NONBLOCK makes a
@@ -263,8 +250,7 @@ fn open_timeline(path: &Path) -> Result<File> {
         .open(path)
         .map_err(|e| match e.raw_os_error() {
             Some(libc::ENXIO) => Error::InvalidArgument(format!(
-                "{} is a FIFO (named pipe), not a regular file: the monitor writes its timeline to a regular \
-                 file; name a new .jsonl or .csv file",
+                "{} is a FIFO (named pipe), not a regular file: {REGULAR_ONLY}",
                 path.display()
             )),
             _ => cannot(e),

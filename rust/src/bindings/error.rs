@@ -1,7 +1,7 @@
 //! Errors cross into Python here, once: each kind of core error becomes one Python exception.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyModuleNotFoundError, PyOSError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyKeyboardInterrupt, PyModuleNotFoundError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::PyErr;
 
@@ -15,7 +15,8 @@ create_exception!(
 );
 
 /// The `?` at every call site: no driver → NvmlUnavailable (a RuntimeError), a failed NVML call
-/// → RuntimeError, bad input → ValueError, a file or the terminal → OSError.
+/// → RuntimeError, bad input → ValueError, a file or the terminal → OSError, a stop asked for
+/// → KeyboardInterrupt (where the bindings have no interrupt of Python's own to raise).
 impl From<Error> for PyErr {
     fn from(error: Error) -> PyErr {
         match error {
@@ -23,6 +24,7 @@ impl From<Error> for PyErr {
             Error::Nvml(message) => PyRuntimeError::new_err(message),
             Error::InvalidArgument(message) => PyValueError::new_err(message),
             Error::Io(message) => PyOSError::new_err(message),
+            Error::Interrupted => PyKeyboardInterrupt::new_err(()),
         }
     }
 }

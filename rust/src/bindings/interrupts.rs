@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
@@ -91,4 +92,43 @@ impl Held<'_> {
 
 pub(super) fn interrupted() -> PyErr {
     PyKeyboardInterrupt::new_err("gpuexp held this interrupt until its work was done")
+}
+
+/// Ctrl-C for long work done with the GIL released (a snapshot's load): `check`, called as
+/// often as the work likes, takes the GIL back every 100 ms to run Python's signal handlers,
+/// and stops the work (`Error::Interrupted`) with the exception they raised, which `error`
+/// gives back so that the very KeyboardInterrupt reaches the user.
+pub(super) struct Interruptible {
+    last: Instant,
+    raised: Option<PyErr>,
+}
+
+impl Interruptible {
+    const EVERY: Duration = Duration::from_millis(100);
+
+    pub(super) fn new() -> Interruptible {
+        Interruptible { last: Instant::now(), raised: None }
+    }
+
+    pub(super) fn check(&mut self) -> crate::error::Result<()> {
+        if self.raised.is_some() {
+            return Err(crate::error::Error::Interrupted);
+        }
+        if self.last.elapsed() < Self::EVERY {
+            return Ok(());
+        }
+        self.last = Instant::now();
+        Python::attach(|py| py.check_signals()).map_err(|raised| {
+            self.raised = Some(raised);
+            crate::error::Error::Interrupted
+        })
+    }
+
+    /// The Python exception for `error`: the one a signal handler raised, where it stopped the work.
+    pub(super) fn error(&mut self, error: crate::error::Error) -> PyErr {
+        match (&error, self.raised.take()) {
+            (crate::error::Error::Interrupted, Some(raised)) => raised,
+            _ => error.into(),
+        }
+    }
 }

@@ -11,6 +11,7 @@ mod error;
 mod estimate;
 mod explain;
 mod fakes;
+mod files;
 mod finder;
 mod fork;
 mod holders;
@@ -53,6 +54,8 @@ mod core_module {
     use super::estimate::{estimate, EstimatePy};
     #[pymodule_export]
     use super::explain::{explain, ExplanationPy};
+    #[pymodule_export]
+    use super::files::write_atomically;
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
     #[pymodule_export]

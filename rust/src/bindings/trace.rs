@@ -9,9 +9,10 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
 use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
@@ -27,12 +28,25 @@ pub(super) struct PyNamer<'py> {
     source_line: Option<Bound<'py, PyAny>>,
     cwd: Option<PathBuf>,
     seen: RefCell<HashMap<(String, u32), Named>>,
+    /// A KeyboardInterrupt (or any exception that is not an `Exception`) raised while a line
+    /// was named: kept for the caller to raise once the work ends, never dropped.
+    interrupted: RefCell<Option<PyErr>>,
 }
 
 impl<'py> PyNamer<'py> {
     pub(super) fn new(py: Python<'py>) -> PyNamer<'py> {
         let source_line = py.import("gpuexp.ipython").and_then(|m| m.getattr("source_line")).ok();
-        PyNamer { source_line, cwd: std::env::current_dir().ok(), seen: RefCell::default() }
+        PyNamer {
+            source_line,
+            cwd: std::env::current_dir().ok(),
+            seen: RefCell::default(),
+            interrupted: RefCell::default(),
+        }
+    }
+
+    /// The interrupt that came while naming, to raise now.
+    pub(super) fn interrupted(&self) -> Option<PyErr> {
+        self.interrupted.borrow_mut().take()
     }
 
     fn lookup(&self, filename: &str, line: u32) -> Named {
@@ -40,12 +54,18 @@ impl<'py> PyNamer<'py> {
         if let Some(found) = self.seen.borrow().get(&key) {
             return found.clone();
         }
-        let found = self
-            .source_line
-            .as_ref()
-            .and_then(|f| f.call1((filename, line)).ok()?.extract::<(Option<String>, String)>().ok())
-            .map(|(label, text)| (label, (!text.is_empty()).then_some(text)))
-            .unwrap_or_default();
+        let source_line = self.source_line.as_ref().filter(|_| self.interrupted.borrow().is_none());
+        let called = source_line.and_then(|f| match f.call1((filename, line)) {
+            Ok(found) => found.extract::<(Option<String>, String)>().ok(),
+            Err(error) => {
+                // An ordinary error leaves the line unnamed; an interrupt is the user's, kept.
+                if !error.is_instance_of::<PyException>(f.py()) {
+                    *self.interrupted.borrow_mut() = Some(error);
+                }
+                None
+            }
+        });
+        let found = called.map(|(label, text)| (label, (!text.is_empty()).then_some(text))).unwrap_or_default();
         self.seen.borrow_mut().insert(key, found.clone());
         found
     }
@@ -82,21 +102,35 @@ fn report_key(report: &Report) -> String {
 /// that names sites as the user reads them.
 fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
     let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
-    let namer = PyNamer::new(py);
-    let rule = SiteRule::default();
-    Ok(find(&snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer)))
+    attributed_snapshot(py, &snapshot, find)
 }
 
-/// The core's findings for `devices` from a snapshot pickle, from `since_us` on (None: from
+/// `find` over a snapshot read already; an interrupt that came while a site was named is
+/// raised once it is done.
+fn attributed_snapshot<T>(
+    py: Python,
+    snapshot: &Snapshot,
+    find: impl FnOnce(&Snapshot, &Attribution) -> T,
+) -> PyResult<T> {
+    let namer = PyNamer::new(py);
+    let rule = SiteRule::default();
+    let found = find(snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer));
+    match namer.interrupted() {
+        Some(interrupt) => Err(interrupt),
+        None => Ok(found),
+    }
+}
+
+/// The core's findings for `devices` from a snapshot, from `since_us` on (None: from
 /// the opening of the experiment the file was saved for, where gpuexp saved it, else all of it).
 fn analyse(
     py: Python,
-    pickle: &[u8],
+    snapshot: &Snapshot,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
     since_us: Option<i64>,
 ) -> PyResult<Vec<DeviceTrace>> {
-    attributed(py, pickle, |snapshot, attribution| {
+    attributed_snapshot(py, snapshot, |snapshot, attribution| {
         let window = snapshot.gpuexp.window.as_ref();
         let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
         let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
@@ -163,7 +197,8 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     let key = WindowKey { opened_us: window.opened_us, max_entries: window.max_entries, peaks };
     let read =
         trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-            let traces = analyse(py, &pickle, Some(&devices), window.max_entries, Some(window.opened_us))?;
+            let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
+            let traces = analyse(py, &snapshot, Some(&devices), window.max_entries, Some(window.opened_us))?;
             Ok((pickle, traces))
         });
     match read {
@@ -181,19 +216,6 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     if let Some(note) = trace_recording::close(py) {
         report.notes.push(note);
     }
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same directory, so that a failure
-/// leaves any file already there as it was.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    let directory = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    written
 }
 
 /// Where in the code one traced experiment (``report.trace``) or a snapshot file
@@ -221,6 +243,9 @@ impl TracePy {
 #[pymethods]
 impl TracePy {
     fn __str__(&self) -> String {
+        if self.devices.is_empty() {
+            return format!("{}: {}", self.name, trace::file::NO_HISTORY);
+        }
         self.devices.iter().map(|d| d.peak.to_text()).collect::<Vec<_>>().join("\n\n")
     }
 
@@ -230,12 +255,20 @@ impl TracePy {
 
     /// The tables as HTML, which Jupyter shows.
     fn _repr_html_(&self) -> String {
+        if self.devices.is_empty() {
+            return format!("<p>{}</p>", crate::grid::escape(&self.__str__()));
+        }
         self.devices.iter().map(|d| d.peak.to_html()).collect()
     }
 
     /// One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
-    /// blocks still held at the end and the out-of-memory errors.
+    /// blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
+    /// object that says so: ``{"devices": [], "note": ...}``.
     fn to_json(&self) -> String {
+        if self.devices.is_empty() {
+            let empty = serde_json::json!({"devices": [], "note": trace::file::NO_HISTORY});
+            return serde_json::to_string_pretty(&empty).expect("plain data serialises");
+        }
         serde_json::to_string_pretty(&self.devices).expect("plain data serialises")
     }
 
@@ -262,7 +295,7 @@ impl TracePy {
         let pickle = self.pickle.clone().ok_or_else(|| {
             PyValueError::new_err("this trace keeps no snapshot (only the latest traced reports keep theirs)")
         })?;
-        py.detach(|| write_atomically(&path, &pickle))
+        py.detach(|| crate::files::write_atomically(&path, &pickle))
             .map_err(|e| PyOSError::new_err(format!("save_snapshot({}): {e}", path.display())))
     }
 }
@@ -380,13 +413,15 @@ impl TimelinePy {
 
 /// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
 /// the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
-/// checks the path first.
+/// checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
+/// is refused); Ctrl-C stops the read and the parse, which run with the GIL released.
 #[pyfunction]
 pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
-    let pickle = py
-        .detach(|| std::fs::read(&path))
-        .map_err(|e| PyOSError::new_err(format!("load_snapshot({}): {e}", path.display())))?;
-    let devices = analyse(py, &pickle, None, None, None)?;
+    let mut interrupts = Interruptible::new();
+    let read = py.detach(|| trace::file::read(&path, &mut || interrupts.check()));
+    let (pickle, snapshot) = read.map_err(|e| interrupts.error(e))?;
+    let devices = analyse(py, &snapshot, None, None, None)?;
+    trace::file::refuse_impossible_peaks(&devices)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })
 }

@@ -9,10 +9,9 @@
 //! A segment is known whole or not at all: one made during the trace, or one in the allocator's
 //! state when the recording began (`opening`). An allocation anywhere else has no exact size.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use super::parse::{BlockState, Segment};
-use super::pickle::Quick;
 
 /// Requests up to this size go to the small pool (torch's kSmallSize); in the large pool, a
 /// free block is split only when more than this would be left.
@@ -30,7 +29,7 @@ pub struct Layout {
     /// Free blocks of known segments: start → size.
     free: BTreeMap<u64, u64>,
     /// Blocks in use (allocated, or freed but still busy on a stream): start → size.
-    busy: HashMap<u64, u64, Quick>,
+    busy: foldhash::HashMap<u64, u64>,
     /// Expandable segments split any 512 bytes, in both pools.
     expandable: bool,
 }

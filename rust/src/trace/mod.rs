@@ -1,6 +1,7 @@
 //! Where in the code: torch's CUDA allocation history (`_record_memory_history` then
 //! `_snapshot`) read, replayed and grouped by the line of the user's code that allocated.
 //!
+//! - `file`: a snapshot file from elsewhere, read with its checks (regular, uncompressed, plausible);
 //! - `pickle`: a reader of plain-data pickles that runs nothing;
 //! - `parse`: the snapshot pickle into typed events with interned stacks;
 //! - `layout`: the allocator's segments followed event by event, for each block's exact size;
@@ -19,6 +20,7 @@
 
 pub mod cell;
 pub mod diff;
+pub mod file;
 pub mod held;
 pub mod holders;
 pub mod host;
@@ -55,6 +57,8 @@ mod bench;
 mod cell_tests;
 #[cfg(test)]
 mod holders_tests;
+#[cfg(test)]
+mod hostile_files_tests;
 #[cfg(test)]
 mod hostile_tests;
 #[cfg(test)]

@@ -22,18 +22,20 @@ pub struct FrameRef<'a> {
     pub name: &'a str,
 }
 
-/// Every distinct string, frame and stack of a snapshot, stored once.
+/// Every distinct string, frame and stack of a snapshot, stored once. The maps are keyed by
+/// what the file holds, so they hash with a per-process random seed: a file can't aim at
+/// collisions it can't compute.
 #[derive(Debug)]
 pub struct Stacks {
     strings: Vec<Box<str>>,
     string_ids: HashMap<Box<str>, u32>,
     /// (filename, line, name) with the strings as ids.
     frames: Vec<(u32, u32, u32)>,
-    frame_ids: HashMap<(u32, u32, u32), u32, pickle::Quick>,
+    frame_ids: foldhash::HashMap<(u32, u32, u32), u32>,
     /// Stack `s` is `stack_frames[stack_starts[s]..stack_starts[s + 1]]`, innermost first.
     stack_starts: Vec<u32>,
     stack_frames: Vec<u32>,
-    stack_ids: HashMap<Box<[u32]>, StackId, pickle::Quick>,
+    stack_ids: foldhash::HashMap<Box<[u32]>, StackId>,
 }
 
 impl Default for Stacks {
@@ -211,14 +213,25 @@ impl Snapshot {
     /// Reads a pickled snapshot (protocols 2 to 5, as `pickle.dumps(torch.cuda.memory._snapshot())`,
     /// memory_viz and Mosaic write it). Nothing in the file is run.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot> {
+        Snapshot::from_pickle_checked(bytes, &mut || Ok(()))
+    }
+
+    /// `from_pickle`, asking `keep_going` every few milliseconds whether to go on: its error
+    /// (`Error::Interrupted`: Ctrl-C) stops the read. A size no device could hold is refused,
+    /// with its field and where it is.
+    pub fn from_pickle_checked(bytes: &[u8], keep_going: &mut dyn FnMut() -> Result<()>) -> Result<Snapshot> {
         let invalid = |why: String| {
             Error::InvalidArgument(format!(
                 "not a torch memory snapshot ({why}); write one with \
                  pickle.dump(torch.cuda.memory._snapshot(), f)"
             ))
         };
-        let mut builder = Builder { budget: Budget::of(bytes.len()), ..Builder::default() };
-        let pickled = pickle::read(bytes, &mut builder).map_err(invalid)?;
+        let mut builder = Builder::new(keep_going, bytes.len());
+        let read = pickle::read(bytes, &mut builder);
+        if let Some(stopped) = builder.stopped.take() {
+            return Err(stopped);
+        }
+        let pickled = read.map_err(invalid)?;
         let root = &pickled.root;
         if !matches!(root, Value::Dict(_)) {
             return Err(invalid("the pickle holds no dict".into()));
@@ -235,6 +248,7 @@ impl Snapshot {
         let segments = root.get("segments").unwrap_or(Value::None);
         builder.budget.charge(segments.item_count());
         let segments = segments.items().iter().map_while(|segment| builder.segment(segment)).collect();
+        let gpuexp = root.get("gpuexp").map(|key| builder.gpuexp(&key)).unwrap_or_default();
         if builder.budget.spent() {
             let why = format!(
                 "its entries refer to one another so that reading it would build more than {} events, \
@@ -244,7 +258,13 @@ impl Snapshot {
             );
             return Err(invalid(why));
         }
-        let gpuexp = root.get("gpuexp").map(|key| builder.gpuexp(&key)).unwrap_or_default();
+        if let Some(impossible) = builder.impossible {
+            return Err(Error::InvalidArgument(format!(
+                "this snapshot holds an impossible size: {impossible}. No GPU holds more than {} in one block; \
+                 the file was not written by torch, or was damaged",
+                crate::units::bytes(MAX_SIZE)
+            )));
+        }
         Ok(Snapshot { segments, device_traces, stacks: builder.stacks, gpuexp })
     }
 
@@ -299,21 +319,59 @@ impl Budget {
     }
 }
 
+/// The largest size a block, a segment or a request can have: no device holds a PiB, so a
+/// larger one (or a negative one, or one past 64 bits) is nonsense, not a fact to show.
+pub const MAX_SIZE: u64 = 1 << 50;
+
 /// Turns each event dict into an `Event` as soon as the reader appends it to its trace, and
 /// interns frames: a shared frame dict is read once (its id noted on it).
-#[derive(Default)]
-struct Builder {
+struct Builder<'a> {
     stacks: Stacks,
     events: Vec<Event>,
     scratch: Vec<u32>,
     budget: Budget,
+    keep_going: &'a mut dyn FnMut() -> Result<()>,
+    /// Why the read stopped, when `keep_going` said so.
+    stopped: Option<Error>,
+    /// The first impossible size met: its field, value and where it is.
+    impossible: Option<String>,
 }
 
 fn int(value: &Value, key: &str) -> i64 {
     value.get(key).and_then(|v| v.as_int()).unwrap_or(0)
 }
 
-impl Builder {
+/// A size as the file gives it; None for one no device could hold (see `MAX_SIZE`), shown.
+fn size(value: &Value) -> std::result::Result<u64, String> {
+    match value {
+        Value::Int(n) if (0..=MAX_SIZE as i64).contains(n) => Ok(*n as u64),
+        Value::Int(n) => Err(n.to_string()),
+        Value::Opaque => Err("a number past 64 bits".into()),
+        _ => Ok(0),
+    }
+}
+
+impl<'a> Builder<'a> {
+    fn new(keep_going: &'a mut dyn FnMut() -> Result<()>, file_bytes: usize) -> Builder<'a> {
+        Builder {
+            budget: Budget::of(file_bytes),
+            stacks: Stacks::default(),
+            events: Vec::new(),
+            scratch: Vec::new(),
+            keep_going,
+            stopped: None,
+            impossible: None,
+        }
+    }
+
+    /// The size in `value`, or 0 with the first impossible one noted (`field` of `what`).
+    fn size(&mut self, value: &Value, field: &str, what: impl FnOnce() -> String) -> u64 {
+        size(value).unwrap_or_else(|shown| {
+            self.impossible.get_or_insert_with(|| format!("{field} {shown} in {}", what()));
+            0
+        })
+    }
+
     fn frame(&mut self, frame: &Value) -> u32 {
         if let Value::Dict(dict) = frame {
             if let Some(id) = dict.note.get() {
@@ -429,19 +487,32 @@ impl Builder {
         };
         let mut frames = None;
         let mut annotation = None;
+        let mut impossible = None;
         let number = |value: &Value| value.as_int().unwrap_or(0);
+        let mut sized = |value: &Value, field: &'static str| {
+            size(value).unwrap_or_else(|shown| {
+                impossible.get_or_insert((field, shown));
+                0
+            })
+        };
         let entries = entries.filter_map(|(key, value)| Some((key.as_str()?, value)));
         entries.for_each(|(key, value)| match key {
             "action" => event.action = Action::named(value.as_str().unwrap_or("")),
             "addr" => event.addr = number(value) as u64,
-            "size" => event.size = number(value) as u64,
+            "size" => event.size = sized(value, "size"),
             "stream" => event.stream = number(value),
             "time_us" => event.time_us = number(value),
-            "device_free" => event.device_free = number(value) as u64,
+            "device_free" => event.device_free = sized(value, "device_free"),
             "frames" => frames = Some(value),
             "user_metadata" => annotation = value.as_str().filter(|text| !text.is_empty()).map(str::to_string),
             _ => {}
         });
+        if let Some((field, shown)) = impossible {
+            let at = self.events.len();
+            self.impossible.get_or_insert_with(|| {
+                format!("{field} {shown} in event {at} of the file ({:?} at address {:#x})", event.action, event.addr)
+            });
+        }
         event.stack = self.stack(frames);
         if let Some(list @ Value::List(_)) = frames.filter(|frames| frames.read_list().is_none()) {
             read.push((list.clone(), event.stack));
@@ -483,26 +554,33 @@ impl Builder {
         let blocks = dict.get("blocks").unwrap_or(Value::None);
         let blocks = if self.budget.charge(blocks.item_count()) { blocks.items() } else { Vec::new() };
         let segment_type = dict.get("segment_type");
+        let address = int(dict, "address") as u64;
+        let segment = move || format!("the segment at address {address:#x}");
+        let total_size = dict.get("total_size").map_or(0, |found| self.size(&found, "total_size", segment));
         Some(Segment {
             device: int(dict, "device").max(0) as usize,
-            address: int(dict, "address") as u64,
-            total_size: int(dict, "total_size") as u64,
+            address,
+            total_size,
             stream: int(dict, "stream"),
             segment_type: segment_type.as_ref().and_then(Value::as_str).unwrap_or("").to_string(),
-            blocks: blocks.iter().map_while(|block| self.block(block)).collect(),
+            blocks: blocks.iter().map_while(|block| self.block(block, &segment)).collect(),
         })
     }
 
     /// A segment's block, none once the budget is spent.
-    fn block(&mut self, block: &Value) -> Option<SegmentBlock> {
+    fn block(&mut self, block: &Value, segment: &dyn Fn() -> String) -> Option<SegmentBlock> {
         if !self.budget.charge(1 + block.item_count()) {
             return None;
         }
+        let at = int(block, "address") as u64;
+        let what = || format!("the block at address {at:#x} of {}", segment());
+        let size = block.get("size").map_or(0, |found| self.size(&found, "size", what));
+        let requested_size = block.get("requested_size").map_or(0, |found| self.size(&found, "requested_size", what));
         let state = block.get("state");
         Some(SegmentBlock {
-            address: int(block, "address") as u64,
-            size: int(block, "size") as u64,
-            requested_size: int(block, "requested_size") as u64,
+            address: at,
+            size,
+            requested_size,
             state: match state.as_ref().and_then(Value::as_str) {
                 Some("active_allocated") => BlockState::ActiveAllocated,
                 Some("active_pending_free") => BlockState::ActivePendingFree,
@@ -513,7 +591,7 @@ impl Builder {
     }
 }
 
-impl Finish for Builder {
+impl Finish for Builder<'_> {
     /// An event dict appended to a list and not read yet (see `finish_dict`) becomes an `Event`.
     fn finish(&mut self, item: Value, read: &mut Vec<(Value, u32)>) -> Value {
         let Value::Dict(dict) = &item else { return item };
@@ -537,6 +615,14 @@ impl Finish for Builder {
 
     /// A frames list (every item a frame dict: one read already, or one with a `filename`) is
     /// read as its stack as it is made, never stored.
+    fn keep_going(&mut self) -> std::result::Result<(), pickle::Error> {
+        (self.keep_going)().map_err(|stopped| {
+            let why = stopped.to_string();
+            self.stopped = Some(stopped);
+            why
+        })
+    }
+
     fn finish_list(&mut self, items: &[Value]) -> Option<u32> {
         for item in items {
             let Value::Dict(dict) = item else { return None };

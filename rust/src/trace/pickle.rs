@@ -15,48 +15,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
-
-/// Hashes addresses and ids: a multiply spreads them. They are not chosen by anyone who could
-/// aim at collisions, so SipHash's protection (and cost) is not needed.
-#[derive(Default)]
-pub struct QuickHasher(u64);
-
-impl Hasher for QuickHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    /// Eight bytes a step: a stack's key is a dozen frame ids, hashed once per event.
-    fn write(&mut self, bytes: &[u8]) {
-        let mut words = bytes.chunks_exact(8);
-        for word in &mut words {
-            self.write_u64(u64::from_le_bytes(word.try_into().expect("8 bytes")));
-        }
-        let rest = words.remainder();
-        if !rest.is_empty() {
-            let mut last = [0u8; 8];
-            last[..rest.len()].copy_from_slice(rest);
-            self.write_u64(u64::from_le_bytes(last) ^ (rest.len() as u64) << 59);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(n as u64);
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// `QuickHasher` for any map.
-pub type Quick = BuildHasherDefault<QuickHasher>;
 
 /// A list or dict being read, with what the reader and the hook note about it.
 #[derive(Debug)]
@@ -259,7 +218,16 @@ pub trait Finish {
     fn finish_list(&mut self, _items: &[Value]) -> Option<u32> {
         None
     }
+
+    /// Asked every `CHECK_EVERY` opcodes whether to go on: an error stops the read (Ctrl-C
+    /// during a large file's load).
+    fn keep_going(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
 }
+
+/// How many opcodes are read between two `Finish::keep_going` (a few milliseconds' worth).
+const CHECK_EVERY: u32 = 1 << 16;
 
 /// Python's pickler appends a list's items and sets a dict's in batches of this many (from
 /// protocol 1 on, with APPENDS and SETITEMS), so a smaller batch on an empty one is all of it.
@@ -559,7 +527,12 @@ impl<F: Finish> Reader<'_, F> {
     }
 
     fn run(&mut self) -> Result<Value, Error> {
+        let mut ops = 0u32;
         loop {
+            ops = ops.wrapping_add(1);
+            if ops.is_multiple_of(CHECK_EVERY) {
+                self.finish.keep_going()?;
+            }
             let op = self.byte()?;
             match op {
                 0x80 => {

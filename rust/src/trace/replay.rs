@@ -13,8 +13,6 @@
 
 use std::collections::HashMap;
 
-use super::pickle::Quick;
-
 use serde::Serialize;
 
 use super::layout::{round, Layout, SMALL};
@@ -137,8 +135,9 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
     let opening = snapshot.gpuexp.opening_of(device, events.len(), max_entries);
     let mut layout = opening.as_deref().map(Layout::opening).unwrap_or_default();
     let mut blocks: Vec<Block> = Vec::new();
-    // Addresses hashed by a multiply, not SipHash: two lookups an event, millions of events.
-    let mut live: HashMap<u64, usize, Quick> = HashMap::default();
+    // Addresses are the file's to choose: hashed with a random seed (foldhash), so no file can
+    // make them collide, and fast enough for two lookups an event over millions of events.
+    let mut live: foldhash::HashMap<u64, usize> = HashMap::default();
     let mut before: Vec<Block> = Vec::new();
     let mut deltas: Vec<i64> = Vec::with_capacity(events.len());
     let mut context = Vec::with_capacity(events.len());
@@ -234,12 +233,13 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         }
     }
     completeness.inferred_sizes = before.iter().chain(&blocks).filter(|block| !block.exact).count();
-    let baseline: u64 = before.iter().map(|block| block.bytes).sum();
+    // Sizes are at most a PiB each (the parse refuses more), but a file may hold many: the sums saturate.
+    let baseline: u64 = before.iter().fold(0, |sum, block| sum.saturating_add(block.bytes));
     let mut allocated = Vec::with_capacity(events.len());
-    let mut now = baseline as i64;
+    let mut now = i64::try_from(baseline).unwrap_or(i64::MAX);
     let mut peak = Peak { event: None, bytes: baseline, time_us: events.first().map_or(0, |e| e.time_us) };
     for (index, delta) in deltas.iter().enumerate() {
-        now += delta;
+        now = now.saturating_add(*delta);
         let bytes = now.max(0) as u64;
         allocated.push(bytes);
         if bytes > peak.bytes {
