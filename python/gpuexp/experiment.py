@@ -190,10 +190,8 @@ class GPUExperiment:
         # could be the middle of any statement, so the core keeps the teardown for a safe point.
         by_collector = gc.is_finalized(self)
         on_main_thread = threading.current_thread() is threading.main_thread()
-        from .extension import listening  # imported here: the extension imports this module
-
         if not _core.dropped(scope_id, by_collector=by_collector, on_main_thread=on_main_thread,
-                             in_shell=listening()):
+                             in_shell=ipython.listening()):
             _finish_unreachable_at_exit()
             return
         try:

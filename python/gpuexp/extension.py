@@ -7,20 +7,27 @@ import sys
 
 from . import _core, live, module_paths
 from .experiment import GPUExperiment, finish_unreachable, open_experiment, tracked
-from .ipython import ShellNamespace, hold_interrupt, in_sight, names_the_cell_binds, raise_held_interrupt, shell, show
+from .ipython import (
+    ShellNamespace,
+    hold_interrupt,
+    in_sight,
+    listened_shells,
+    names_the_cell_binds,
+    raise_held_interrupt,
+    shell,
+    show,
+)
 from .torch_peaks import watch_torch_peak_resets
-
-_registered = set()  # ids of shells whose events we listen to
 
 
 def register(ip):
     """Listens to the shell's cell events and adds the ``%gpuexp`` magics (once per shell)."""
-    if ip is None or id(ip) in _registered:
+    if ip is None or id(ip) in listened_shells:
         return
     ip.events.register("pre_run_cell", _before_cell)
     ip.events.register("post_run_cell", _after_cell)
     ip.register_magics(_magics())
-    _registered.add(id(ip))
+    listened_shells.add(id(ip))
     # Registered by an import, not `%load_ext`: IPython should still know, so that
     # `%unload_ext gpuexp` works and `%load_ext gpuexp` has nothing to do.
     loaded = getattr(getattr(ip, "extension_manager", None), "loaded", None)
@@ -28,23 +35,17 @@ def register(ip):
         loaded.add(__package__)
 
 
-def listening():
-    """Whether gpuexp listens to the running shell's cell events: a cell's end will come to it."""
-    ip = shell()
-    return ip is not None and id(ip) in _registered
-
-
 def unregister(ip):
     """Stops listening to the shell's cell events, removes the ``%gpuexp`` magics and turns the
     standalone cell log off."""
-    if ip is None or id(ip) not in _registered:
+    if ip is None or id(ip) not in listened_shells:
         return
     ip.events.unregister("pre_run_cell", _before_cell)
     ip.events.unregister("post_run_cell", _after_cell)
     for kind in ("line", "cell"):
         ip.magics_manager.magics[kind].pop("gpuexp", None)
     _core.set_standalone_log(False)
-    _registered.discard(id(ip))
+    listened_shells.discard(id(ip))
 
 
 # ---- cell events ---------------------------------------------------------------------------

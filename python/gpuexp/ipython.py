@@ -31,6 +31,17 @@ def shell():
         return None
 
 
+# Ids of the shells whose cell events gpuexp listens to (the extension registers them). Kept here,
+# beside `shell`, so that an experiment can ask without importing the extension, which imports it.
+listened_shells = set()
+
+
+def listening():
+    """Whether gpuexp listens to the running shell's cell events: a cell's end will come to it."""
+    ip = shell()
+    return ip is not None and id(ip) in listened_shells
+
+
 def show(obj):
     """Displays a report, snapshot or cell record: HTML in a notebook, text in a terminal or script."""
     ip = shell()
