@@ -22,7 +22,6 @@ use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection
 use super::torch::{apply_limit, release, restore_limit};
 use super::trace;
 use super::trace_recording::{self, TraceWindow};
-use super::unreachable::{self, finish_due};
 use crate::monitor;
 use crate::report::{Details, Param, Params, Report};
 use crate::scope::{Finishing, Kind, Opening, Owner, SafePoint, ScopeId};
@@ -370,7 +369,7 @@ pub(super) fn finish_with_inner(
     if let Some(scope) = registry().scope_mut(id) {
         scope.keep.extend(keep);
     }
-    unreachable::keep_what_came_after(py, id)?;
+    keep_what_came_after(py, id)?;
     let scope = match registry().begin_finish(id) {
         Finishing::Finished(report) => return Ok(vec![ReportPy(report)]),
         Finishing::InProgress => return Ok(finished),
@@ -468,4 +467,53 @@ pub(super) fn scope_cells(id: ScopeId) -> PyResult<Vec<CellRecordPy>> {
         None => registry.report(id).ok_or_else(|| unknown(id))?.cells.clone(),
     };
     Ok(records.into_iter().map(|r| CellRecordPy { record: Arc::new(r), all_gpus }).collect())
+}
+
+/// The teardowns due `at` this point, run with interrupts held by the caller. A teardown's own
+/// `gc.collect()` may find another experiment unreachable: it is due here too. One that waits
+/// behind a scope opened inside it gets one collection first, since that scope may be garbage
+/// the collector has not found yet. Each round finishes every scope it took (a finished one
+/// leaves the open scopes) or stops at an error.
+pub(super) fn finish_due(
+    py: Python,
+    interrupts: &interrupts::Held,
+    at: SafePoint,
+    to_publish: &mut Vec<ScopeId>,
+) -> PyResult<Vec<ReportPy>> {
+    let mut finished = Vec::new();
+    let mut collected = false;
+    loop {
+        let due = registry().due(at);
+        if due.is_empty() {
+            if collected || !registry().unreachable_waiting() {
+                return Ok(finished);
+            }
+            release(py, Step::CollectGarbage)?;
+            collected = true;
+        }
+        for id in due {
+            finished.extend(finish_with_inner(py, interrupts, id, Vec::new(), false, to_publish)?);
+        }
+    }
+}
+
+/// Before the teardown of a scope found unreachable: the names bound since one of the user's
+/// names last led to it are kept, and its report says why (judged now, against the user's names
+/// as they are).
+pub(super) fn keep_what_came_after(py: Python, id: ScopeId) -> PyResult<()> {
+    if registry().scope(id).is_none_or(|s| s.unreachable.is_none()) {
+        return Ok(());
+    }
+    let now = match baseline_of(id) {
+        Some(baseline) => super::namespace::identities(&baseline.adapter(py))?,
+        None => Default::default(),
+    };
+    let mut registry = registry();
+    if let Some((kept, note)) = registry.kept_when_unreachable(id, &now) {
+        if let Some(scope) = registry.scope_mut(id) {
+            scope.keep.extend(kept);
+            scope.notes.push(note);
+        }
+    }
+    Ok(())
 }

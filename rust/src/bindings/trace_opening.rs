@@ -27,10 +27,9 @@ fn opening() -> std::sync::MutexGuard<'static, Option<State>> {
     guard
 }
 
-/// Takes the state just before gpuexp starts a recording capped at `max_entries` (`memory` is
-/// `torch.cuda.memory`). A failure only leaves the sizes of older blocks to be inferred.
-pub(super) fn take(memory: &Bound<PyAny>, max_entries: u64) {
-    let time_us = super::trace_recording::now_us();
+/// Takes the state at `time_us`, just before gpuexp starts a recording capped at `max_entries`
+/// (`memory` is `torch.cuda.memory`). A failure only leaves the sizes of older blocks to be inferred.
+pub(super) fn take(memory: &Bound<PyAny>, max_entries: u64, time_us: i64) {
     let segments = memory.call_method0("_snapshot").and_then(|state| state.get_item("segments"));
     *opening() = segments.ok().map(|segments| State {
         pid: crate::fork::pid(),

@@ -95,7 +95,7 @@ fn apply(py: Python, memory: &Bound<PyAny>, change: Change<HistoryMode>) -> PyRe
         Change::Start(mode) => {
             // The allocator's state just before the history starts: the exact sizes of the blocks
             // made before it (see trace_opening).
-            super::trace_opening::take(memory, MAX_ENTRIES);
+            super::trace_opening::take(memory, MAX_ENTRIES, now_us());
             mode
         }
         Change::Switch(mode) => mode,

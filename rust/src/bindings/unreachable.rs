@@ -12,10 +12,8 @@ use super::interrupts;
 use super::namespace::identities;
 use super::registry::registry;
 use super::report::ReportPy;
-use super::scope::{baseline_of, finish_with_inner, publish, with_notes};
-use super::torch::release;
+use super::scope::{finish_due, publish, with_notes};
 use crate::scope::{Dropped, Finish, SafePoint, ScopeId};
-use crate::teardown::Step;
 
 /// The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
 /// Otherwise the core keeps it for the next safe point (see [`crate::scope::Finish`]).
@@ -59,53 +57,4 @@ pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy
     let interrupted = held.release(py);
     let amended = publish(py, &to_publish);
     Ok((with_notes(finished?, &amended), interrupted))
-}
-
-/// The teardowns due `at` this point, run with interrupts held by the caller. A teardown's own
-/// `gc.collect()` may find another experiment unreachable: it is due here too. One that waits
-/// behind a scope opened inside it gets one collection first, since that scope may be garbage
-/// the collector has not found yet. Each round finishes every scope it took (a finished one
-/// leaves the open scopes) or stops at an error.
-pub(super) fn finish_due(
-    py: Python,
-    interrupts: &interrupts::Held,
-    at: SafePoint,
-    to_publish: &mut Vec<ScopeId>,
-) -> PyResult<Vec<ReportPy>> {
-    let mut finished = Vec::new();
-    let mut collected = false;
-    loop {
-        let due = registry().due(at);
-        if due.is_empty() {
-            if collected || !registry().unreachable_waiting() {
-                return Ok(finished);
-            }
-            release(py, Step::CollectGarbage)?;
-            collected = true;
-        }
-        for id in due {
-            finished.extend(finish_with_inner(py, interrupts, id, Vec::new(), false, to_publish)?);
-        }
-    }
-}
-
-/// Before the teardown of a scope found unreachable: the names bound since one of the user's
-/// names last led to it are kept, and its report says why (judged now, against the user's names
-/// as they are).
-pub(super) fn keep_what_came_after(py: Python, id: ScopeId) -> PyResult<()> {
-    if registry().scope(id).is_none_or(|s| s.unreachable.is_none()) {
-        return Ok(());
-    }
-    let now = match baseline_of(id) {
-        Some(baseline) => identities(&baseline.adapter(py))?,
-        None => Default::default(),
-    };
-    let mut registry = registry();
-    if let Some((kept, note)) = registry.kept_when_unreachable(id, &now) {
-        if let Some(scope) = registry.scope_mut(id) {
-            scope.keep.extend(kept);
-            scope.notes.push(note);
-        }
-    }
-    Ok(())
 }

@@ -43,8 +43,9 @@ pub use holders::{name_holders, HolderStorages};
 pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
 pub use modules::{ModuleFamily, ModuleMark, Modules};
-pub use opening::{Gpuexp, Opening, Window};
-pub use parse::{Action, BlockState, Event, FrameRef, Segment, SegmentBlock, Snapshot, StackId, Stacks};
+pub use parse::{
+    Action, BlockState, Event, FrameRef, Gpuexp, Opening, Segment, SegmentBlock, Snapshot, StackId, Stacks, Window,
+};
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
 pub use scope::{peak_since, scope_traces, DeviceTrace};

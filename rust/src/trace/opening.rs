@@ -9,36 +9,10 @@
 //! - `window`: the traced experiment the file was saved from: when it opened, the ring
 //!   buffer's cap, and torch's own `max_memory_allocated` over it on each GPU (the true peak
 //!   the replay must meet).
+//!
+//! The key's types are the parsed snapshot's (`parse.rs`); what they tell the replay is here.
 
-use super::parse::Segment;
-
-/// The allocator's state when the recording began.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Opening {
-    /// When it was taken, in Unix microseconds (torch's `time_us` clock): just before the first event.
-    pub time_us: i64,
-    /// The ring buffer's cap the recording started with: a trace that long may have wrapped,
-    /// and then the opening state no longer precedes its first event.
-    pub max_entries: Option<usize>,
-    pub segments: Vec<Segment>,
-}
-
-/// The traced experiment a saved snapshot comes from.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Window {
-    /// When the experiment opened (Unix microseconds): its peak is from then on.
-    pub opened_us: i64,
-    pub max_entries: Option<usize>,
-    /// (torch index, `max_memory_allocated` over the experiment) for each GPU it traced.
-    pub peaks: Vec<(usize, u64)>,
-}
-
-/// The `gpuexp` key of a snapshot: absent from torch's own files.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Gpuexp {
-    pub opening: Option<Opening>,
-    pub window: Option<Window>,
-}
+use super::parse::{Gpuexp, Segment};
 
 impl Gpuexp {
     /// Torch's own peak over the window on `device`, where the file carries it.

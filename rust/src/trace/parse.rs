@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 
-use super::opening::{Gpuexp, Opening, Window};
 use super::pickle::{self, Finish, Value};
 use crate::error::{Error, Result};
 
@@ -197,6 +196,34 @@ pub struct Segment {
     pub stream: i64,
     pub segment_type: String,
     pub blocks: Vec<SegmentBlock>,
+}
+
+/// The allocator's state when the recording began (the `gpuexp` key's `opening`: see `opening.rs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Opening {
+    /// When it was taken, in Unix microseconds (torch's `time_us` clock): just before the first event.
+    pub time_us: i64,
+    /// The ring buffer's cap the recording started with: a trace that long may have wrapped,
+    /// and then the opening state no longer precedes its first event.
+    pub max_entries: Option<usize>,
+    pub segments: Vec<Segment>,
+}
+
+/// The traced experiment a saved snapshot comes from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    /// When the experiment opened (Unix microseconds): its peak is from then on.
+    pub opened_us: i64,
+    pub max_entries: Option<usize>,
+    /// (torch index, `max_memory_allocated` over the experiment) for each GPU it traced.
+    pub peaks: Vec<(usize, u64)>,
+}
+
+/// The `gpuexp` key of a snapshot: absent from torch's own files.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Gpuexp {
+    pub opening: Option<Opening>,
+    pub window: Option<Window>,
 }
 
 /// A whole snapshot: the allocator's state at the end, each device's trace, and their stacks.
