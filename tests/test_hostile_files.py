@@ -1,16 +1,19 @@
 """Files from elsewhere and files gpuexp writes (issue 30, sections 2 and 3): load_snapshot
 refuses what is not a regular file without waiting on it, names compressed files, says when a
-file holds no history, and stops at Ctrl-C; every file gpuexp writes goes through one atomic
-writer that never follows a planted link, keeps the mode and leaves no temporary file."""
+file holds no history, and stops at Ctrl-C, in the parse and in the analysis; every file
+gpuexp writes goes through one atomic writer that never follows a planted link, keeps the mode
+and leaves no temporary file."""
 
 import gzip
 import os
 import pickle
+import signal
 import stat
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 MiB = 1 << 20
 
@@ -145,6 +148,37 @@ def test_ctrl_c_stops_a_large_load_within_a_second(tmp_path):
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("interrupted after"), ran.stdout + ran.stderr
     assert float(ran.stdout.split()[-1]) < 1.5, ran.stdout
+
+
+def test_ctrl_c_stops_the_analysis_after_the_parse_within_a_second(tmp_path):
+    """A 4 MiB file parsed in milliseconds whose analysis takes seconds with the GIL held:
+    each OOM event's live set is every block allocated before it. The signal comes from
+    outside, as the stop button's does: a thread of the process would wait for the GIL."""
+    def event(action, addr):
+        return {"action": action, "addr": addr, "size": 512, "stream": 0, "time_us": 0, "frames": []}
+
+    trace = [event("alloc", (1 << 40) + i * 512) for i in range(100_000)]
+    trace += [event("oom", 1 << 50)] * 1000
+    path = tmp_path / "ooms.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=2))
+    script = textwrap.dedent(f"""
+        import time
+        import gpuexp
+        print("loading", flush=True)
+        try:
+            gpuexp.load_snapshot({str(path)!r})
+            print("loaded")
+        except KeyboardInterrupt:
+            print("interrupted at", time.time())
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "loading\n"
+    time.sleep(0.5)
+    sent = time.time()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=300)
+    assert out.startswith("interrupted at"), out + err
+    assert float(out.split()[-1]) - sent < 1.5, out
 
 
 def test_an_interrupt_while_a_line_is_named_is_raised_not_dropped(tmp_path):

@@ -94,10 +94,10 @@ pub(super) fn interrupted() -> PyErr {
     PyKeyboardInterrupt::new_err("gpuexp held this interrupt until its work was done")
 }
 
-/// Ctrl-C for long work done with the GIL released (a snapshot's load): `check`, called as
-/// often as the work likes, takes the GIL back every 100 ms to run Python's signal handlers,
-/// and stops the work (`Error::Interrupted`) with the exception they raised, which `error`
-/// gives back so that the very KeyboardInterrupt reaches the user.
+/// Ctrl-C for long work (a snapshot's load): `check`, called as often as the work likes, runs
+/// Python's signal handlers every 100 ms (taking the GIL back where the work released it: the
+/// parse; the analysis holds it), and stops the work (`Error::Interrupted`) with the exception
+/// they raised, which `error` gives back so that the very KeyboardInterrupt reaches the user.
 pub(super) struct Interruptible {
     last: Instant,
     raised: Option<PyErr>,

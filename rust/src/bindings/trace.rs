@@ -102,19 +102,27 @@ fn report_key(report: &Report) -> String {
 /// that names sites as the user reads them.
 fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
     let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
-    attributed_snapshot(py, &snapshot, find)
+    attributed_snapshot(py, &snapshot, &mut || Ok(()), |snapshot, attribution, _| find(snapshot, attribution))
 }
 
-/// `find` over a snapshot read already; an interrupt that came while a site was named is
+/// `find` over a snapshot read already, with a `keep_going` that asks the caller's and stops
+/// once a site's naming was interrupted; an interrupt that came while a site was named is
 /// raised once it is done.
 fn attributed_snapshot<T>(
     py: Python,
     snapshot: &Snapshot,
-    find: impl FnOnce(&Snapshot, &Attribution) -> T,
+    keep_going: &mut dyn FnMut() -> crate::error::Result<()>,
+    find: impl FnOnce(&Snapshot, &Attribution, &mut dyn FnMut() -> crate::error::Result<()>) -> T,
 ) -> PyResult<T> {
     let namer = PyNamer::new(py);
     let rule = SiteRule::default();
-    let found = find(snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer));
+    let mut named_or_asked = || {
+        if namer.interrupted.borrow().is_some() {
+            return Err(crate::error::Error::Interrupted);
+        }
+        keep_going()
+    };
+    let found = find(snapshot, &Attribution::new(&snapshot.stacks, &rule, &namer), &mut named_or_asked);
     match namer.interrupted() {
         Some(interrupt) => Err(interrupt),
         None => Ok(found),
@@ -123,20 +131,22 @@ fn attributed_snapshot<T>(
 
 /// The core's findings for `devices` from a snapshot, from `since_us` on (None: from
 /// the opening of the experiment the file was saved for, where gpuexp saved it, else all of it).
+/// `keep_going` is asked every so many events and blocks; its error stops the analysis.
 fn analyse(
     py: Python,
     snapshot: &Snapshot,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
     since_us: Option<i64>,
-) -> PyResult<Vec<DeviceTrace>> {
-    attributed_snapshot(py, snapshot, |snapshot, attribution| {
+    keep_going: &mut dyn FnMut() -> crate::error::Result<()>,
+) -> PyResult<crate::error::Result<Vec<DeviceTrace>>> {
+    attributed_snapshot(py, snapshot, keep_going, |snapshot, attribution, keep_going| {
         let window = snapshot.gpuexp.window.as_ref();
         let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
         let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
         let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
         let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
-        trace::scope_traces(snapshot, &devices, max_entries, since_us, attribution)
+        trace::scope_traces_checked(snapshot, &devices, max_entries, since_us, attribution, keep_going)
     })
 }
 
@@ -198,7 +208,8 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     let read =
         trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
             let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
-            let traces = analyse(py, &snapshot, Some(&devices), window.max_entries, Some(window.opened_us))?;
+            let traces =
+                analyse(py, &snapshot, Some(&devices), window.max_entries, Some(window.opened_us), &mut || Ok(()))??;
             Ok((pickle, traces))
         });
     match read {
@@ -414,13 +425,15 @@ impl TimelinePy {
 /// Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
 /// the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
 /// checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
-/// is refused); Ctrl-C stops the read and the parse, which run with the GIL released.
+/// is refused); Ctrl-C stops the read and the parse, which run with the GIL released, and the
+/// analysis, which holds it.
 #[pyfunction]
 pub(super) fn load_snapshot(py: Python, path: PathBuf) -> PyResult<TracePy> {
     let mut interrupts = Interruptible::new();
     let read = py.detach(|| trace::file::read(&path, &mut || interrupts.check()));
     let (pickle, snapshot) = read.map_err(|e| interrupts.error(e))?;
-    let devices = analyse(py, &snapshot, None, None, None)?;
+    let devices = analyse(py, &snapshot, None, None, None, &mut || interrupts.check())?;
+    let devices = devices.map_err(|e| interrupts.error(e))?;
     trace::file::refuse_impossible_peaks(&devices)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(TracePy { name, params: Params::default(), devices, pickle: Some(Arc::new(pickle)) })

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use super::parse::{Action, Snapshot, StackId};
-use super::peak::{site_table, SiteTable};
+use super::peak::{site_table_checked, SiteTable};
 use super::replay::{Block, Replay};
 use super::sites::{Attribution, Site, SiteKey};
+use crate::error::Result;
 
 /// A block alive at the end of the trace, and where it was allocated.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -26,20 +27,33 @@ pub struct HeldBlock {
 /// storages the leak hunter found), in that order, skipping addresses the trace has no live
 /// block at.
 pub fn still_held(replay: &Replay, attribution: &Attribution, addresses: Option<&[u64]>) -> Vec<HeldBlock> {
-    // A leak is often many blocks from one line: each site is named once.
-    let mut named: HashMap<(SiteKey, StackId), Site> = HashMap::new();
-    let mut held = |block: &Block| {
-        let key = attribution.key(replay, block);
-        let site = named.entry((key, block.stack)).or_insert_with(|| attribution.site(replay, key, block.stack));
-        HeldBlock { addr: block.addr, bytes: block.bytes, site: site.clone(), holders: Vec::new() }
-    };
-    match addresses {
-        None => replay.live_at_end().map(held).collect(),
+    super::unstoppable(|keep_going| still_held_checked(replay, attribution, addresses, keep_going))
+}
+
+/// `still_held`, asking `keep_going` every so many blocks whether to go on.
+pub(super) fn still_held_checked(
+    replay: &Replay,
+    attribution: &Attribution,
+    addresses: Option<&[u64]>,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<HeldBlock>> {
+    let blocks: Vec<&Block> = match addresses {
+        None => replay.live_at_end().collect(),
         Some(addresses) => {
             let live: HashMap<u64, &Block> = replay.live_at_end().map(|b| (b.addr, b)).collect();
-            addresses.iter().filter_map(|addr| live.get(addr).map(|block| held(block))).collect()
+            addresses.iter().filter_map(|addr| live.get(addr).copied()).collect()
         }
+    };
+    // A leak is often many blocks from one line: each site is named once.
+    let mut named: HashMap<(SiteKey, StackId), Site> = HashMap::new();
+    let mut held = Vec::with_capacity(blocks.len());
+    for (n, block) in blocks.into_iter().enumerate() {
+        super::ask_every(n, keep_going)?;
+        let key = attribution.key(replay, block);
+        let site = named.entry((key, block.stack)).or_insert_with(|| attribution.site(replay, key, block.stack));
+        held.push(HeldBlock { addr: block.addr, bytes: block.bytes, site: site.clone(), holders: Vec::new() });
     }
+    Ok(held)
 }
 
 /// An allocation that failed: where, and what was live then.
@@ -99,12 +113,24 @@ pub fn message_matches(requested: u64, asked: u64) -> bool {
 
 /// Every OOM in `replay`'s trace, in order.
 pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
+    super::unstoppable(|keep_going| oom_checked(snapshot, replay, attribution, top, keep_going))
+}
+
+/// `oom`, asking `keep_going` at each OOM (each walks every block) whether to go on.
+pub(super) fn oom_checked(
+    snapshot: &Snapshot,
+    replay: &Replay,
+    attribution: &Attribution,
+    top: usize,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<OomSites>> {
     let events = snapshot.device_traces.get(replay.device).map(Vec::as_slice).unwrap_or(&[]);
     events
         .iter()
         .enumerate()
         .filter(|(_, event)| event.action == Action::Oom)
         .map(|(index, event)| {
+            keep_going()?;
             // The failed allocation as a block that never lived, to ask for its site.
             let failed = Block {
                 addr: event.addr,
@@ -117,14 +143,14 @@ pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top:
                 exact: true,
             };
             let live: Vec<&Block> = replay.live_at(index).collect();
-            OomSites {
+            Ok(OomSites {
                 event: index,
                 time_us: event.time_us,
                 requested: event.size,
                 device_free: event.device_free,
                 site: attribution.site(replay, attribution.key(replay, &failed), event.stack),
-                live: site_table(replay, attribution, &live, top),
-            }
+                live: site_table_checked(replay, attribution, &live, top, keep_going)?,
+            })
         })
         .collect()
 }

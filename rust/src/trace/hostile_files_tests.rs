@@ -1,5 +1,5 @@
 //! Snapshot files written to hurt what reads them whole: addresses chosen to collide, impossible
-//! sizes, a load stopped half-way, compressed and empty files (the pickle reader's own bombs are
+//! sizes, a load and its analysis stopped half-way, compressed and empty files (the pickle reader's own bombs are
 //! `hostile_tests`).
 
 use std::time::{Duration, Instant};
@@ -197,6 +197,35 @@ fn a_load_stops_when_asked_and_says_it_was_interrupted() {
         }
     });
     assert_eq!(stopped.err(), Some(Error::Interrupted));
+}
+
+#[test]
+fn an_analysis_stops_at_any_of_its_asks_and_says_it_was_interrupted() {
+    // Blocks alive at the peak and at the end, and an OOM: every long loop of the analysis.
+    let mut events: Vec<Py> = (0..20_000).map(|i| event("alloc", (i + 1) * 512, 512)).collect();
+    events.push(event("oom", 1 << 40, 1 << 40));
+    let snapshot = Snapshot::from_pickle(&snapshot_of(events, vec![])).expect("a snapshot");
+    let (rule, namer) = (SiteRule::default(), PlainNamer::default());
+    let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
+    let mut asked = 0;
+    let whole = scope_traces_checked(&snapshot, &[0], None, i64::MIN, &attribution, &mut || {
+        asked += 1;
+        Ok(())
+    });
+    assert_eq!(whole.expect("never stopped"), scope_traces(&snapshot, &[0], None, i64::MIN, &attribution));
+    assert!(asked >= 10, "asked {asked} times: a few times in each long loop");
+    for stop_at in 1..=asked {
+        let mut left = stop_at;
+        let stopped = scope_traces_checked(&snapshot, &[0], None, i64::MIN, &attribution, &mut || {
+            left -= 1;
+            if left == 0 {
+                Err(Error::Interrupted)
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!(stopped.err(), Some(Error::Interrupted), "stopped at ask {stop_at} of {asked}");
+    }
 }
 
 #[test]

@@ -17,6 +17,10 @@
 //! - `host`: the host's Python allocations (tracemalloc) grown by site;
 //! - `holders`: which holder the leak hunter named keeps each block alive at the end;
 //! - `cell`: a notebook cell's peak by site, for the cell log.
+//!
+//! The long work (the parse, the replay, the tables) asks a `keep_going` callback now and then
+//! whether to go on: its error (`Error::Interrupted`, Ctrl-C) stops the work. The plain entry
+//! points pass one that never stops.
 
 pub mod cell;
 pub mod diff;
@@ -48,9 +52,27 @@ pub use parse::{
 };
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
-pub use scope::{peak_since, scope_traces, DeviceTrace};
+pub use scope::{peak_since, scope_traces, scope_traces_checked, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
+
+/// How many items of a long loop (events, blocks) go by between two asks of `keep_going`: a
+/// few milliseconds' worth, and a mask next to the work of one item.
+const ASK_EVERY: usize = 1 << 14;
+
+/// Asks `keep_going` at item `n` of a long loop, once every `ASK_EVERY` items (at the first too).
+fn ask_every(n: usize, keep_going: &mut dyn FnMut() -> crate::error::Result<()>) -> crate::error::Result<()> {
+    if n.is_multiple_of(ASK_EVERY) {
+        keep_going()
+    } else {
+        Ok(())
+    }
+}
+
+/// `work` with a `keep_going` that never stops it, for the plain entry points.
+fn unstoppable<T>(work: impl FnOnce(&mut dyn FnMut() -> crate::error::Result<()>) -> crate::error::Result<T>) -> T {
+    work(&mut || Ok(())).expect("only keep_going stops the work, and this one never does")
+}
 
 #[cfg(test)]
 mod bench;

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::replay::{Block, Completeness, Peak, PeakBounds, Replay};
 use super::sites::{Attribution, SiteKey};
+use crate::error::Result;
 use crate::estimate::Category;
 use crate::grid::{escape, prefixed, Grid};
 use crate::units::bytes;
@@ -75,12 +76,24 @@ pub struct PeakSites {
 
 /// Groups `blocks` by site: the top `top` sites, the rest, and the categories.
 pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block], top: usize) -> SiteTable {
+    super::unstoppable(|keep_going| site_table_checked(replay, attribution, blocks, top, keep_going))
+}
+
+/// `site_table`, asking `keep_going` every so many blocks whether to go on.
+pub(super) fn site_table_checked(
+    replay: &Replay,
+    attribution: &Attribution,
+    blocks: &[&Block],
+    top: usize,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<SiteTable> {
     let total: u64 = blocks.iter().map(|block| block.bytes).sum();
     let share = |part: u64| if total == 0 { 0.0 } else { part as f64 / total as f64 };
     // Per site: bytes, blocks, and its largest block's stack (the one most worth reading).
     let mut by_site: HashMap<SiteKey, (u64, usize, &Block)> = HashMap::new();
     let mut by_category: HashMap<Option<Category>, u64> = HashMap::new();
-    for &block in blocks {
+    for (n, &block) in blocks.iter().enumerate() {
+        super::ask_every(n, keep_going)?;
         let entry = by_site.entry(attribution.key(replay, block)).or_insert((0, 0, block));
         entry.0 += block.bytes;
         entry.1 += 1;
@@ -114,7 +127,7 @@ pub fn site_table(replay: &Replay, attribution: &Attribution, blocks: &[&Block],
         })
         .collect();
     categories.sort_by_key(|row| std::cmp::Reverse(row.bytes));
-    SiteTable::ranked(all, total, top, categories)
+    Ok(SiteTable::ranked(all, total, top, categories))
 }
 
 /// The peak of `replay`, by site.

@@ -18,6 +18,7 @@ use serde::Serialize;
 use super::layout::{round, Layout, SMALL};
 use super::modules::Modules;
 use super::parse::{Action, BlockState, Snapshot, StackId};
+use crate::error::Result;
 
 /// One allocation's life in the trace.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,6 +123,16 @@ pub struct Replay {
 /// Walks `device`'s trace. `max_entries` is the cap the recording ran with, when known: a trace
 /// that long may have wrapped.
 pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) -> Replay {
+    super::unstoppable(|keep_going| replay_checked(snapshot, device, max_entries, keep_going))
+}
+
+/// `replay`, asking `keep_going` every so many events whether to go on.
+pub(super) fn replay_checked(
+    snapshot: &Snapshot,
+    device: usize,
+    max_entries: Option<usize>,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Replay> {
     let events = snapshot.device_traces.get(device).map(Vec::as_slice).unwrap_or(&[]);
     let segment_blocks: HashMap<u64, &super::parse::SegmentBlock> = snapshot
         .segments
@@ -145,6 +156,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
     let mut last_stack = 0;
     let mut modules = Modules::default();
     for (index, event) in events.iter().enumerate() {
+        super::ask_every(index, keep_going)?;
         if !snapshot.stacks.is_bare(event.stack) {
             last_stack = event.stack;
         }
@@ -257,7 +269,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
     };
     completeness.unknown = unknown_in_words(&completeness);
     before.append(&mut blocks);
-    Replay {
+    Ok(Replay {
         device,
         blocks: before,
         baseline,
@@ -267,7 +279,7 @@ pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) ->
         peak,
         completeness,
         modules,
-    }
+    })
 }
 
 fn unknown_in_words(completeness: &Completeness) -> Vec<String> {

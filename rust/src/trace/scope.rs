@@ -4,12 +4,13 @@
 
 use serde::Serialize;
 
-use super::held::{oom, still_held, HeldBlock, OomSites};
+use super::held::{oom_checked, still_held_checked, HeldBlock, OomSites};
 use super::parse::Snapshot;
-use super::peak::{site_table, PeakSites, TOP_SITES};
-use super::replay::{replay, Peak, Replay};
+use super::peak::{site_table_checked, PeakSites, TOP_SITES};
+use super::replay::{replay_checked, Peak, Replay};
 use super::sites::Attribution;
-use super::timeline::{timeline, Timeline};
+use super::timeline::{timeline_checked, Timeline};
+use crate::error::Result;
 
 /// One GPU of a traced scope.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -52,10 +53,25 @@ pub fn scope_traces(
     since_us: i64,
     attribution: &Attribution,
 ) -> Vec<DeviceTrace> {
+    super::unstoppable(|keep_going| {
+        scope_traces_checked(snapshot, devices, max_entries, since_us, attribution, keep_going)
+    })
+}
+
+/// `scope_traces`, asking `keep_going` every so many events and blocks whether to go on (a
+/// large file's analysis takes seconds): its error (`Error::Interrupted`: Ctrl-C) stops it.
+pub fn scope_traces_checked(
+    snapshot: &Snapshot,
+    devices: &[u32],
+    max_entries: Option<usize>,
+    since_us: i64,
+    attribution: &Attribution,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<DeviceTrace>> {
     devices
         .iter()
         .map(|&torch_index| {
-            let replayed = replay(snapshot, torch_index as usize, max_entries);
+            let replayed = replay_checked(snapshot, torch_index as usize, max_entries, keep_going)?;
             let peak = peak_since(&replayed, since_us);
             let live: Vec<_> = match peak.event {
                 Some(event) => replayed.live_at(event).collect(),
@@ -64,7 +80,7 @@ pub fn scope_traces(
             let sites = PeakSites {
                 device: replayed.device,
                 peak,
-                table: site_table(&replayed, attribution, &live, TOP_SITES),
+                table: site_table_checked(&replayed, attribution, &live, TOP_SITES, keep_going)?,
                 completeness: replayed.completeness.clone(),
                 bounds: replayed.peak_bounds(first_event(&replayed, since_us)),
                 true_peak: snapshot.gpuexp.true_peak(torch_index as usize),
@@ -74,19 +90,19 @@ pub fn scope_traces(
                 .filter(|b| b.alloc_event.is_some_and(|event| replayed.time_us[event] >= since_us))
                 .map(|b| b.addr)
                 .collect();
-            let mut held = still_held(&replayed, attribution, Some(&in_scope));
+            let mut held = still_held_checked(&replayed, attribution, Some(&in_scope), keep_going)?;
             held.sort_by_key(|block| std::cmp::Reverse(block.bytes));
-            let ooms = oom(snapshot, &replayed, attribution, TOP_SITES)
+            let ooms = oom_checked(snapshot, &replayed, attribution, TOP_SITES, keep_going)?
                 .into_iter()
                 .filter(|o| o.time_us >= since_us)
                 .collect();
-            DeviceTrace {
+            Ok(DeviceTrace {
                 torch_index,
-                timeline: timeline(&replayed, attribution, TOP_SITES),
+                timeline: timeline_checked(&replayed, attribution, TOP_SITES, keep_going)?,
                 peak: sites,
                 still_held: held,
                 ooms,
-            }
+            })
         })
         .collect()
 }

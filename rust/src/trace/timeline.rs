@@ -10,6 +10,7 @@ use serde::Serialize;
 use super::parse::StackId;
 use super::replay::{Block, Peak, Replay};
 use super::sites::{Attribution, SiteKey};
+use crate::error::Result;
 use crate::grid::escape;
 use crate::units::bytes;
 
@@ -75,6 +76,16 @@ impl KeyCache {
 
 /// The timeline of `replay`, stacked by its `top` largest sites at the peak.
 pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timeline {
+    super::unstoppable(|keep_going| timeline_checked(replay, attribution, top, keep_going))
+}
+
+/// `timeline`, asking `keep_going` every so many blocks and events whether to go on.
+pub(super) fn timeline_checked(
+    replay: &Replay,
+    attribution: &Attribution,
+    top: usize,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Timeline> {
     let live = replay.live_at_peak();
     let mut keys = KeyCache::default();
     let mut at_peak: HashMap<SiteKey, u64> = HashMap::new();
@@ -94,7 +105,8 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
     let mut stacks_of = vec![None; other];
     let mut block_series = Vec::with_capacity(replay.blocks.len());
     let mut first = vec![0u32; events + 1];
-    for block in &replay.blocks {
+    for (n, block) in replay.blocks.iter().enumerate() {
+        super::ask_every(n, keep_going)?;
         let key = keys.key(attribution, replay, block);
         let series = series_of.get(&key).copied().unwrap_or(other);
         if series < other && stacks_of[series].is_none() {
@@ -126,6 +138,7 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
     let mut now: Vec<i64> = starts.iter().map(|&b| b as i64).collect();
     let mut next = points.iter().peekable();
     for event in 0..events {
+        super::ask_every(event, keep_going)?;
         for &(series, delta) in &changes[first[event] as usize..first[event + 1] as usize] {
             now[series as usize] += delta;
         }
@@ -151,7 +164,7 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
         })
         .collect();
     series.push(TimelineSeries { label: "other sites".into(), y: values[other].clone() });
-    Timeline {
+    Ok(Timeline {
         device: replay.device,
         x,
         x_label: if timed { "seconds" } else { "event" }.into(),
@@ -160,7 +173,7 @@ pub fn timeline(replay: &Replay, attribution: &Attribution, top: usize) -> Timel
         event: points,
         series,
         peak: replay.peak,
-    }
+    })
 }
 
 /// Distinct theme colours: Jupyter's variables, with fallbacks that read on light and dark.
