@@ -673,7 +673,8 @@ def load_snapshot(path: _Path) -> Trace:
     """Any torch memory snapshot (a cluster job's OOM dump, memory_viz's file), read and replayed:
     the same peak tables, diff and timeline as a traced experiment. ``gpuexp.load_snapshot``
     checks the path first. Only a regular file is read, without waiting on it (a FIFO or a device
-    is refused); Ctrl-C stops the read and the parse, which run with the GIL released."""
+    is refused); Ctrl-C stops the read and the parse, which run with the GIL released, and the
+    analysis, which holds it."""
 def write_atomically(path: _Path, data: bytes) -> None:
     """Replaces `path` with `data` atomically: the old file or the new one, never a cut-off one;
     the old file's mode kept; no temporary file left on failure."""
