@@ -79,6 +79,10 @@ mod core_module {
     };
     #[pymodule_export]
     use super::recorder::{arm_recorder, mark_step};
+    /// Completed steps after each cell's start (or experiment's opening) that the flight recorder
+    /// records with torch's allocation history; later steps read a level at their end.
+    #[pymodule_export]
+    const RECORDER_HISTORY_STEPS: u32 = crate::recorder::HISTORY_STEPS;
     #[pymodule_export]
     use super::report::{
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,

@@ -190,6 +190,14 @@ pub(super) fn last_oom(
     .flatten()
 }
 
+/// The blocks torch's allocator holds on `torch_index` now, from a snapshot of its state (the
+/// recorder's view once it has given the history back).
+pub(super) fn live_in_state(py: Python, torch_index: u32) -> Option<crate::recorder::LiveBlocks> {
+    let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
+    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
+    Some(crate::recorder::live_in_state(&snapshot, torch_index as usize))
+}
+
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
 /// leak hunter's holder of it (`storages`); the recording then ends where this was its last
 /// traced scope.
