@@ -63,6 +63,6 @@ def _name_the_kernel_store():
 
 
 # The core's own hook sees every fork; this one forgets the bindings' state not yet kept per
-# process (the registry, the open scopes' pins, the ranks' stores) in a child.
+# process (the registry, the open scopes' pins) in a child.
 os.register_at_fork(after_in_child=_core.after_fork_in_child)
 _name_the_kernel_store()

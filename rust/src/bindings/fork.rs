@@ -6,7 +6,6 @@
 
 use pyo3::prelude::*;
 
-use super::ranks;
 use super::registry::registry;
 use super::scope;
 use crate::fork;
@@ -25,5 +24,4 @@ pub(super) fn is_forked_child() -> bool {
 pub(super) fn after_fork_in_child() {
     *registry() = Registry::default();
     scope::forget_in_child();
-    ranks::forget_in_child();
 }
