@@ -4,10 +4,9 @@
 //! history knows every block's size and time, not its line: what grew since the last completed
 //! step, and the blocks live at the failure by size, made since that step or held from before.
 
-use std::sync::Mutex;
-
 use serde::Serialize;
 
+use crate::fork::PerProcess;
 use crate::trace::{oom, Action, Attribution, OomSites, Replay, Snapshot};
 use crate::units::bytes;
 
@@ -50,18 +49,16 @@ pub struct StepEnd {
 }
 
 /// The latest step end in this process (a forked child's steps are its own).
-static LAST_STEP: Mutex<Option<(u32, StepEnd)>> = Mutex::new(None);
+static LAST_STEP: PerProcess<Option<StepEnd>> = PerProcess::new(|| None);
 
 /// A step of `kind` ended at `time_us`: one lock and one store, cheap enough for every step.
 pub fn mark_step(kind: StepKind, time_us: i64) {
-    let mut last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    *last = Some((crate::fork::pid(), StepEnd { kind, time_us }));
+    *LAST_STEP.lock() = Some(StepEnd { kind, time_us });
 }
 
 /// The latest step that ended in this process.
 pub fn last_step() -> Option<StepEnd> {
-    let last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    last.filter(|(pid, _)| *pid == crate::fork::pid()).map(|(_, step)| step)
+    *LAST_STEP.lock()
 }
 
 /// What grew from the last completed step to the failure.
