@@ -695,10 +695,9 @@ def remove_kernel_ranks_store() -> None: ...
 def host_ranks_store(address: str = "127.0.0.1", port: int = 0) -> str:
     """Hosts a TCPStore in this process, listening on `address` only (loopback by default);
     returns its address as `tcp://host:port`."""
-def before_fork() -> None:
-    """The GIL stays held: the background threads never take it, and no other Python thread
-    should run now."""
-def after_fork_in_parent() -> None: ...
+def is_forked_child() -> bool:
+    """Whether this process was forked from one that had gpuexp loaded (a rank forked from a
+    kernel): it runs no cells, and the shell is the parent's."""
 def after_fork_in_child() -> None:
     """Threads and sockets of the parent are forgotten, never joined or closed, since they don't
     exist here or aren't ours."""

@@ -59,7 +59,7 @@ mod core_module {
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
     #[pymodule_export]
-    use super::fork::{after_fork_in_child, after_fork_in_parent, before_fork};
+    use super::fork::{after_fork_in_child, is_forked_child};
     #[pymodule_export]
     use super::holders::holders;
     #[pymodule_export]
@@ -101,4 +101,11 @@ mod core_module {
     use super::units::{parse_interval, parse_size};
     #[pymodule_export]
     use super::unreachable::{cell_ended_for_scopes, dropped, finish_unreachable, unreachable_waiting};
+
+    /// The fork hook is registered at import, so that every later fork is known.
+    #[pymodule_init]
+    fn init(_module: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        crate::fork::install();
+        Ok(())
+    }
 }

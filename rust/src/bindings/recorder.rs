@@ -8,27 +8,25 @@
 //! global optimizer step hook marks each completed step (python/gpuexp/steps.py); the recorder
 //! leaves as soon as gpuexp is no longer active.
 
-use std::sync::Mutex;
-
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::registry::registry;
 use super::torch::PyTorch;
 use super::trace_recording;
+use crate::fork::PerProcess;
 use crate::recorder::{self, HistoryChange, Level, StepKind};
 use crate::recording_lease::HistoryMode;
 
-/// The process that holds the recorder's share (a forked child holds none of its parent's).
-static HELD: Mutex<Option<u32>> = Mutex::new(None);
+/// Whether this process holds the recorder's share (a forked child holds none of its parent's).
+static HELD: PerProcess<bool> = PerProcess::new(|| false);
 
 fn held() -> bool {
-    let held = HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    *held == Some(crate::fork::pid())
+    *HELD.lock()
 }
 
 fn set_held(on: bool) {
-    *HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = on.then(crate::fork::pid);
+    *HELD.lock() = on;
 }
 
 fn wanted() -> bool {

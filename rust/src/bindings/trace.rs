@@ -16,6 +16,7 @@ use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
 use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
+use crate::locks::lock;
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
 
@@ -91,7 +92,7 @@ static KEPT: Mutex<VecDeque<(String, Arc<Vec<u8>>)>> = Mutex::new(VecDeque::new(
 const KEPT_SNAPSHOTS: usize = 4;
 
 fn kept() -> std::sync::MutexGuard<'static, VecDeque<(String, Arc<Vec<u8>>)>> {
-    KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(&KEPT)
 }
 
 fn report_key(report: &Report) -> String {

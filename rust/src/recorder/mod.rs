@@ -10,10 +10,9 @@ mod schedule;
 
 pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
 
-use std::sync::Mutex;
-
 use serde::Serialize;
 
+use crate::fork::PerProcess;
 use crate::trace::{oom, Action, Attribution, BlockState, OomSites, Replay, Snapshot};
 use crate::units::bytes;
 
@@ -72,16 +71,10 @@ struct Record {
 }
 
 /// One record per process (a forked child starts its own).
-static RECORD: Mutex<Option<(u32, Record)>> = Mutex::new(None);
+static RECORD: PerProcess<Record> = PerProcess::new(Record::default);
 
 fn with_record<T>(work: impl FnOnce(&mut Record) -> T) -> T {
-    let mut guard = RECORD.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let pid = crate::fork::pid();
-    if guard.as_ref().is_some_and(|(owner, _)| *owner != pid) {
-        *guard = None;
-    }
-    let (_, record) = guard.get_or_insert_with(|| (pid, Record::default()));
-    work(record)
+    work(&mut RECORD.lock())
 }
 
 /// A cell starts or an experiment opens while the recorder is wanted.
