@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::explain::TensorRoles;
+use super::TensorRoles;
 use crate::grid::Grid;
 use crate::units::bytes;
 

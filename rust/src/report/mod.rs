@@ -5,8 +5,8 @@
 mod cell;
 mod holders;
 mod oom;
-mod params;
 mod rank;
+mod roles;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
-pub use params::{Param, Params};
+pub use crate::params::{Param, Params};
 pub use rank::{hostname, RankIdentity};
+pub use roles::{Role, TensorRoles};
 pub use snapshot::snapshot_grid;
 
 use crate::grid::{prefixed, Grid};
