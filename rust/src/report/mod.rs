@@ -14,10 +14,10 @@ mod traced;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
-pub use crate::params::{Param, Params};
 pub use rank::{hostname, RankIdentity};
 pub use roles::{Role, TensorRoles};
 pub use snapshot::snapshot_grid;
