@@ -10,8 +10,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use crate::report::{render_path, Holder, PathEdge};
 
 mod hunt;
+mod installed;
 
 pub use hunt::{add_torch_figures, hunt_leaks, leaked_memories, no_such_gpu, sum_roles, survey, Leaks, LEAK_MIN_BYTES};
+pub use installed::{thread_order, Installed};
 
 /// Which memory to hunt.
 #[derive(Clone, Debug, PartialEq, Eq)]
