@@ -1,6 +1,6 @@
 //! Where a leak hunt starts: every place a user's objects live, each labelled as a person
 //! would say it. The core decides the order ([`RootKind`]) and which kind each is
-//! ([`Installed`]); this file only finds them.
+//! ([`InstalledCode`]); this file only finds them.
 
 use std::collections::{HashMap, HashSet};
 
@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyModule, PyString};
 
 use super::namespace::{hidden_refs, user_names};
 use super::python_heap::frame_label;
-use crate::holders_walk::{thread_order, Installed, Root, RootKind};
+use crate::holders_walk::{thread_order, InstalledCode, Root, RootKind};
 use crate::teardown::is_system_name;
 
 pub(super) type PyRoot<'py> = Root<Bound<'py, PyAny>>;
@@ -39,18 +39,18 @@ pub(super) fn world_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>
 }
 
 /// The interpreter's install prefixes, for the core to tell installed code from the user's.
-fn installed(py: Python) -> PyResult<Installed> {
+fn installed(py: Python) -> PyResult<InstalledCode> {
     let sys = py.import("sys")?;
     let prefixes = ["prefix", "base_prefix", "exec_prefix"]
         .iter()
         .filter_map(|name| sys.getattr(*name).ok()?.extract().ok())
         .collect();
-    Ok(Installed { prefixes })
+    Ok(InstalledCode { prefixes })
 }
 
 /// Every frame of every thread: user code first; library frames of other threads later; the
 /// hunter's own library frames (IPython running this cell) are left out.
-fn thread_roots<'py>(py: Python<'py>, library: &Installed) -> PyResult<Vec<PyRoot<'py>>> {
+fn thread_roots<'py>(py: Python<'py>, library: &InstalledCode) -> PyResult<Vec<PyRoot<'py>>> {
     let sys = py.import("sys")?;
     let threading = py.import("threading")?;
     let current: u64 = threading.call_method0("get_ident")?.extract()?;
@@ -91,7 +91,7 @@ fn thread_roots<'py>(py: Python<'py>, library: &Installed) -> PyResult<Vec<PyRoo
 /// module is walked once, as `__main__`, under whichever names `sys.modules` gives it (torch's
 /// multiprocessing adds `__mp_main__`): a script's globals, when `holders()` is called from one
 /// of its functions. Where they are the namespace's own names they were walked first, as names.
-fn module_roots<'py>(py: Python<'py>, library: &Installed) -> PyResult<Vec<PyRoot<'py>>> {
+fn module_roots<'py>(py: Python<'py>, library: &InstalledCode) -> PyResult<Vec<PyRoot<'py>>> {
     let modules = py.import("sys")?.getattr("modules")?.call_method0("copy")?.cast_into::<PyDict>()?;
     let main = modules.get_item("__main__")?;
     let mut roots = Vec::new();
@@ -126,7 +126,7 @@ fn module_roots<'py>(py: Python<'py>, library: &Installed) -> PyResult<Vec<PyRoo
 fn suspended_roots<'py>(
     py: Python<'py>,
     suspended: Vec<Bound<'py, PyAny>>,
-    library: &Installed,
+    library: &InstalledCode,
 ) -> PyResult<Vec<PyRoot<'py>>> {
     let mut tasks: HashMap<usize, String> = HashMap::new();
     if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("asyncio.tasks") {

@@ -13,7 +13,7 @@ use pyo3::types::PyDict;
 use super::report::{json_to_python, ReportPy};
 use crate::finder::Search;
 use crate::ranks::{
-    self, Distributed, GatherError, Gathered, RankIdentity, RankStore, RankStores, StoreAddress, Stores,
+    self, Distributed, GatherError, Gathered, ProcessStores, RankIdentity, RankStore, RankStores, StoreAddress,
 };
 use crate::report::Report;
 use crate::scope::ScopeId;
@@ -173,7 +173,7 @@ impl Distributed for PyDistributed<'_> {
 }
 
 /// The stores this process opened or hosts, its run token and its searches agreed.
-static STORES: Mutex<Stores<PyStore>> = Mutex::new(Stores::new());
+static STORES: Mutex<ProcessStores<PyStore>> = Mutex::new(ProcessStores::new());
 
 fn rank_stores(py: Python<'_>) -> RankStores<'static, PyDistributed<'_>> {
     RankStores { world: PyDistributed(py), stores: &STORES }

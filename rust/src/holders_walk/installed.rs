@@ -5,11 +5,11 @@
 use super::RootKind;
 
 /// The interpreter's install prefixes (`sys.prefix`, `sys.base_prefix`, `sys.exec_prefix`).
-pub struct Installed {
+pub struct InstalledCode {
     pub prefixes: Vec<String>,
 }
 
-impl Installed {
+impl InstalledCode {
     /// Whether code from `file` is installed; code with no file (built in) counts as installed.
     pub fn holds(&self, file: Option<&str>) -> bool {
         match file {
@@ -58,8 +58,8 @@ pub fn thread_order(ident: u64, hunting: u64) -> (bool, u64) {
 mod tests {
     use super::*;
 
-    fn installed() -> Installed {
-        Installed { prefixes: vec!["/usr/lib/python3.11".into(), "/venv".into()] }
+    fn installed() -> InstalledCode {
+        InstalledCode { prefixes: vec!["/usr/lib/python3.11".into(), "/venv".into()] }
     }
 
     #[test]

@@ -13,7 +13,7 @@ mod hunt;
 mod installed;
 
 pub use hunt::{add_torch_figures, hunt_leaks, leaked_memories, no_such_gpu, sum_roles, survey, Leaks, LEAK_MIN_BYTES};
-pub use installed::{thread_order, Installed};
+pub use installed::{thread_order, InstalledCode};
 
 /// Which memory to hunt.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 pub use agree::{agree, Agreement};
 pub use device::{rank_device, Because, DeviceClues};
 pub use nccl::NcclShare;
-pub use publishing::{Distributed, RankStores, Stores};
+pub use publishing::{Distributed, ProcessStores, RankStores};
 pub use store::{check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 

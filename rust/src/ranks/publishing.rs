@@ -50,7 +50,7 @@ struct OpenedStore<S> {
 
 /// What this process keeps across publishes: the stores it opened, the run token, the searches
 /// agreed so far, and what the last publish cost.
-pub struct Stores<S> {
+pub struct ProcessStores<S> {
     /// The store `GPUEXP_RANKS_STORE` names, once opened.
     named: Option<OpenedStore<S>>,
     /// The store that could not be opened, by process and address, and why.
@@ -65,9 +65,9 @@ pub struct Stores<S> {
     last_publish: Option<(f64, f64)>,
 }
 
-impl<S> Stores<S> {
-    pub const fn new() -> Stores<S> {
-        Stores { named: None, unreachable: None, hosted: None, run: None, agreements: 0, last_publish: None }
+impl<S> ProcessStores<S> {
+    pub const fn new() -> ProcessStores<S> {
+        ProcessStores { named: None, unreachable: None, hosted: None, run: None, agreements: 0, last_publish: None }
     }
 
     /// In a forked child: the stores and the run token are the parent's; they are forgotten,
@@ -84,9 +84,9 @@ impl<S> Stores<S> {
     }
 }
 
-impl<S> Default for Stores<S> {
+impl<S> Default for ProcessStores<S> {
     fn default() -> Self {
-        Stores::new()
+        ProcessStores::new()
     }
 }
 
@@ -107,7 +107,7 @@ fn thread_cpu_s() -> f64 {
 /// another thread could then wait for the lock with the GIL held.
 pub struct RankStores<'a, W: Distributed> {
     pub world: W,
-    pub stores: &'a Mutex<Stores<W::Store>>,
+    pub stores: &'a Mutex<ProcessStores<W::Store>>,
 }
 
 type Target<S> = Option<(S, String)>;
@@ -118,7 +118,7 @@ impl<W: Distributed> RankStores<'_, W> {
         lock(self.stores).last_publish
     }
 
-    /// In a forked child: see [`Stores`]; the searches agreed start again.
+    /// In a forked child: see [`ProcessStores`]; the searches agreed start again.
     pub fn forget_in_child(&self) {
         lock(self.stores).forget_in_child();
     }

@@ -139,7 +139,7 @@ fn published(store: &FakeStore) -> Vec<String> {
 
 #[test]
 fn the_kernels_store_is_opened_once_per_process_and_takes_the_report() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::rank(1, 2).naming("file:///tmp/kernel"), stores: &stores };
     ranks.prepare().unwrap();
     let notes = ranks.publish(&rank_report("train", 1, 2, 1 << 30), Some("ValueError: bad".into()));
@@ -154,7 +154,7 @@ fn the_kernels_store_is_opened_once_per_process_and_takes_the_report() {
 
 #[test]
 fn a_store_that_could_not_be_reached_is_not_tried_again_and_the_groups_takes_the_report() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut world = FakeWorld::rank(0, 2).naming("tcp://gone:29500");
     world.refuse = Some(Failure::Said("tcp://gone:29500 refused the connection".into()));
     let mut ranks = RankStores { world, stores: &stores };
@@ -172,7 +172,7 @@ fn a_store_that_could_not_be_reached_is_not_tried_again_and_the_groups_takes_the
 
 #[test]
 fn an_interrupt_while_opening_is_returned_and_the_store_tried_again() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut world = FakeWorld::rank(0, 2).naming("file:///tmp/kernel");
     world.refuse = Some(Failure::Interrupt);
     let mut ranks = RankStores { world, stores: &stores };
@@ -184,7 +184,7 @@ fn an_interrupt_while_opening_is_returned_and_the_store_tried_again() {
 
 #[test]
 fn a_store_that_fails_costs_a_note_never_the_report() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut world = FakeWorld::rank(0, 2);
     world.group_store.down = true;
     let mut ranks = RankStores { world, stores: &stores };
@@ -194,7 +194,7 @@ fn a_store_that_fails_costs_a_note_never_the_report() {
 
 #[test]
 fn outside_a_rank_nothing_is_published_or_opened() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::default().naming("file:///tmp/kernel"), stores: &stores };
     ranks.prepare().unwrap();
     let mut report = rank_report("train", 0, 1, 1 << 30);
@@ -206,14 +206,14 @@ fn outside_a_rank_nothing_is_published_or_opened() {
 
 #[test]
 fn the_run_token_is_claimed_once_and_every_rank_of_the_group_shares_it() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let first = FakeWorld::rank(0, 2);
     let group_store = first.group_store.clone();
     let mut rank0 = RankStores { world: first, stores: &stores };
     let token = rank0.run_token().unwrap().unwrap();
     group_store.values.borrow_mut().clear();
     assert_eq!(rank0.run_token().unwrap().as_deref(), Some(token.as_str()), "kept, not claimed again");
-    let other_process = Mutex::new(Stores::new());
+    let other_process = Mutex::new(ProcessStores::new());
     let mut rank1 = RankStores {
         world: FakeWorld { group_store: group_store.clone(), ..FakeWorld::rank(1, 2) },
         stores: &other_process,
@@ -228,7 +228,7 @@ fn the_run_token_is_claimed_once_and_every_rank_of_the_group_shares_it() {
 
 #[test]
 fn gathering_without_a_store_says_where_to_call_it() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::default(), stores: &stores };
     match ranks.gather(None, Duration::from_millis(1)) {
         Err(GatherError::Store(Failure::Said(why))) => assert!(why.starts_with("no store to gather from"), "{why}"),
@@ -238,7 +238,7 @@ fn gathering_without_a_store_says_where_to_call_it() {
 
 #[test]
 fn a_published_report_is_gathered_from_the_same_store() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::rank(0, 1), stores: &stores };
     assert!(ranks.publish(&rank_report("train", 0, 1, 1 << 30), None).is_empty());
     let gathered = ranks.gather(Some("train"), Duration::from_millis(10)).ok().unwrap();
@@ -247,7 +247,7 @@ fn a_published_report_is_gathered_from_the_same_store() {
 
 #[test]
 fn each_search_agrees_under_its_own_keys_and_says_when_a_rank_is_overruled() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::rank(0, 1), stores: &stores };
     let first = ranks.agree(Some(64), 0.01).unwrap().unwrap();
     assert_eq!(first.agreed, Some(64));
@@ -266,7 +266,7 @@ fn each_search_agrees_under_its_own_keys_and_says_when_a_rank_is_overruled() {
 
 #[test]
 fn a_process_hosts_one_store_and_a_child_forgets_the_parents() {
-    let stores = Mutex::new(Stores::new());
+    let stores = Mutex::new(ProcessStores::new());
     let mut ranks = RankStores { world: FakeWorld::default(), stores: &stores };
     let url = ranks.host("127.0.0.1", 0).unwrap();
     assert!(url.starts_with("tcp://127.0.0.1:"), "{url}");
