@@ -1,22 +1,11 @@
 //! A hunt's tables from surveys built by hand, and which memories a finished experiment hunts.
 
 use super::*;
-use crate::report::{Details, Holder, Span};
+use crate::report::{test_tensor as holder, Details, Holder, Span};
 use crate::snapshot::testing::{gpu, host, torch, GIB};
 use crate::snapshot::{GpuReading, Snapshot};
 
 const MIB: u64 = 1 << 20;
-
-fn holder(path: &str, bytes: u64, saved: u64) -> Holder {
-    Holder {
-        path: path.into(),
-        bytes,
-        saved_for_backward: saved,
-        device: "cuda:0".into(),
-        kind: "tensor".into(),
-        shape: "[1]".into(),
-    }
-}
 
 fn survey(held: Vec<(Buffer, Holder)>, found: &[(usize, u64)], live: &[(usize, u64)]) -> Survey<()> {
     Survey {

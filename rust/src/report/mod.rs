@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
+#[cfg(test)]
+pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
 pub use rank::{hostname, RankIdentity};
