@@ -260,10 +260,7 @@ pub(super) fn publish_report(py: Python, scope: ScopeId, report: &Report) -> Vec
 /// The exception that ended an experiment's `with` block: it goes into the published record.
 #[pyfunction]
 pub(super) fn note_scope_error(id: ScopeId, error: &Bound<PyAny>) -> PyResult<()> {
-    let kind = error.get_type().name()?.to_string();
-    let message = error.str()?.to_string();
-    let first_line = message.lines().next().unwrap_or("").chars().take(500).collect::<String>();
-    ranks::note_error(id, format!("{kind}: {first_line}"));
+    ranks::note_error(id, &error.get_type().name()?.to_string(), &error.str()?.to_string());
     Ok(())
 }
 
