@@ -16,7 +16,8 @@ DEEPEST = 8
 
 class RestoreFailed(RuntimeError):
     """Some state could not be put back. ``failed`` names each piece and why; ``saved`` maps the
-    name of each tensor not put back to its value before, on the host, so nothing is lost."""
+    name of each piece not put back to its value before (a tensor on the host, or a container's
+    items), so nothing is lost."""
 
     def __init__(self, failed, saved):
         self.failed = failed
@@ -25,7 +26,7 @@ class RestoreFailed(RuntimeError):
         super().__init__(
             f"verify could not put back {len(failed)} piece(s) of state as it was before the step: {listed}. "
             "Everything else was restored. The values before are in this error's .saved (host copies, by name): "
-            "copy them back with tensor.data.copy_(error.saved[name]) before training on."
+            "copy them back (tensor.data.copy_(error.saved[name])) before training on."
         )
 
 
@@ -38,7 +39,8 @@ class _Tensor:
         self.name = name
         self.tensor = tensor
         self.host = tensor.detach().to("cpu", copy=True)
-        self.version = tensor._version
+        # Inference tensors have no version counter (and take in-place updates only in inference mode).
+        self.version = None if tensor.is_inference() else tensor._version
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
 
 
@@ -130,11 +132,13 @@ class SavedState:
         torch = self._torch
         failed, kept = [], {}
         for name, container, before in self._containers:
-            _attempt(failed, name, lambda c=container, b=before: _refill(c, b))
+            if not _attempt(failed, name, lambda c=container, b=before: _refill(c, b)):
+                kept[name] = before
         versions = []
         for saved in self._tensors.values():
             if _attempt(failed, saved.name, lambda s=saved: _put_back(torch, s)):
-                versions.append((saved.tensor, saved.version))
+                if saved.version is not None:
+                    versions.append((saved.tensor, saved.version))
             else:
                 kept[saved.name] = saved.host
         for grad in self._grads:
@@ -241,7 +245,7 @@ def _put_back(torch, saved):
     tensor = saved.tensor
     if tensor.shape != saved.shape or tensor.dtype != saved.dtype or tensor.device != saved.device:
         tensor.data = saved.host.to(saved.device)  # the step resized it: the old shape, new memory
-    with torch.no_grad():
+    with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
         tensor.copy_(saved.host)
 
 
