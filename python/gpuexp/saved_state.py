@@ -21,7 +21,9 @@ class RestoreFailed(RuntimeError):
 
     def __init__(self, failed, saved):
         self.failed = failed
+        """Each piece not put back, with the error that stopped it."""
         self.saved = saved
+        """The value before of each piece not put back, by name."""
         listed = "; ".join(failed)
         super().__init__(
             f"verify could not put back {len(failed)} piece(s) of state as it was before the step: {listed}. "
