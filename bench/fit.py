@@ -63,7 +63,7 @@ def measure_option(torch, gpuexp, workload, batch_size, option, limit):
     if kind == "autocast":
         return verify(workload.step, batch_size, "autocast", repeat=3, **state), None
     if kind == "accumulate":
-        step = workload.accumulating_step(option["micro_batch"])
+        step = workload.accumulating_step(option["batch_size"])  # the micro-batch
         return verify(step, batch_size, "as_is", repeat=3, **state), None
     if kind == "foreach_off":
         groups = workload.optimizer.param_groups
