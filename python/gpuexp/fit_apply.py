@@ -12,6 +12,7 @@ import gc
 import time
 
 from . import _core
+from .devices import device_indices
 from .experiment import size
 from .saved_state import RestoreFailed, capture, imported_torch
 from .torch_peaks import watch_torch_peak_resets
@@ -103,7 +104,7 @@ def _checkpointing_forward(torch, checkpoint, forward):
 
 class Verified:
     """What one option did in a real step: ``peak`` (bytes of torch allocated above the start),
-    ``seconds`` (the step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
+    ``seconds`` (one step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
     (bytes still allocated after everything was restored: 0 expected), ``report`` (the scope's)."""
 
     def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes):
@@ -153,9 +154,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
             "on a machine with a GPU"
         )
     label, applied = _option(torch, option)
-    index = torch.device("cuda", torch.cuda.current_device() if device is None else device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = torch.cuda.current_device() if device is None else device_indices(device, argument="device")[0]
     saved = dict(modules=modules, optimizers=optimizers, scalers=scalers, objects=objects)
     state = capture(**saved)  # bad arguments fail here, before anything runs
     try:
@@ -197,6 +196,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
 
 def _run(torch, index, step, batch_size, steps, applied, peaks, times):
     """One run: the peak and the time, or the out-of-memory message (the frames it held dropped)."""
+    torch.cuda.synchronize(index)
     torch.cuda.reset_peak_memory_stats(index)
     start = torch.cuda.memory_allocated(index)
     began = time.perf_counter()
@@ -210,7 +210,7 @@ def _run(torch, index, step, batch_size, steps, applied, peaks, times):
         error.__traceback__ = None  # its frames hold the step's tensors
         peaks.append(torch.cuda.max_memory_allocated(index) - start)
         return message
-    times.append(time.perf_counter() - began)
+    times.append((time.perf_counter() - began) / steps)
     peaks.append(torch.cuda.max_memory_allocated(index) - start)
     return None
 
