@@ -158,3 +158,19 @@ def test_without_torch_they_say_to_import_it(kernel):
         failed = kernel.run(call, expect_error=True)
         assert failed.error.startswith("RuntimeError") and "import torch" in failed.error, failed.error
     assert kernel.value("'torch' in sys.modules") is False
+
+
+def test_a_gradient_the_step_drops_is_freed_during_the_step_and_comes_back_after(kernel):
+    # verify measures the step's peak: the saved gradient must not hold its memory meanwhile.
+    kernel.run("import torch, weakref, gpuexp\nfrom gpuexp.fit_apply import capture\n"
+               "model = torch.nn.Linear(256, 256)\nmodel(torch.randn(4, 256)).sum().backward()\n"
+               "grad, value = model.weight.grad, model.weight.grad.clone()\n"
+               "storage = weakref.ref(grad.untyped_storage())\n"
+               "address = grad.data_ptr()\n"
+               "saved = capture(modules={'model': model})")
+    assert kernel.value("[model.weight.grad is not grad, model.weight.grad.data_ptr() == address, grad.numel(), "
+                        "storage() is not None]") == [True, True, 0, True]
+    kernel.run("model.zero_grad(set_to_none=True)\nimport gc; gc.collect()")
+    assert kernel.value("model.weight.grad is None and storage() is None") is True  # the step freed it
+    kernel.run("model(torch.randn(4, 256)).sum().backward()\nsaved.restore()")
+    assert kernel.value("model.weight.grad is grad and torch.equal(grad, value)") is True
