@@ -52,6 +52,47 @@ def test_checkpointed_blocks_give_the_same_outputs_and_grads_and_save_less(kerne
     assert kernel.value("run()[2] == plain[2]") is True
 
 
+def test_batch_norms_update_their_running_statistics_once_as_without_checkpointing(kernel):
+    kernel.run("import torch, gpuexp\ntorch.manual_seed(0)\n"
+               "net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Sequential(\n"
+               "    torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()), torch.nn.Flatten(),\n"
+               "    torch.nn.Linear(8 * 8 * 8, 2))\n"
+               "x = torch.randn(4, 3, 12, 12)\n"
+               "start = {k: v.clone() for k, v in net.state_dict().items()}\n"
+               "def run():\n"
+               "    net.load_state_dict(start)\n"
+               "    net.zero_grad(set_to_none=True)\n"
+               "    net(x).sum().backward()\n"
+               "    state = {k: v.clone() for k, v in net.state_dict().items()}\n"
+               "    return state, [p.grad.clone() for p in net.parameters()]\n"
+               "plain = run()\n"
+               "with gpuexp.checkpointed(net, ['1']):\n"
+               "    checked = run()")
+    assert kernel.value("all(torch.equal(plain[0][k], checked[0][k]) for k in plain[0])") is True
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(plain[1], checked[1]))") is True
+    assert kernel.value("[net[1][1].momentum, int(net[1][1].num_batches_tracked)]") == [0.1, 1]
+
+
+def test_a_transformers_layer_writes_no_kv_cache_twice(kernel):
+    # Its recompute would write the cache again (twice the length), as transformers' own switch avoids.
+    kernel.run("import torch, gpuexp, transformers\ntorch.manual_seed(0)\n"
+               "config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)\n"
+               "gpt = transformers.GPT2LMHeadModel(config).train()\n"
+               "tokens = torch.randint(0, 100, (2, 16))\n"
+               "def run():\n"
+               "    torch.manual_seed(1)\n"
+               "    gpt.zero_grad(set_to_none=True)\n"
+               "    out = gpt(input_ids=tokens, labels=tokens, use_cache=True)\n"
+               "    out.loss.backward()\n"
+               "    return out, [p.grad.clone() for p in gpt.parameters()]\n"
+               "plain, plain_grads = run()\n"
+               "with gpuexp.checkpointed(gpt, ['transformer.h.0', 'transformer.h.1']):\n"
+               "    checked, checked_grads = run()")
+    assert kernel.value("torch.equal(plain.loss, checked.loss)") is True
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(plain_grads, checked_grads))") is True
+    assert kernel.value("checked.past_key_values.get_seq_length()") in (0, 16)  # never 32
+
+
 def test_it_is_undone_when_the_block_raises_and_an_own_forward_comes_back(kernel):
     kernel.run(TRANSFORMER + "before = shape()\n"
                "own = lambda *a, **k: type(model[2]).forward(model[2], *a, **k)\n"
