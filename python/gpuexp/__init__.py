@@ -28,6 +28,7 @@ from ._core import (
 )
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
+from .fit_apply import checkpointed
 from .monitor import Monitor
 from .ranks import host_ranks_store, ranks
 
@@ -52,6 +53,7 @@ __all__ = [
     "Timeline",
     "Trace",
     "cells",
+    "checkpointed",
     "compare",
     "config",
     "load_snapshot",
