@@ -58,7 +58,6 @@ pub struct StackSampler {
     /// Recent sampled steps' extra time, as a share of a step without stacks.
     overheads: VecDeque<f64>,
     marks: VecDeque<StepMark>,
-    sampled_steps: u64,
 }
 
 impl StackSampler {
@@ -76,7 +75,6 @@ impl StackSampler {
             plain_us: VecDeque::new(),
             overheads: VecDeque::new(),
             marks: VecDeque::new(),
-            sampled_steps: 0,
         }
     }
 
@@ -123,12 +121,13 @@ impl StackSampler {
         self.experiments > 0
     }
 
-    /// A step of `kind` ended at `now_us`. Decides whether the next step records stacks; where
-    /// that differs from now, `switch(stacks)` changes the recording and says whether it records
-    /// stacks then (a failed switch leaves it as it was). A cell's end is no training step.
-    pub fn step_ended(&mut self, kind: StepKind, now_us: i64, switch: impl FnOnce(bool) -> bool) {
+    /// A step of `kind` ended at `now_us`. Decides whether the next step records stacks: where
+    /// that differs from now it returns what to switch to, and the binding switches the
+    /// recording (without this lock held: the switch runs Python) and tells `switched` what it
+    /// records then; otherwise the step's mark is taken now. A cell's end is no training step.
+    pub fn step_ended(&mut self, kind: StepKind, now_us: i64) -> Option<bool> {
         if !self.active() || kind == StepKind::Cell || self.followed.is_some_and(|followed| followed != kind) {
-            return;
+            return None;
         }
         self.followed = Some(kind);
         if let Some(last) = self.last_end_us {
@@ -142,10 +141,17 @@ impl StackSampler {
             self.since_sampled = 0;
         }
         if wanted != self.stacks {
-            self.stacks = switch(wanted);
+            return Some(wanted);
         }
-        self.sampled_steps += u64::from(self.stacks);
-        self.mark(now_us, if self.stacks { Recorded::Stacks } else { Recorded::Events });
+        self.switched(now_us, wanted);
+        None
+    }
+
+    /// The step that ended at `now_us` was followed by a switch: the recording records `stacks`
+    /// now (a failed switch leaves it as it was).
+    pub fn switched(&mut self, now_us: i64, stacks: bool) {
+        self.stacks = stacks;
+        self.mark(now_us, if stacks { Recorded::Stacks } else { Recorded::Events });
     }
 
     /// The step that just ended took `duration_us`: a step without stacks joins the baseline,
@@ -186,11 +192,6 @@ impl StackSampler {
     pub fn every(&self) -> u32 {
         self.every
     }
-
-    /// Steps that recorded stacks since the process began sampling (the first after each opening excluded).
-    pub fn sampled_steps(&self) -> u64 {
-        self.sampled_steps
-    }
 }
 
 impl Default for StackSampler {
@@ -210,6 +211,13 @@ fn push_capped<T>(queue: &mut VecDeque<T>, item: T, cap: usize) {
 mod tests {
     use super::*;
 
+    /// A step end, its switch carried out by `switch` (which says what the recording does then).
+    fn step(sampler: &mut StackSampler, kind: StepKind, now: i64, switch: impl FnOnce(bool) -> bool) {
+        if let Some(wanted) = sampler.step_ended(kind, now) {
+            sampler.switched(now, switch(wanted));
+        }
+    }
+
     /// Runs `steps` optimizer steps of `step_us` each (`sampled_us` where stacks are on), each
     /// switch carried out; returns which steps after the first recorded stacks.
     fn run(sampler: &mut StackSampler, steps: usize, plain_us: i64, sampled_us: i64) -> Vec<bool> {
@@ -217,7 +225,7 @@ mod tests {
         (0..steps)
             .map(|_| {
                 now += if sampler.stacks { sampled_us } else { plain_us };
-                sampler.step_ended(StepKind::OptimizerStep, now, |stacks| stacks);
+                step(sampler, StepKind::OptimizerStep, now, |stacks| stacks);
                 sampler.stacks
             })
             .collect()
@@ -253,7 +261,7 @@ mod tests {
     fn without_a_step_end_stacks_stay_on_and_a_cell_end_is_no_step() {
         let mut sampler = StackSampler::new();
         sampler.begin(0);
-        sampler.step_ended(StepKind::Cell, 10, |_| panic!("a cell's end switches nothing"));
+        step(&mut sampler, StepKind::Cell, 10, |_| panic!("a cell's end switches nothing"));
         assert!(sampler.stacks);
         assert_eq!(sampler.marks(), vec![StepMark { time_us: 0, recorded: Recorded::Stacks }]);
         assert!(!sampler.end(20), "stacks are on: nothing to give back");
@@ -264,8 +272,8 @@ mod tests {
     fn the_first_kind_of_step_end_is_followed_and_others_ignored() {
         let mut sampler = StackSampler::new();
         sampler.begin(0);
-        sampler.step_ended(StepKind::OptimizerStep, 10, |stacks| stacks);
-        sampler.step_ended(StepKind::TrainerStep, 11, |_| panic!("a trainer's step inside is no second step"));
+        step(&mut sampler, StepKind::OptimizerStep, 10, |stacks| stacks);
+        step(&mut sampler, StepKind::TrainerStep, 11, |_| panic!("a trainer's step inside is no second step"));
         assert_eq!(sampler.marks().len(), 2);
     }
 
@@ -283,16 +291,16 @@ mod tests {
     fn a_failed_switch_is_recorded_as_it_really_ran_and_the_last_end_gives_stacks_back() {
         let mut sampler = StackSampler::new();
         sampler.begin(0);
-        sampler.step_ended(StepKind::OptimizerStep, 10, |_| true);
+        step(&mut sampler, StepKind::OptimizerStep, 10, |_| true);
         assert_eq!(sampler.marks()[1].recorded, Recorded::Stacks, "the switch failed: stacks still on");
-        sampler.step_ended(StepKind::OptimizerStep, 20, |stacks| stacks);
+        step(&mut sampler, StepKind::OptimizerStep, 20, |stacks| stacks);
         assert_eq!(sampler.marks()[2].recorded, Recorded::Events);
         // A nested experiment: only the outer one's end gives stacks back.
         sampler.begin(25);
         assert!(!sampler.end(30));
         assert!(sampler.end(40));
         assert!(!sampler.active());
-        sampler.step_ended(StepKind::OptimizerStep, 50, |_| panic!("no experiment open"));
+        step(&mut sampler, StepKind::OptimizerStep, 50, |_| panic!("no experiment open"));
     }
 
     #[test]

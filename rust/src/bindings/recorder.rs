@@ -21,7 +21,7 @@ use crate::recording_lease::HistoryMode;
 /// The process that holds the recorder's share (a forked child holds none of its parent's).
 static HELD: Mutex<Option<u32>> = Mutex::new(None);
 
-fn held() -> bool {
+pub(super) fn held() -> bool {
     let held = HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     *held == Some(crate::fork::pid())
 }
@@ -35,11 +35,6 @@ fn wanted() -> bool {
     registry.flight_recorder && registry.gpuexp_active()
 }
 
-/// Installs or removes the optimizer step hook (a failure only loses the step marks).
-fn step_hook(py: Python, method: &str) {
-    let _ = py.import("gpuexp.steps").and_then(|steps| steps.call_method0(method));
-}
-
 /// At a cell's start and an experiment's opening: joins the recording where gpuexp is active,
 /// the recorder is on and torch has CUDA initialised. Cheap when held or not wanted.
 #[pyfunction]
@@ -49,7 +44,7 @@ pub(super) fn arm_recorder(py: Python) {
     }
     if trace_recording::join(py, HistoryMode::Events).is_ok() {
         set_held(true);
-        step_hook(py, "install");
+        super::trace_sampling::step_hook(py);
     }
 }
 
@@ -61,21 +56,28 @@ pub(super) fn settle(py: Python) {
         return;
     }
     set_held(false);
-    step_hook(py, "uninstall");
+    super::trace_sampling::step_hook(py);
     if let Some(note) = trace_recording::leave(py, HistoryMode::Events) {
         let _ = py.import("gpuexp.ipython").and_then(|m| m.call_method1("warn", (note,)));
     }
 }
 
 /// A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
-/// diagnosis counts what grew from the latest one.
+/// diagnosis counts what grew from the latest one, and a traced experiment's sampled stacks
+/// may switch on or off for the next.
 #[pyfunction]
-pub(super) fn mark_step(kind: &str) -> PyResult<()> {
+pub(super) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
     let kind = StepKind::parse(kind).ok_or_else(|| {
         PyValueError::new_err(format!(
             "mark_step: {kind:?} is not \"optimizer step\", \"trainer step\", \"finder step\" or \"cell\""
         ))
     })?;
-    recorder::mark_step(kind, trace_recording::now_us());
+    step_completed(py, kind);
     Ok(())
+}
+
+/// A step of `kind` completed: marked for the OOM diagnosis and the sampled stacks.
+pub(super) fn step_completed(py: Python, kind: StepKind) {
+    recorder::mark_step(kind, trace_recording::now_us());
+    super::trace_sampling::step_ended(py, kind);
 }

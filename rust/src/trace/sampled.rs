@@ -82,7 +82,12 @@ pub fn spans(events: &[Event], marks: &[StepMark]) -> Vec<StepSpan> {
         if let Some(previous) = spans.last_mut() {
             previous.end_event = first;
         }
-        spans.push(StepSpan { start_us: mark.time_us, first_event: first, end_event: events.len(), recorded: mark.recorded });
+        spans.push(StepSpan {
+            start_us: mark.time_us,
+            first_event: first,
+            end_event: events.len(),
+            recorded: mark.recorded,
+        });
     }
     spans
 }
@@ -98,7 +103,11 @@ fn source_of(spans: &[StepSpan], target: usize) -> Option<usize> {
 fn nearest(places: &[usize], guess: isize) -> Option<usize> {
     let after = places.partition_point(|&place| (place as isize) < guess);
     let candidates = [after.checked_sub(1), Some(after)];
-    candidates.into_iter().flatten().filter_map(|i| places.get(i).copied()).min_by_key(|&place| (place as isize - guess).abs())
+    candidates
+        .into_iter()
+        .flatten()
+        .filter_map(|i| places.get(i).copied())
+        .min_by_key(|&place| (place as isize - guess).abs())
 }
 
 /// Gives the blocks of the steps recorded without stacks their sites from sampled steps.
@@ -114,7 +123,8 @@ pub(super) fn map_sites(spans: &[StepSpan], blocks: &mut [Block], context: &mut 
     }
     let allocs: Vec<usize> = blocks.iter().map(|block| block.alloc_event.unwrap_or(0)).collect();
     let blocks_of = |span: &StepSpan| {
-        allocs.partition_point(|&event| event < span.first_event)..allocs.partition_point(|&event| event < span.end_event)
+        allocs.partition_point(|&event| event < span.first_event)
+            ..allocs.partition_point(|&event| event < span.end_event)
     };
     for (target, span) in spans.iter().enumerate().filter(|(_, span)| span.recorded == Recorded::Events) {
         let source = source_of(spans, target);
@@ -132,7 +142,8 @@ pub(super) fn map_sites(spans: &[StepSpan], blocks: &mut [Block], context: &mut 
             blocks[block].sites = SiteSource::Unattributed;
             let asked = blocks[block].requested;
             let guess = place as isize + shift;
-            let same_place = usize::try_from(guess).ok().filter(|&p| p < from.len() && blocks[from.start + p].requested == asked);
+            let same_place =
+                usize::try_from(guess).ok().filter(|&p| p < from.len() && blocks[from.start + p].requested == asked);
             let Some(matched) = same_place.or_else(|| nearest(by_size.get(&asked)?, guess)) else {
                 continue;
             };

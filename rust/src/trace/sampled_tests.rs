@@ -29,7 +29,8 @@ fn lines(p: &mut Program) -> Lines {
             ("/usr/lib/python3.11/site-packages/torch/autograd/__init__.py", 200, "backward"),
             (USER, 20, "step"),
         ]),
-        optimizer: p.stack(&[("/usr/lib/python3.11/site-packages/torch/optim/adam.py", 90, "step"), (USER, 22, "step")]),
+        optimizer: p
+            .stack(&[("/usr/lib/python3.11/site-packages/torch/optim/adam.py", 90, "step"), (USER, 22, "step")]),
     }
 }
 
@@ -64,7 +65,8 @@ fn now(p: &Program) -> i64 {
 fn sampled_run(steps: &[(bool, Option<u64>)]) -> (Snapshot, Vec<u64>, Vec<HashMap<String, u64>>) {
     let mut p = Program::new();
     let at = lines(&mut p);
-    let init = p.stack(&[("/usr/lib/python3.11/site-packages/torch/nn/modules/module.py", 900, "_apply"), (USER, 3, "main")]);
+    let init =
+        p.stack(&[("/usr/lib/python3.11/site-packages/torch/nn/modules/module.py", 900, "_apply"), (USER, 3, "main")]);
     p.alloc(8 << 20, init, &format!("{USER}:3"));
     let mut marks = Vec::new();
     for (n, &(stacks, extra)) in steps.iter().enumerate() {
