@@ -39,6 +39,7 @@ fn wanted() -> bool {
 /// the recorder is on and torch has CUDA initialised. Cheap when held or not wanted.
 #[pyfunction]
 pub(super) fn arm_recorder(py: Python) {
+    super::trace_sampling::arm(py);
     if held() || !wanted() || PyTorch::find(py).cuda().is_none() {
         return;
     }

@@ -57,6 +57,14 @@ pub(super) fn step_ended(py: Python, kind: StepKind) {
     }
 }
 
+/// At a cell's start while a traced experiment samples: torch's optimizer step hook, where the
+/// opening found `torch.optim` not imported yet.
+pub(super) fn arm(py: Python) {
+    if sampler().active() {
+        step_hook(py);
+    }
+}
+
 /// Torch's optimizer step hook runs while the flight recorder holds its share or a traced
 /// experiment samples; it is removed when neither does.
 pub(super) fn step_hook(py: Python) {
