@@ -8,15 +8,22 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-# A model trained a step before any recording: its weights, Adam's state, and blocks of odd sizes
-# (19.2 MiB asked for, 20 MiB given: cut whole from a fresh segment) made before it.
-BEFORE = """\
+
+def model_and_optimizer(width):
+    """A model of 4 MLP blocks of `width` on the GPU, and its AdamW."""
+    return f"""\
 import torch, gpuexp
 torch.manual_seed(0)
 nn = torch.nn
-model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(1024), nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
-                        for _ in range(4)]).cuda()
+model = nn.Sequential(*[nn.Sequential(nn.LayerNorm({width}), nn.Linear({width}, {4 * width}), nn.GELU(),
+                                      nn.Linear({4 * width}, {width})) for _ in range(4)]).cuda()
 opt = torch.optim.AdamW(model.parameters())
+"""
+
+
+# A model trained a step before any recording: its weights, Adam's state, and blocks of odd sizes
+# (19.2 MiB asked for, 20 MiB given: cut whole from a fresh segment) made before it.
+BEFORE = model_and_optimizer(1024) + """\
 def step(bs):
     x = torch.randn(bs, 1024, device="cuda")
     model(x).square().mean().backward()
@@ -82,13 +89,7 @@ def test_a_torch_snapshot_of_a_training_run_gives_a_bound_that_holds_the_true_pe
 
 # A training loop whose memory grows a step at a time (each step keeps 4 MiB), so the peak falls
 # in its last step, one recorded without stacks under the sampled default.
-GROWING = """\
-import torch, gpuexp
-torch.manual_seed(0)
-nn = torch.nn
-model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-                        for _ in range(4)]).cuda()
-opt = torch.optim.AdamW(model.parameters())
+GROWING = model_and_optimizer(512) + """\
 kept = []
 def train(steps):
     for _ in range(steps):
