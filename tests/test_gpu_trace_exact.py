@@ -143,4 +143,4 @@ def test_trace_sampling_off_records_stacks_on_every_step_and_says_the_trace_was_
     # With no optimizer step at all, stacks stay on throughout and the report says so.
     kernel.run("gpuexp.config(trace_sampling=True)\nexp = gpuexp.GPUExperiment('inference', trace=True)\n"
                "with torch.no_grad():\n    y = model(torch.randn(64, 512, device='cuda'))\nexp.finish()")
-    assert "Python stacks on no step end seen" in kernel.value("str(exp.data.trace)")
+    assert "attribution: full, Python stacks on every allocation" in kernel.value("str(exp.data.trace)")

@@ -166,7 +166,8 @@ pub(super) fn map_sites(spans: &[StepSpan], blocks: &mut [Block], context: &mut 
 /// How the sites of a window's peak were found, where gpuexp's sampling recorded the trace.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Sampling {
-    /// Steps in the window: the stretches between step ends (the one running at its end too).
+    /// Steps in the window: the stretches between step ends that allocated (the one running at
+    /// its end too).
     pub steps: usize,
     /// Of them, those recorded with Python stacks.
     pub with_stacks: usize,
@@ -189,11 +190,10 @@ impl Sampling {
     /// One line for the report's notes.
     pub fn describe(&self) -> String {
         if self.full() {
-            let steps = match self.steps {
-                0 | 1 => "no step end seen (no optimizer step), so every allocation".to_string(),
-                n => format!("all {n} steps"),
+            return match self.steps {
+                0 | 1 => "attribution: full, Python stacks on every allocation".to_string(),
+                n => format!("attribution: full, Python stacks on all {n} steps"),
             };
-            return format!("attribution: full, Python stacks on {steps}");
         }
         let from = match self.sites_from_steps.as_slice() {
             [] => String::new(),
@@ -217,14 +217,22 @@ impl Sampling {
 /// blocks) came from; None where the trace holds no step mark of gpuexp's.
 pub fn summary(replay: &Replay, since_us: i64, live: &[&Block]) -> Option<Sampling> {
     let spans = &replay.steps;
-    // A span is in the window when it ends after the opening.
-    let in_window: Vec<usize> = (0..spans.len())
-        .filter(|&i| spans[i].recorded != Recorded::Outside)
-        .filter(|&i| spans.get(i + 1).is_none_or(|next| next.start_us > since_us))
-        .collect();
-    if in_window.is_empty() {
+    if spans.is_empty() {
         return None;
     }
+    // A stretch that allocated nothing (after the last step end, say) is no step.
+    let mut allocated = vec![false; spans.len()];
+    for event in replay.blocks.iter().filter_map(|block| block.alloc_event) {
+        let span = spans.partition_point(|span| span.first_event <= event);
+        if let Some(span) = span.checked_sub(1).filter(|&span| event < spans[span].end_event) {
+            allocated[span] = true;
+        }
+    }
+    // A step is in the window when it ends after the opening.
+    let in_window: Vec<usize> = (0..spans.len())
+        .filter(|&i| spans[i].recorded != Recorded::Outside && allocated[i])
+        .filter(|&i| spans.get(i + 1).is_none_or(|next| next.start_us > since_us))
+        .collect();
     let number = |span: usize| in_window.iter().position(|&i| i == span).map_or(0, |p| p + 1);
     let mut sampling = Sampling {
         steps: in_window.len(),

@@ -150,7 +150,7 @@ fn without_a_step_end_the_trace_is_full_and_without_gpuexps_marks_nothing_is_sai
     let sampling = sites.sampling.clone().unwrap();
     assert!(sampling.full());
     assert_eq!(sampling.mapped_bytes + sampling.unattributed_bytes, 0);
-    assert!(sites.to_text().contains("attribution: full, Python stacks on no step end seen"), "{}", sites.to_text());
+    assert!(sites.to_text().contains("attribution: full, Python stacks on every allocation"), "{}", sites.to_text());
     // Every step with stacks (`trace_sampling=False`): full too, the steps counted.
     let (snapshot, truth, by_site) = sampled_run(&[(true, None), (true, None), (true, None)]);
     let sites = peak_against_truth(&snapshot, &truth, &by_site);
