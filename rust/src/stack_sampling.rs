@@ -34,12 +34,13 @@ const TIMED: usize = 16;
 /// Sampled steps whose overhead the estimate takes the median of.
 const OVERHEADS: usize = 3;
 
-/// The sampler of one process (a forked child's recording is its own).
+/// The sampler of one process (kept in a [`crate::fork::PerProcess`]: a forked child's
+/// recording is its own).
 #[derive(Debug)]
 pub struct StackSampler {
-    pid: u32,
-    /// `gpuexp.config(trace_sampling=)`: False records stacks on every step.
-    pub enabled: bool,
+    /// `gpuexp.config(trace_sampling=)` as the first open experiment found it: False records
+    /// stacks on every step.
+    enabled: bool,
     /// Traced experiments open now.
     experiments: usize,
     /// The kind of step end followed: the first one seen (an optimizer step inside a trainer's
@@ -63,7 +64,6 @@ pub struct StackSampler {
 impl StackSampler {
     pub const fn new() -> StackSampler {
         StackSampler {
-            pid: 0,
             enabled: true,
             experiments: 0,
             followed: None,
@@ -78,21 +78,15 @@ impl StackSampler {
         }
     }
 
-    /// The sampler as seen from process `pid`: a forked child starts afresh (its setting kept).
-    pub fn in_process(&mut self, pid: u32) -> &mut StackSampler {
-        if self.pid != pid {
-            *self = StackSampler { pid, enabled: self.enabled, ..StackSampler::new() };
-        }
-        self
-    }
-
     /// A traced experiment opens at `now_us` with its recording's stacks on. The first one
-    /// starts the schedule: its first step is sampled.
-    pub fn begin(&mut self, now_us: i64) {
+    /// starts the schedule (`enabled`: `trace_sampling`, else stacks on every step): its first
+    /// step is sampled.
+    pub fn begin(&mut self, now_us: i64, enabled: bool) {
         self.experiments += 1;
         if self.experiments > 1 {
             return;
         }
+        self.enabled = enabled;
         self.followed = None;
         self.stacks = true;
         self.since_sampled = 0;
@@ -234,7 +228,7 @@ mod tests {
     #[test]
     fn the_first_step_records_stacks_then_one_in_every() {
         let mut sampler = StackSampler::new();
-        sampler.begin(1_000);
+        sampler.begin(1_000, true);
         assert!(sampler.stacks, "the step after the opening records stacks");
         let sampled = run(&mut sampler, 2 * DEFAULT_EVERY as usize, 1_000, 1_000);
         let at: Vec<usize> = sampled.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i + 2).collect();
@@ -248,7 +242,7 @@ mod tests {
     #[test]
     fn dear_stacks_space_the_sampled_steps_out_to_stay_in_budget() {
         let mut sampler = StackSampler::new();
-        sampler.begin(0);
+        sampler.begin(0, true);
         // Stacks and hooks make a step 30% slower: one step in 30 keeps them at 1% of the run.
         run(&mut sampler, 3 * DEFAULT_EVERY as usize, 10_000, 13_000);
         assert_eq!(sampler.every(), 30);
@@ -260,7 +254,7 @@ mod tests {
     #[test]
     fn without_a_step_end_stacks_stay_on_and_a_cell_end_is_no_step() {
         let mut sampler = StackSampler::new();
-        sampler.begin(0);
+        sampler.begin(0, true);
         step(&mut sampler, StepKind::Cell, 10, |_| panic!("a cell's end switches nothing"));
         assert!(sampler.stacks);
         assert_eq!(sampler.marks(), vec![StepMark { time_us: 0, recorded: Recorded::Stacks }]);
@@ -271,7 +265,7 @@ mod tests {
     #[test]
     fn the_first_kind_of_step_end_is_followed_and_others_ignored() {
         let mut sampler = StackSampler::new();
-        sampler.begin(0);
+        sampler.begin(0, true);
         step(&mut sampler, StepKind::OptimizerStep, 10, |stacks| stacks);
         step(&mut sampler, StepKind::TrainerStep, 11, |_| panic!("a trainer's step inside is no second step"));
         assert_eq!(sampler.marks().len(), 2);
@@ -279,8 +273,8 @@ mod tests {
 
     #[test]
     fn turned_off_it_keeps_stacks_on_every_step_and_still_marks_them() {
-        let mut sampler = StackSampler { enabled: false, ..StackSampler::new() };
-        sampler.begin(0);
+        let mut sampler = StackSampler::new();
+        sampler.begin(0, false);
         let sampled = run(&mut sampler, 30, 1_000, 1_300);
         assert!(sampled.iter().all(|s| *s));
         assert!(sampler.marks().iter().all(|m| m.recorded == Recorded::Stacks));
@@ -290,26 +284,16 @@ mod tests {
     #[test]
     fn a_failed_switch_is_recorded_as_it_really_ran_and_the_last_end_gives_stacks_back() {
         let mut sampler = StackSampler::new();
-        sampler.begin(0);
+        sampler.begin(0, true);
         step(&mut sampler, StepKind::OptimizerStep, 10, |_| true);
         assert_eq!(sampler.marks()[1].recorded, Recorded::Stacks, "the switch failed: stacks still on");
         step(&mut sampler, StepKind::OptimizerStep, 20, |stacks| stacks);
         assert_eq!(sampler.marks()[2].recorded, Recorded::Events);
         // A nested experiment: only the outer one's end gives stacks back.
-        sampler.begin(25);
+        sampler.begin(25, true);
         assert!(!sampler.end(30));
         assert!(sampler.end(40));
         assert!(!sampler.active());
         step(&mut sampler, StepKind::OptimizerStep, 50, |_| panic!("no experiment open"));
-    }
-
-    #[test]
-    fn a_forked_child_starts_afresh_with_the_setting_kept() {
-        let mut sampler = StackSampler::new();
-        sampler.in_process(10).enabled = false;
-        sampler.in_process(10).begin(0);
-        assert!(!sampler.in_process(11).active());
-        assert!(!sampler.in_process(11).enabled);
-        assert!(sampler.in_process(11).marks().is_empty());
     }
 }

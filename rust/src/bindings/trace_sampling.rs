@@ -5,35 +5,42 @@
 //! (the `gpuexp` key's `steps`), so the replay knows which steps recorded stacks.
 //! `gpuexp.config(trace_sampling=False)` keeps stacks on every step.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::trace_recording;
+use crate::fork::{Guard, PerProcess};
 use crate::recorder::StepKind;
 use crate::stack_sampling::StackSampler;
 
-static SAMPLER: Mutex<StackSampler> = Mutex::new(StackSampler::new());
+/// A forked child's recording is its own: its sampler starts afresh.
+static SAMPLER: PerProcess<StackSampler> = PerProcess::new(StackSampler::new);
 
-fn sampler() -> MutexGuard<'static, StackSampler> {
-    let mut guard = SAMPLER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    guard.in_process(crate::fork::pid());
-    guard
+/// `gpuexp.config(trace_sampling=)`, a setting (a forked child keeps it).
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+fn sampler() -> Guard<'static, StackSampler> {
+    SAMPLER.lock()
 }
 
 /// `gpuexp.config(trace_sampling=)`: from the next traced experiment's opening on.
 pub(super) fn set_enabled(on: bool) {
-    sampler().enabled = on;
+    ENABLED.store(on, Ordering::Relaxed);
 }
 
 pub(super) fn enabled() -> bool {
-    sampler().enabled
+    ENABLED.load(Ordering::Relaxed)
+}
+
+pub(super) fn active() -> bool {
+    sampler().active()
 }
 
 /// A traced experiment opened at `opened_us` with its share of the recording (stacks on).
 pub(super) fn begin(py: Python, opened_us: i64) {
-    sampler().begin(opened_us);
+    sampler().begin(opened_us, enabled());
     step_hook(py);
 }
 
@@ -60,15 +67,15 @@ pub(super) fn step_ended(py: Python, kind: StepKind) {
 /// At a cell's start while a traced experiment samples: torch's optimizer step hook, where the
 /// opening found `torch.optim` not imported yet.
 pub(super) fn arm(py: Python) {
-    if sampler().active() {
+    if active() {
         step_hook(py);
     }
 }
 
-/// Torch's optimizer step hook runs while the flight recorder holds its share or a traced
-/// experiment samples; it is removed when neither does.
-pub(super) fn step_hook(py: Python) {
-    let wanted = super::recorder::held() || sampler().active();
+/// Torch's optimizer step hook runs while the flight recorder is wanted or a traced experiment
+/// samples; it is removed when neither is.
+fn step_hook(py: Python) {
+    let wanted = super::recorder::wanted() || active();
     let _ =
         py.import("gpuexp.steps").and_then(|steps| steps.call_method0(if wanted { "install" } else { "uninstall" }));
 }
