@@ -1,9 +1,9 @@
 """Step ends, for the OOM diagnosis and for a traced experiment's sampled stacks: while the
-flight recorder holds its share of torch's allocation history or a traced experiment is open,
-torch's global optimizer step hook marks each completed ``optimizer.step()`` in the core (a
-time, no memory read). What grew since the latest one is read from the history after an
-out-of-memory error, and the sampler switches the stacks on or off for the next step. Installed
-only while one of them needs it and torch is already imported (never imported here)."""
+flight recorder is on and gpuexp active, or a traced experiment is open, torch's global
+optimizer step hook marks each completed ``optimizer.step()`` in the core. What grew since the
+latest one is read after an out-of-memory error, and the sampler switches the stacks on or off
+for the next step. Installed only while one of them needs it and torch is already imported
+(never imported here)."""
 
 import sys
 
