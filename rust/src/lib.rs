@@ -27,6 +27,9 @@ pub mod live_view;
 pub mod locks;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// What an experiment varied (`params=`, or `bs=64` in its name): below the reports and the
+/// trace's diffs, which both show it.
+pub mod params;
 /// The thread that raises peaks between snapshots where no peak counter exists.
 pub mod peak_sampler;
 /// Experiments across processes: each rank's report published to torch.distributed's store, gathered.
