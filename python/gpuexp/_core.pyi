@@ -47,6 +47,7 @@ class _Settings(TypedDict):
     cell_log_all_gpus: bool
     oom_rescue: bool
     flight_recorder: bool
+    trace_sampling: bool
     cell_log_min_change: int
     live_view_after_s: float | None
     trace: bool | Literal["host", "all"]
@@ -519,7 +520,8 @@ RECORDER_HISTORY_STEPS: int
 records with torch's allocation history; later steps read a level at their end."""
 def mark_step(kind: Literal["optimizer step", "trainer step", "finder step", "cell"]) -> None:
     """A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
-    diagnosis counts what grew from the latest one, and the recorder's schedule moves on."""
+    diagnosis counts what grew from the latest one, the recorder's schedule moves on, and a
+    traced experiment's sampled stacks may switch on or off for the next."""
 def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
     """Closes the running cell's window and records it (the `post_run_cell` event). Returns the
     record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
@@ -537,6 +539,7 @@ def config(
     live_view_after_s: float | Literal[False] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
     flight_recorder: bool | None = None,
+    trace_sampling: bool | None = None,
 ) -> _Settings:
     """Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
     kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.

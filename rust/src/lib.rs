@@ -44,6 +44,8 @@ pub mod report;
 pub mod scope;
 /// One reading of host memory, NVML and torch's allocator.
 pub mod snapshot;
+/// Which training steps of a traced experiment record Python stacks (`trace=True`'s sampling).
+pub mod stack_sampling;
 /// `gpuexp status`: the driver and every device.
 pub mod status;
 /// Which names a scope deletes, and the order of teardown's steps.

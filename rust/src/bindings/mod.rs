@@ -37,6 +37,7 @@ mod torch;
 mod trace;
 mod trace_opening;
 mod trace_recording;
+mod trace_sampling;
 mod training;
 mod units;
 mod unreachable;

@@ -29,7 +29,7 @@ fn set_held(on: bool) {
     *HELD.lock() = on;
 }
 
-fn wanted() -> bool {
+pub(super) fn wanted() -> bool {
     let registry = registry();
     registry.flight_recorder && registry.gpuexp_active()
 }
@@ -57,6 +57,7 @@ fn change_history(py: Python, change: HistoryChange) {
 /// recorder is on and torch has CUDA initialised (its first steps then run with the history).
 #[pyfunction]
 pub(super) fn arm_recorder(py: Python) {
+    super::trace_sampling::arm(py);
     if !wanted() || PyTorch::find(py).cuda().is_none() {
         return;
     }
@@ -72,7 +73,9 @@ pub(super) fn settle(py: Python) {
         return;
     }
     change_history(py, recorder::disarm());
-    step_hook(py, "uninstall");
+    if !super::trace_sampling::active() {
+        step_hook(py, "uninstall");
+    }
 }
 
 /// Torch's allocated bytes on the current device: one allocator stats call, no context made.
@@ -84,7 +87,8 @@ fn level(py: Python) -> Option<Level> {
 }
 
 /// A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
-/// diagnosis counts what grew from the latest one, and the recorder's schedule moves on.
+/// diagnosis counts what grew from the latest one, the recorder's schedule moves on, and a
+/// traced experiment's sampled stacks may switch on or off for the next.
 #[pyfunction]
 pub(super) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
     let kind = StepKind::parse(kind).ok_or_else(|| {
@@ -101,4 +105,5 @@ pub(super) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
 pub(super) fn step_completed(py: Python, kind: StepKind) {
     let level = if recorder::wants_level() { level(py) } else { None };
     change_history(py, recorder::step_ended(kind, trace_recording::now_us(), level));
+    super::trace_sampling::step_ended(py, kind);
 }

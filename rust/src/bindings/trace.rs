@@ -233,6 +233,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         }
         Err(e) => report.notes.push(format!("trace: reading torch's allocation history failed: {e}")),
     }
+    super::trace_sampling::end(py);
     if let Some(note) = trace_recording::close(py) {
         report.notes.push(note);
     }

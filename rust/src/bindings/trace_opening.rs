@@ -43,7 +43,7 @@ pub(super) struct WindowKey {
 }
 
 /// Adds the `gpuexp` key to torch's snapshot dict: the opening state where gpuexp started this
-/// recording, and the experiment's window where one is given.
+/// recording, the experiment's window where one is given, and the step marks of sampled stacks.
 pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&WindowKey>) -> PyResult<()> {
     let key = PyDict::new(py);
     if let Some(state) = opening().as_ref() {
@@ -66,6 +66,9 @@ pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&Wind
         }
         entry.set_item("peaks", peaks)?;
         key.set_item("window", entry)?;
+    }
+    if let Some(steps) = super::trace_sampling::steps_key(py)? {
+        key.set_item("steps", steps)?;
     }
     if !key.is_empty() {
         snapshot.set_item("gpuexp", key)?;

@@ -187,6 +187,43 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
     }
 }
 
+/// Opens a traced experiment's share (`open`) and its place in the sampled stacks: its first
+/// step records stacks, later ones as the sampler decides (`trace_sampling`).
+pub(super) fn open_experiment(py: Python) -> (TraceWindow, Vec<String>) {
+    let (window, notes) = open(py);
+    if window.unavailable.is_none() {
+        super::trace_sampling::begin(py, window.opened_us);
+    }
+    (window, notes)
+}
+
+/// Sampled stacks: on the steps not sampled the recording runs without stacks (the lease's
+/// ceiling; every client keeps its share) and the module hooks come off; on a sampled step both
+/// come back. Returns whether the recording records stacks then: also where it is the user's
+/// (never switched), or where the switch failed and it still does.
+pub(super) fn set_stacks(py: Python, on: bool) -> bool {
+    let change = lease().set_ceiling((!on).then_some(HistoryMode::Events));
+    if change != Change::Keep {
+        let applied = memory_module(py).and_then(|(_, memory)| apply(py, &memory, change).map_err(|e| e.to_string()));
+        if applied.is_err() {
+            // Torch kept the mode it had: so does the lease.
+            lease().set_ceiling(on.then_some(HistoryMode::Events));
+        }
+    }
+    let (with_stacks, hooked) = {
+        let lease = lease();
+        (
+            lease.mode() != Some(HistoryMode::Events),
+            lease.started_by_gpuexp() && lease.clients_of(HistoryMode::Stacks) > 0,
+        )
+    };
+    if hooked && change != Change::Keep {
+        // A hook's failure note is the report's at its finish; here it only stops the marking.
+        let _ = module_paths(py, if with_stacks { "install" } else { "uninstall" });
+    }
+    with_stacks
+}
+
 /// How many clients with stacks share the recording: open traced experiments and the cell log.
 pub(super) fn open_shares() -> usize {
     lease().clients_of(HistoryMode::Stacks)
