@@ -5,11 +5,9 @@
 use pyo3::prelude::*;
 
 use super::ranks;
-use super::registry::registry;
 use super::scope;
 use crate::fork;
 use crate::peak_sampler;
-use crate::scope::Registry;
 
 /// The GIL stays held: the background threads never take it, and no other Python thread
 /// should run now.
@@ -31,7 +29,6 @@ pub(super) fn after_fork_in_parent() {
 pub(super) fn after_fork_in_child() {
     fork::release();
     peak_sampler::release_after_fork(true);
-    *registry() = Registry::default();
     scope::forget_in_child();
     ranks::forget_in_child();
 }

@@ -1,6 +1,7 @@
 //! The scope registry: open scopes nest by time, each keeps its start snapshot and its peaks,
 //! and finished scopes stay in this kernel's history.
 
+use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
+pub mod lifecycle;
 mod unreachable;
 pub use unreachable::{Dropped, Finish, Identities, SafePoint, Sighting, Unreachable};
 
@@ -77,7 +79,7 @@ pub enum Owner {
     Tool,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Scope {
     pub id: ScopeId,
     pub name: String,
@@ -105,6 +107,37 @@ pub struct Scope {
     pub sighting: Option<Sighting>,
     /// Found unreachable where its teardown could not run: it waits for a safe point.
     pub unreachable: Option<Unreachable>,
+    /// What the bindings keep for it (its pins into the user's namespace, its monitor, its trace
+    /// windows, the experiment object): taken out when its teardown begins.
+    attached: Attached,
+}
+
+/// The bindings' handles of an open scope, opaque to the core: the scope's one record carries
+/// them, so that a forked child, which drops the registry, drops them too. Taken out of the
+/// registry before anything acts on them: dropping them may run Python code, which may call
+/// back into the registry.
+#[derive(Default)]
+pub struct Attached(Option<Box<dyn Any + Send>>);
+
+impl Attached {
+    pub fn new<H: Send + 'static>(handles: H) -> Attached {
+        Attached(Some(Box::new(handles)))
+    }
+
+    /// The handles, when they are of type `H` and still attached.
+    pub fn get<H: 'static>(&self) -> Option<&H> {
+        self.0.as_ref()?.downcast_ref()
+    }
+
+    pub fn take<H: 'static>(self) -> Option<H> {
+        self.0?.downcast().ok().map(|handles| *handles)
+    }
+}
+
+impl std::fmt::Debug for Attached {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Attached(..)" } else { "Attached(None)" })
+    }
 }
 
 /// What a scope opens with.
@@ -142,8 +175,17 @@ pub enum Finishing {
     Finished(Arc<Report>),
     /// Teardown is under way further up the stack.
     InProgress,
-    Ready(Box<Scope>),
+    /// Its teardown begins: the scope stays open (closing) until its report is recorded.
+    Ready(Closing),
     Unknown,
+}
+
+/// What a scope's teardown starts from, handed out once.
+#[derive(Debug)]
+pub struct Closing {
+    pub selection: GpuSelection,
+    pub keep: BTreeSet<String>,
+    pub attached: Attached,
 }
 
 pub struct Registry {
@@ -236,8 +278,26 @@ impl Registry {
             owner,
             sighting: None,
             unreachable: None,
+            attached: Attached::default(),
         });
         id
+    }
+
+    /// Gives an open scope the bindings' handles (see [`Attached`]).
+    pub fn attach(&mut self, id: ScopeId, attached: Attached) {
+        if let Some(scope) = self.scope_mut(id) {
+            scope.attached = attached;
+        }
+    }
+
+    /// The handles of an open scope whose teardown has not begun.
+    pub fn attached<H: 'static>(&self, id: ScopeId) -> Option<&H> {
+        self.scope(id)?.attached.get()
+    }
+
+    /// Every open scope's handles, oldest first, with their ids.
+    pub fn all_attached<H: 'static>(&self) -> impl Iterator<Item = (ScopeId, &H)> {
+        self.open.iter().filter_map(|s| Some((s.id, s.attached.get()?)))
     }
 
     pub fn scope(&self, id: ScopeId) -> Option<&Scope> {
@@ -297,7 +357,11 @@ impl Registry {
             Some(scope) if scope.closing => Finishing::InProgress,
             Some(scope) => {
                 scope.closing = true;
-                Finishing::Ready(Box::new(scope.clone()))
+                Finishing::Ready(Closing {
+                    selection: scope.selection.clone(),
+                    keep: scope.keep.clone(),
+                    attached: std::mem::take(&mut scope.attached),
+                })
             }
             None => Finishing::Unknown,
         }
@@ -507,5 +571,7 @@ impl Registry {
     }
 }
 
+#[cfg(test)]
+mod lifecycle_tests;
 #[cfg(test)]
 mod tests;
