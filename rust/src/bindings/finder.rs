@@ -15,7 +15,7 @@ use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
 use crate::finder::{self, Lab, Outcome, Role, Search, Settings, Trial};
-use crate::snapshot::{Gauge, GpuSelection};
+use crate::snapshot::GpuSelection;
 use crate::teardown;
 
 /// The search ``gpuexp.find_batch_size`` ran: every trial, the fit, the answer. ``str()`` and
@@ -192,20 +192,7 @@ fn run_trial(
         });
     let seconds = started.elapsed().as_secs_f64();
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    let peaks = {
-        let mut registry = registry();
-        match end.gpus.iter().find(|g| g.torch_index == index) {
-            Some(gpu) => {
-                let gauges = [Gauge::TorchAllocated(gpu.uuid.clone()), Gauge::TorchReserved(gpu.uuid.clone())];
-                let [allocated, reserved] = registry.close_window(window, &end, gauges);
-                allocated.zip(reserved)
-            }
-            None => {
-                registry.peaks.close(window);
-                None
-            }
-        }
-    };
+    let peaks = registry().close_torch_window(window, &end, index);
     let outcome = match (ran, peaks) {
         (Ok(()), Some((peak, reserved))) => Outcome::Fit { peak, reserved },
         (Ok(()), None) => return Err(PyValueError::new_err(format!("cuda:{index} is not a visible GPU"))),

@@ -365,11 +365,7 @@ fn is_numpy_bool(value: &Bound<PyAny>) -> bool {
 
 #[pyfunction]
 pub(super) fn scope_name(id: ScopeId) -> PyResult<String> {
-    let registry = registry();
-    if let Some(scope) = registry.scope(id) {
-        return Ok(scope.name.clone());
-    }
-    registry.report(id).map(|r| r.name.clone()).ok_or_else(|| unknown(id))
+    registry().name_of(id).ok_or_else(|| unknown(id))
 }
 
 #[pyfunction]
@@ -437,9 +433,6 @@ pub(super) fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
 pub(super) fn scope_cells(id: ScopeId) -> PyResult<Vec<CellRecordPy>> {
     let registry = registry();
     let all_gpus = registry.cell_log_all_gpus;
-    let records = match registry.scope(id) {
-        Some(scope) => registry.cells_of(scope),
-        None => registry.report(id).ok_or_else(|| unknown(id))?.cells.clone(),
-    };
+    let records = registry.cells_of_id(id).ok_or_else(|| unknown(id))?;
     Ok(records.into_iter().map(|r| CellRecordPy { record: Arc::new(r), all_gpus }).collect())
 }

@@ -5,7 +5,6 @@
 
 use std::collections::BTreeSet;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::namespace::identities;
@@ -44,11 +43,5 @@ pub(super) fn cell_ended_for_scopes(
 /// "opening", "exit"). Returns their reports, innermost first, and whether an interrupt was held.
 #[pyfunction]
 pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy>, bool)> {
-    let at = match at {
-        "cell_end" => SafePoint::CellEnd,
-        "opening" => SafePoint::Opening,
-        "exit" => SafePoint::Exit,
-        other => return Err(PyValueError::new_err(format!("at={other:?}: one of 'cell_end', 'opening', 'exit'"))),
-    };
-    finish_unreachable_at(py, at)
+    finish_unreachable_at(py, SafePoint::parse(at)?)
 }

@@ -187,17 +187,7 @@ mod tests {
     fn search(margin: Option<f64>, limit: Option<u64>) -> Search {
         let margin = Settings::margin_or_default(margin, limit).unwrap();
         let usable = Settings::usable(limit, 0, 4096 * MIB);
-        let settings = Settings {
-            start: 8,
-            max: 4096,
-            usable,
-            margin,
-            power_of_two: false,
-            multiple_of: 1,
-            verifications: 2,
-            steps_per_trial: 2,
-        };
-        Search::new(settings).unwrap()
+        Search::new(Settings { margin, ..crate::finder::tests::settings(usable) }).unwrap()
     }
 
     #[test]

@@ -408,6 +408,22 @@ impl Registry {
         self.finished.iter().find(|(done, _)| *done == id).map(|(_, r)| r.clone())
     }
 
+    /// A scope's name, open or finished.
+    pub fn name_of(&self, id: ScopeId) -> Option<String> {
+        match self.scope(id) {
+            Some(scope) => Some(scope.name.clone()),
+            None => self.report(id).map(|r| r.name.clone()),
+        }
+    }
+
+    /// The records of the cells that ran while a scope was open, so far or in its report.
+    pub fn cells_of_id(&self, id: ScopeId) -> Option<Vec<CellRecord>> {
+        match self.scope(id) {
+            Some(scope) => Some(self.cells_of(scope)),
+            None => self.report(id).map(|r| r.cells.clone()),
+        }
+    }
+
     pub fn history(&self) -> Vec<Arc<Report>> {
         self.finished.iter().map(|(_, r)| r.clone()).collect()
     }
@@ -452,16 +468,15 @@ impl Registry {
         window
     }
 
-    /// Closes a window opened by [`Registry::open_window`], returning its peaks of `gauges`, the
-    /// end snapshot's counters included.
-    pub fn close_window<const N: usize>(
-        &mut self,
-        window: u64,
-        end: &Snapshot,
-        gauges: [Gauge; N],
-    ) -> [Option<u64>; N] {
+    /// Closes a window opened by [`Registry::open_window`] (one trial of the batch-size finder),
+    /// returning torch's peaks (allocated, reserved) on the GPU of `torch_index` in it, the end
+    /// snapshot's counters included; None where the end snapshot has no such GPU.
+    pub fn close_torch_window(&mut self, window: u64, end: &Snapshot, torch_index: u32) -> Option<(u64, u64)> {
         self.peaks.observe(end);
-        let peaks = gauges.map(|gauge| self.peaks.peak(window, &gauge));
+        let peak = |gauge| self.peaks.peak(window, &gauge);
+        let peaks = end.gpus.iter().find(|g| g.torch_index == torch_index).and_then(|gpu| {
+            peak(Gauge::TorchAllocated(gpu.uuid.clone())).zip(peak(Gauge::TorchReserved(gpu.uuid.clone())))
+        });
         self.peaks.close(window);
         peaks
     }
