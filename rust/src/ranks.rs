@@ -25,7 +25,6 @@ mod nccl;
 mod store;
 mod table;
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -36,6 +35,7 @@ pub use nccl::NcclShare;
 pub use store::{check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 
+use crate::fork::{Guard, PerProcess};
 use crate::report::Report;
 use crate::scope::ScopeId;
 
@@ -49,10 +49,11 @@ pub use crate::report::{hostname, RankIdentity};
 // ---- what ended an experiment -------------------------------------------------------------
 
 /// Exceptions that ended experiments' `with` blocks, by scope, until their reports are published.
-static ERRORS: Mutex<Vec<(ScopeId, String)>> = Mutex::new(Vec::new());
+/// A forked child's scope numbers start again: the parent's exceptions are not its own.
+static ERRORS: PerProcess<Vec<(ScopeId, String)>> = PerProcess::new(Vec::new);
 
-fn errors() -> std::sync::MutexGuard<'static, Vec<(ScopeId, String)>> {
-    ERRORS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+fn errors() -> Guard<'static, Vec<(ScopeId, String)>> {
+    ERRORS.lock()
 }
 
 /// Remembers the exception ("Type: message") that ended a scope, for its published record.
@@ -64,11 +65,6 @@ pub fn take_error(scope: ScopeId) -> Option<String> {
     let mut errors = errors();
     let at = errors.iter().position(|(s, _)| *s == scope)?;
     Some(errors.remove(at).1)
-}
-
-/// In a forked child, whose scope numbers start again: the parent's exceptions are not its own.
-pub fn forget_errors() {
-    errors().clear();
 }
 
 // ---- records and keys ----------------------------------------------------------------------

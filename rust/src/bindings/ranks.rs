@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -12,6 +12,8 @@ use pyo3::types::PyDict;
 
 use super::report::{json_to_python, ReportPy};
 use crate::finder::Search;
+use crate::fork::PerProcess;
+use crate::locks::lock;
 use crate::ranks::{self, GatherError, Gathered, RankIdentity, RankStore, StoreAddress, STORE_ENV};
 use crate::report::Report;
 use crate::scope::ScopeId;
@@ -107,21 +109,20 @@ impl RankStore for PyStore<'_> {
 /// A store this process opened or hosts, by the address it was opened for. A forked child
 /// inherits the handle but not the connection or the server thread: it forgets it.
 struct Opened {
-    pid: u32,
     address: String,
     store: Py<PyAny>,
 }
 
 /// The store `GPUEXP_RANKS_STORE` names, once opened.
-static NAMED: Mutex<Option<Opened>> = Mutex::new(None);
-/// The store that could not be opened, by process and address, and why.
-static UNREACHABLE: Mutex<Option<(u32, String, String)>> = Mutex::new(None);
+static NAMED: PerProcess<Option<Opened>> = PerProcess::new(|| None);
+/// The store that could not be opened, by address, and why.
+static UNREACHABLE: PerProcess<Option<(String, String)>> = PerProcess::new(|| None);
 /// The TCPStore this kernel hosts (`gpuexp.host_ranks_store()`).
-static HOSTED: Mutex<Option<Opened>> = Mutex::new(None);
+static HOSTED: PerProcess<Option<Opened>> = PerProcess::new(|| None);
 /// The run token of the process group, with the group's store it was claimed in.
-static RUN: Mutex<Option<(u32, Py<PyAny>, String)>> = Mutex::new(None);
+static RUN: PerProcess<Option<(Py<PyAny>, String)>> = PerProcess::new(|| None);
 /// The searches of `find_batch_size` agreed so far in this run (each call has its keys).
-static AGREEMENTS: Mutex<u64> = Mutex::new(0);
+static AGREEMENTS: PerProcess<u64> = PerProcess::new(|| 0);
 /// What the last publish cost, for the bench: wall seconds and this thread's CPU seconds.
 static LAST_PUBLISH: Mutex<Option<(f64, f64)>> = Mutex::new(None);
 
@@ -133,14 +134,13 @@ fn thread_cpu_s() -> f64 {
     now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn current<'py>(py: Python<'py>, opened: &'static Mutex<Option<Opened>>, address: &str) -> Option<Bound<'py, PyAny>> {
-    let pid = crate::fork::pid();
-    let opened = lock(opened);
-    opened.as_ref().filter(|o| o.pid == pid && o.address == address).map(|o| o.store.bind(py).clone())
+fn current<'py>(
+    py: Python<'py>,
+    opened: &'static PerProcess<Option<Opened>>,
+    address: &str,
+) -> Option<Bound<'py, PyAny>> {
+    let opened = opened.lock();
+    opened.as_ref().filter(|o| o.address == address).map(|o| o.store.bind(py).clone())
 }
 
 /// The store `GPUEXP_RANKS_STORE` names, opened once per process; None where it is not set.
@@ -156,25 +156,24 @@ fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
             "{STORE_ENV} names {label}: gathering across ranks needs torch.distributed (import torch first)"
         )));
     };
-    let pid = crate::fork::pid();
-    if let Some((_, _, why)) = lock(&UNREACHABLE).as_ref().filter(|(p, a, _)| *p == pid && *a == label) {
+    if let Some((_, why)) = UNREACHABLE.lock().as_ref().filter(|(a, _)| *a == label) {
         return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
     }
     let opened = open_named(&dist, &address);
     match &opened {
         // Ctrl-C during the checks says nothing about the store: it is tried again next time.
         Err(e) if is_interrupt(py, e) => {}
-        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), said(py, e))),
+        Err(e) => *UNREACHABLE.lock() = Some((label.clone(), said(py, e))),
         Ok(_) => {}
     }
     let store = opened?;
     // Not locked while opening: torch may release the GIL to connect, and another thread could
     // then wait for the lock with the GIL held. Two threads opening at once keep the first.
-    let mut named = lock(&NAMED);
-    match named.as_ref().filter(|o| o.pid == pid && o.address == label) {
+    let mut named = NAMED.lock();
+    match named.as_ref().filter(|o| o.address == label) {
         Some(first) => Ok(Some((first.store.bind(py).clone(), label))),
         None => {
-            *named = Some(Opened { pid, address: label.clone(), store: store.clone().unbind() });
+            *named = Some(Opened { address: label.clone(), store: store.clone().unbind() });
             Ok(Some((store, label)))
         }
     }
@@ -247,17 +246,16 @@ fn run_token(py: Python, group: Option<&(Bound<PyAny>, u32, u32)>) -> PyResult<O
         return Ok(run.map(|r| format!("{r}.{restart}")));
     };
     let store = group_store(dist)?;
-    let pid = crate::fork::pid();
-    let mut cached = lock(&RUN);
-    if let Some((owner, claimed_in, token)) = cached.as_ref() {
-        if *owner == pid && claimed_in.bind(py).is(&store) {
+    let mut cached = RUN.lock();
+    if let Some((claimed_in, token)) = cached.as_ref() {
+        if claimed_in.bind(py).is(&store) {
             return Ok(Some(token.clone()));
         }
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    let mine = format!("{nanos:x}-{pid:x}-{}", ranks::hostname());
+    let mine = format!("{nanos:x}-{:x}-{}", crate::fork::pid(), ranks::hostname());
     let token = PyStore(store.clone()).claim(ranks::keys::RUN, &mine)?;
-    *cached = Some((pid, store.unbind(), token.clone()));
+    *cached = Some((store.unbind(), token.clone()));
     Ok(Some(token))
 }
 
@@ -410,8 +408,8 @@ pub(super) fn remove_kernel_ranks_store() {
 #[pyfunction]
 #[pyo3(signature = (address="127.0.0.1", port=0))]
 pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult<String> {
-    let mut hosted = lock(&HOSTED);
-    if let Some(opened) = hosted.as_ref().filter(|o| o.pid == crate::fork::pid()) {
+    let mut hosted = HOSTED.lock();
+    if let Some(opened) = hosted.as_ref() {
         return Ok(opened.address.clone());
     }
     let dist = distributed(py).ok_or_else(|| {
@@ -433,24 +431,8 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
     kwargs.set_item("master_listen_fd", std::os::fd::IntoRawFd::into_raw_fd(listener))?;
     let store = dist.getattr("TCPStore")?.call((connect.as_str(), local.port(), py.None(), true), Some(&kwargs))?;
     let url = StoreAddress::Tcp { host: advertised, port: local.port() }.to_string();
-    *hosted = Some(Opened { pid: crate::fork::pid(), address: url.clone(), store: store.unbind() });
+    *hosted = Some(Opened { address: url.clone(), store: store.unbind() });
     Ok(url)
-}
-
-// ---- fork ------------------------------------------------------------------------------------
-
-/// In a forked child: the stores, the run token and the agreements are the parent's; they are
-/// forgotten, never closed, since their sockets aren't this process's.
-pub(super) fn forget_in_child() {
-    lock(&UNREACHABLE).take();
-    for opened in [lock(&NAMED).take(), lock(&HOSTED).take()].into_iter().flatten() {
-        std::mem::forget(opened.store);
-    }
-    if let Some((_, store, _)) = lock(&RUN).take() {
-        std::mem::forget(store);
-    }
-    *lock(&AGREEMENTS) = 0;
-    ranks::forget_errors();
 }
 
 // ---- the finder across ranks -----------------------------------------------------------------
@@ -463,7 +445,7 @@ pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) 
         .map_err(|_| PyValueError::new_err(format!("ranks_timeout must be a number of seconds; got {timeout}")))?;
     let run = run_token(py, Some(&group))?.expect("a group has a run");
     let call = {
-        let mut calls = lock(&AGREEMENTS);
+        let mut calls = AGREEMENTS.lock();
         *calls += 1;
         *calls
     };
