@@ -199,7 +199,8 @@ pub struct Request {
     pub name: Option<String>,
     pub gpu: bool,
     pub devices: Option<Vec<u32>>,
-    /// In a namespace it may delete from (None: a function body in a script, which it only measures).
+    /// In a namespace it may delete from (false: a function body in a script, or `delete=False`:
+    /// it only measures).
     pub in_namespace: bool,
     pub cell_log: bool,
     pub limit: Option<u64>,
