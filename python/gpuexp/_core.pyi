@@ -448,6 +448,8 @@ def open_scope(
     `tool`: gpuexp opens it for one of its tools (a trainer's callback), see [`Owner`]."""
 def scope_name(id: _ScopeId) -> str: ...
 def is_open(id: _ScopeId) -> bool: ...
+def open_experiments() -> dict[_ScopeId, Any]:
+    """The open experiments (their teardown not begun) whose objects are alive, by scope id."""
 def keep(id: _ScopeId, names: Sequence[str]) -> None:
     """Protects names from deletion; each must exist now."""
 def finish(id: _ScopeId, keep: Sequence[str] = ..., during_reset: bool = False) -> tuple[list[Report], bool]:

@@ -5,16 +5,11 @@ import gc
 import os
 import sys
 import threading
-import weakref
 
 from . import _core, ipython, live
 from .devices import device_indices
 from .monitor import seconds
 from .torch_peaks import watch_torch_peak_resets
-
-_open = {}  # scope id -> weak reference to its experiment, for the cell events that notice `del exp`
-# A forked child has none of its parent's experiments (the core forgets them too).
-os.register_at_fork(after_in_child=_open.clear)
 
 _NOT_COPIED = (
     "a GPUExperiment can't be copied or pickled: a copy would share its scope, and finishing the "
@@ -96,7 +91,6 @@ class GPUExperiment:
         )
         for report in replaced:
             ipython.show(report)
-        _open[self._id] = weakref.ref(self)
         # From now on the scope's torch peaks must survive a user's reset.
         watch_torch_peak_resets()
         ipython.show(start)
@@ -346,18 +340,9 @@ def finish_unreachable(at):
 
 def open_experiment(scope_id):
     """The open experiment of a scope, or None."""
-    ref = _open.get(scope_id)
-    experiment = ref() if ref is not None else None
-    return experiment if experiment is not None and _core.is_open(scope_id) else None
+    return tracked().get(scope_id)
 
 
 def tracked():
-    """The open experiments, by scope id."""
-    live = {}
-    for scope_id, ref in list(_open.items()):
-        experiment = ref()
-        if experiment is None or not _core.is_open(scope_id):
-            _open.pop(scope_id, None)
-        else:
-            live[scope_id] = experiment
-    return live
+    """The open experiments, by scope id: the core keeps each in its record (a forked child has none)."""
+    return _core.open_experiments()

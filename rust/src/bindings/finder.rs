@@ -14,10 +14,9 @@ use super::ranks;
 use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
-use crate::finder::{Next, Outcome, Role, Search, Settings, Trial};
-use crate::snapshot::{Gauge, GpuSelection};
+use crate::finder::{self, Lab, Outcome, Role, Search, Settings, Trial};
+use crate::snapshot::GpuSelection;
 use crate::teardown;
-use crate::units;
 
 /// The search ``gpuexp.find_batch_size`` ran: every trial, the fit, the answer. ``str()`` and
 /// ``_repr_html_`` are its table.
@@ -53,9 +52,9 @@ shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
 #[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
                     verifications=2, steps=2, progress=None, estimate=true, ranks_timeout=600.0, adapter))]
 #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
-pub(super) fn find_batch_size(
-    py: Python,
-    step: Bound<PyAny>,
+pub(super) fn find_batch_size<'py>(
+    py: Python<'py>,
+    step: Bound<'py, PyAny>,
     start: u64,
     max: u64,
     device: Option<u32>,
@@ -65,10 +64,10 @@ pub(super) fn find_batch_size(
     multiple_of: u64,
     verifications: u32,
     steps: u32,
-    progress: Option<Bound<PyAny>>,
+    progress: Option<Bound<'py, PyAny>>,
     estimate: bool,
     ranks_timeout: f64,
-    adapter: Bound<PyAny>,
+    adapter: Bound<'py, PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
     if !step.is_callable() {
         return Err(PyTypeError::new_err(format!(
@@ -76,11 +75,7 @@ pub(super) fn find_batch_size(
             step.repr()?
         )));
     }
-    // At a cap the allocator's rounding and fragmentation still need a little room.
-    let margin = margin.unwrap_or(if limit.is_some() { 0.02 } else { 0.05 });
-    if !(0.0..1.0).contains(&margin) {
-        return Err(PyValueError::new_err(format!("margin must be a share below 1, e.g. margin=0.05; got {margin}")));
-    }
+    let margin = Settings::margin_or_default(margin, limit)?;
     let settings =
         Settings { start, max, usable: 0, margin, power_of_two, multiple_of, verifications, steps_per_trial: steps };
     let mut search = Search::new(settings)?;
@@ -101,66 +96,70 @@ pub(super) fn find_batch_size(
         None => cuda.call_method0("current_device")?.extract()?,
     };
     search.settings.usable = usable_memory(py, index, limit)?;
-    if estimate {
-        seed_search(py, &mut search, &step, index, progress.is_some());
-    }
-
-    let limited = match limit {
-        Some(limit) => apply_limit(py, &GpuSelection::Only(vec![index]), limit)?,
-        None => Vec::new(),
-    };
-    let searched = run_trials(py, &mut search, &step, &cuda, index, progress.as_ref(), &adapter);
-    // The cap comes off and the cache empties whatever stopped the search, Ctrl-C included.
-    let held = interrupts::hold(py);
-    let restored = restore_limit(py, &limited);
-    let released = release_between_trials(py);
-    let interrupted = held.release(py);
-    searched.and(restored).and(released)?;
-    if interrupted {
-        return Err(interrupts::interrupted());
-    }
-    // In a rank of a process group every rank must run one size: the largest that fits on all.
-    ranks::agree_across_ranks(py, &mut search, ranks_timeout)?;
-    if let Some(progress) = &progress {
-        let grid = search.grid();
-        progress.call_method1("finish", (grid.title.as_str(), grid.to_html()))?;
-    }
+    let mut lab =
+        PyLab { py, step, cuda, index, progress, adapter, ranks_timeout, limited: Vec::new(), interrupts: None };
+    finder::find(&mut search, &mut lab, limit, estimate)?;
     Ok(BatchSizeResultPy(search))
 }
 
-fn run_trials(
-    py: Python,
-    search: &mut Search,
-    step: &Bound<PyAny>,
-    cuda: &Bound<PyAny>,
+/// The user's step on one GPU under torch, for the core's search.
+struct PyLab<'py> {
+    py: Python<'py>,
+    step: Bound<'py, PyAny>,
+    cuda: Bound<'py, PyAny>,
     index: u32,
-    progress: Option<&Bound<PyAny>>,
-    adapter: &Bound<PyAny>,
-) -> PyResult<()> {
-    let mut previous = None;
-    while let Next::Try(batch, role) = search.next_trial() {
-        if previous != Some(batch) {
-            // Blocks cached at another size would fragment this one; repeats keep the steady state.
-            release_between_trials(py)?;
-        }
-        previous = Some(batch);
-        let trial = run_trial(py, step, cuda, batch, index, search.settings.steps_per_trial, role, adapter)?;
-        let outcome = match trial.outcome {
-            Outcome::Fit { peak, .. } => format!("peak {}", units::bytes(peak)),
-            Outcome::OutOfMemory => "out of memory".into(),
-        };
-        let line = format!(
-            "gpuexp: trial {} ({}) batch size {batch}: {outcome}, {:.2} s",
-            search.trials.len() + 1,
-            role.label(),
-            trial.seconds
-        );
-        search.record(trial);
-        if let Some(progress) = progress {
+    progress: Option<Bound<'py, PyAny>>,
+    adapter: Bound<'py, PyAny>,
+    ranks_timeout: f64,
+    /// Torch's memory fraction before the cap, restored after.
+    limited: Vec<(u32, f64)>,
+    interrupts: Option<interrupts::Held<'py>>,
+}
+
+impl Lab for PyLab<'_> {
+    type Error = PyErr;
+
+    fn seed(&mut self, search: &mut Search) {
+        seed_search(self.py, search, &self.step, self.index, self.progress.is_some());
+    }
+    fn apply_limit(&mut self, limit: u64) -> PyResult<()> {
+        self.limited = apply_limit(self.py, &GpuSelection::Only(vec![self.index]), limit)?;
+        Ok(())
+    }
+    fn restore_limit(&mut self) -> PyResult<()> {
+        restore_limit(self.py, &std::mem::take(&mut self.limited))
+    }
+    fn release_between_trials(&mut self) -> PyResult<()> {
+        release_between_trials(self.py)
+    }
+    fn trial(&mut self, batch: u64, role: Role, steps: u32) -> PyResult<Trial> {
+        run_trial(self.py, &self.step, &self.cuda, batch, self.index, steps, role, &self.adapter)
+    }
+    fn progress(&mut self, line: &str, search: &Search) -> PyResult<()> {
+        if let Some(progress) = &self.progress {
             progress.call_method1("update", (line, search.grid().to_html()))?;
         }
+        Ok(())
     }
-    Ok(())
+    fn finished(&mut self, search: &Search) -> PyResult<()> {
+        if let Some(progress) = &self.progress {
+            let grid = search.grid();
+            progress.call_method1("finish", (grid.title.as_str(), grid.to_html()))?;
+        }
+        Ok(())
+    }
+    fn hold_interrupts(&mut self) {
+        self.interrupts = Some(interrupts::hold(self.py));
+    }
+    fn release_interrupts(&mut self) -> bool {
+        self.interrupts.take().is_some_and(|held| held.release(self.py))
+    }
+    fn interrupted(&self) -> PyErr {
+        interrupts::interrupted()
+    }
+    fn agree_across_ranks(&mut self, search: &mut Search) -> PyResult<()> {
+        ranks::agree_across_ranks(self.py, search, self.ranks_timeout).map(drop)
+    }
 }
 
 /// `steps` steps in a row at one batch size, in a peak window of their own: torch's exact
@@ -193,20 +192,7 @@ fn run_trial(
         });
     let seconds = started.elapsed().as_secs_f64();
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    let peaks = {
-        let mut registry = registry();
-        match end.gpus.iter().find(|g| g.torch_index == index) {
-            Some(gpu) => {
-                let gauges = [Gauge::TorchAllocated(gpu.uuid.clone()), Gauge::TorchReserved(gpu.uuid.clone())];
-                let [allocated, reserved] = registry.close_window(window, &end, gauges);
-                allocated.zip(reserved)
-            }
-            None => {
-                registry.peaks.close(window);
-                None
-            }
-        }
-    };
+    let peaks = registry().close_torch_window(window, &end, index);
     let outcome = match (ran, peaks) {
         (Ok(()), Some((peak, reserved))) => Outcome::Fit { peak, reserved },
         (Ok(()), None) => return Err(PyValueError::new_err(format!("cuda:{index} is not a visible GPU"))),
@@ -229,15 +215,14 @@ fn is_oom(py: Python, error: &PyErr) -> bool {
     super::oom::is_cuda_oom(error.value(py).as_any())
 }
 
-/// What a step's torch peak may use on a GPU: what torch holds plus what NVML has free, or `limit`.
+/// What a step's torch peak may use on a GPU (see [`Settings::usable`]).
 fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
     let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let gpu =
         now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
             PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
         })?;
-    let torch = gpu.torch.unwrap_or_default();
-    Ok(limit.unwrap_or(torch.reserved + gpu.free))
+    Ok(Settings::usable(limit, gpu.torch.unwrap_or_default().reserved, gpu.free))
 }
 
 /// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).

@@ -6,10 +6,8 @@
 
 use pyo3::prelude::*;
 
-use super::registry::registry;
 use super::scope;
 use crate::fork;
-use crate::scope::Registry;
 
 /// Whether this process was forked from one that had gpuexp loaded (a rank forked from a
 /// kernel): it runs no cells, and the shell is the parent's.
@@ -22,6 +20,5 @@ pub(super) fn is_forked_child() -> bool {
 /// exist here or aren't ours.
 #[pyfunction]
 pub(super) fn after_fork_in_child() {
-    *registry() = Registry::default();
     scope::forget_in_child();
 }

@@ -89,7 +89,7 @@ mod core_module {
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,
     };
     #[pymodule_export]
-    use super::scope::{finish, is_open, keep, open_scope, scope_cells, scope_name, scope_report};
+    use super::scope::{finish, is_open, keep, open_experiments, open_scope, scope_cells, scope_name, scope_report};
     #[pymodule_export]
     use super::snapshot::snapshot;
     #[pymodule_export]

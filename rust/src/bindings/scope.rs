@@ -1,41 +1,46 @@
-//! Experiment scopes: opening one (pins, limit, monitor, start snapshot) and finishing it
-//! (the core's teardown over the user's namespace, the report, the holders of what did not
-//! come back).
+//! Experiment scopes as Python sees them: `open_scope`, `finish`, `keep` and the live report.
+//! The order of an experiment's life and every decision in it are the core's
+//! (`crate::scope::lifecycle`); [`PyWorld`] does each of its steps over Python, torch and the
+//! user's namespace, and [`ScopeHandles`] is what an open experiment holds on this side.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyString};
+use pyo3::types::{PyBool, PyDict, PyString, PyWeakrefMethods, PyWeakrefReference};
 
 use super::cell_trace;
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
-use super::host_trace::{self, HostWindow};
+use super::host_trace::{self, HostFinding, HostWindow};
 use super::interrupts;
-use super::namespace::{system_names, user_names, Baseline, Judged};
+use super::namespace::{identities, system_names, user_names, Baseline, Judged};
 use super::rank_gpu;
 use super::ranks;
 use super::registry::{registry, unknown};
 use super::report::{CellRecordPy, ReportPy, SnapshotPy};
-use super::snapshot::{check_devices, opening_snapshot, reset_counters, selection, take_snapshot, update_sampler};
-use super::torch::{apply_limit, release, restore_limit};
+use super::snapshot::{check_devices, opening_snapshot, reset_counters, take_snapshot, update_sampler};
+use super::torch::{apply_limit, release, restore_limit, PyTorch};
 use super::trace;
 use super::trace_recording::{self, TraceWindow};
-use crate::monitor;
-use crate::report::{Details, Param, Params, Report};
-use crate::scope::{Finishing, Kind, Opening, Owner, SafePoint, ScopeId};
+use crate::monitor::{self, Sample};
+use crate::report::{Param, Params, Report};
+use crate::scope::lifecycle::{self, Request, World};
+use crate::scope::{Identities, Owner, Registry, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
-use crate::teardown::{self, Step};
-use crate::trace::TraceKinds;
+use crate::teardown::{self, Step, Teardown};
+use crate::trace::HolderStorages;
 use crate::uninspectable::Uninspectable;
-use crate::units;
 
-/// What an open scope holds on the Python side.
-struct Held {
+/// What an open experiment holds on the Python side, in its record in the core's registry.
+#[derive(Default)]
+pub(super) struct ScopeHandles {
+    /// The experiment object, for the cell events that notice `del exp` (see `open_experiments`).
+    experiment: Option<Py<PyWeakrefReference>>,
     /// None outside any namespace (a function body in a script): nothing to delete there.
-    /// Shared, so that `keep()` reads it with `HELD` unlocked: reading runs Python code, which
-    /// may finish another scope (a `__del__`), and that takes `HELD`.
+    /// Shared, so that `keep()` reads it with the registry unlocked: reading runs Python code,
+    /// which may finish another scope (a `__del__`), and that takes the registry.
     baseline: Option<Arc<Baseline>>,
     /// Tensor storages and arrays reachable when the scope opened: a leak hunt at finish names
     /// only what came after.
@@ -48,30 +53,33 @@ struct Held {
     monitor: Option<monitor::Monitor>,
     /// The scope's share of torch's allocation history (`trace=True`), read at finish.
     trace: Option<TraceWindow>,
-    /// Its tracemalloc snapshot at opening (`trace="host"`), compared at finish.
+    /// Its tracemalloc snapshot at opening (`trace="host"`), compared at finish...
     host_trace: Option<HostWindow>,
+    /// ...into what it found, read into the report once the teardown has run.
+    host_found: Option<HostFinding>,
+    /// The storages each holder the leak hunt found keeps on a GPU, for the trace's sites.
+    storages: Vec<HolderStorages>,
 }
 
-/// The pins a scope took at opening, while it is open.
-pub(super) fn baseline_of(id: ScopeId) -> Option<Arc<Baseline>> {
-    held().get(&id).and_then(|h| h.baseline.clone())
+/// The steps of an experiment's life over Python. `interrupts` is held by the core's runner
+/// around every step that needs it.
+struct PyWorld<'py> {
+    py: Python<'py>,
+    interrupts: Option<interrupts::Held<'py>>,
+    /// The opening's namespace (None: none to delete from) and the experiment object.
+    adapter: Option<Bound<'py, PyAny>>,
+    experiment: Option<Bound<'py, PyAny>>,
+    /// Torch as the start snapshot found it, for the reset of its peak counters just after.
+    torch: Option<PyTorch<'py>>,
 }
 
-static HELD: LazyLock<Mutex<HashMap<ScopeId, Held>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+impl<'py> PyWorld<'py> {
+    fn new(py: Python<'py>) -> PyWorld<'py> {
+        PyWorld { py, interrupts: None, adapter: None, experiment: None, torch: None }
+    }
 
-fn held() -> MutexGuard<'static, HashMap<ScopeId, Held>> {
-    HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// In a forked child: the parent's open scopes are not the child's. Their monitors' threads
-/// don't exist here, so they are forgotten, never joined.
-pub(super) fn forget_in_child() {
-    for (_, mut scope_held) in std::mem::take(&mut *held()) {
-        if let Some(monitor) = scope_held.monitor.take() {
-            std::mem::forget(monitor);
-        }
-        // The pins refer into the parent's namespace: they go without running Python code.
-        std::mem::forget(scope_held.baseline.take());
+    fn interrupts(&self) -> &interrupts::Held<'py> {
+        self.interrupts.as_ref().expect("the lifecycle holds interrupts around the steps that let them through")
     }
 }
 
@@ -91,6 +99,175 @@ impl teardown::Release for Releaser<'_> {
     }
 }
 
+impl World for PyWorld<'_> {
+    type Held = ScopeHandles;
+    type Error = PyErr;
+
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        registry()
+    }
+    fn unknown(id: ScopeId) -> PyErr {
+        unknown(id)
+    }
+    fn new_held(&mut self) -> ScopeHandles {
+        let experiment = self.experiment.as_ref().and_then(|e| PyWeakrefReference::new(e).ok()).map(Bound::unbind);
+        ScopeHandles { experiment, ..ScopeHandles::default() }
+    }
+    fn hold_interrupts(&mut self) {
+        self.interrupts = Some(interrupts::hold(self.py));
+    }
+    fn release_interrupts(&mut self) -> bool {
+        self.interrupts.take().is_some_and(|held| held.release(self.py))
+    }
+
+    fn prepare_publishing(&mut self) -> PyResult<()> {
+        ranks::prepare_publishing(self.py)
+    }
+    fn own_gpu(&mut self) -> Option<(u32, String)> {
+        rank_gpu::own_gpu(self.py).map(|(index, because)| (index, because.describe().to_string()))
+    }
+    fn check_devices(&mut self, wanted: &[u32]) -> PyResult<()> {
+        check_devices(self.py, wanted)
+    }
+    fn start_trace(&mut self, held: &mut ScopeHandles) -> Vec<String> {
+        let (window, notes) = trace_recording::open_experiment(self.py);
+        held.trace = Some(window);
+        notes
+    }
+    fn take_inventory(&mut self, held: &mut ScopeHandles) -> PyResult<()> {
+        if let Some(adapter) = self.adapter.as_ref().filter(|_| tensors_or_arrays_imported(self.py)) {
+            (held.buffers, held.skipped) = holders::inventory(self.py, hunt_roots(adapter)?)?;
+        }
+        Ok(())
+    }
+    fn pin(&mut self, held: &mut ScopeHandles) -> PyResult<()> {
+        if let Some(adapter) = &self.adapter {
+            held.baseline = Some(Arc::new(Baseline::take(adapter, self.experiment.as_ref())?));
+        }
+        Ok(())
+    }
+    fn apply_limit(&mut self, held: &mut ScopeHandles, selection: &GpuSelection, limit: u64) -> PyResult<()> {
+        held.limited = apply_limit(self.py, selection, limit)?;
+        Ok(())
+    }
+    fn start_monitor(&mut self, held: &mut ScopeHandles, interval: Duration, gpus: bool) -> PyResult<()> {
+        held.monitor = Some(monitor::Monitor::start(interval, None, gpus)?);
+        Ok(())
+    }
+    fn start_host_trace(&mut self, held: &mut ScopeHandles) -> Vec<String> {
+        let (window, notes) = host_trace::open(self.py, self.interrupts());
+        held.host_trace = Some(window);
+        notes
+    }
+    fn start_snapshot(&mut self, selection: &GpuSelection) -> Snapshot {
+        let (start, torch) = opening_snapshot(self.py, selection, take_snapshot);
+        self.torch = Some(torch);
+        start
+    }
+    fn reset_counters(&mut self, start: &Snapshot) {
+        if let Some(torch) = self.torch.take() {
+            reset_counters(&torch, start);
+        }
+    }
+    fn arm_recorder(&mut self) {
+        super::recorder::arm_recorder(self.py);
+    }
+
+    fn collect_garbage(&mut self) -> PyResult<()> {
+        release(self.py, Step::CollectGarbage)
+    }
+    fn identities(&mut self, id: ScopeId) -> PyResult<Identities> {
+        match baseline_of(id) {
+            Some(baseline) => identities(&baseline.adapter(self.py)),
+            None => Ok(Identities::default()),
+        }
+    }
+    fn snapshot(&mut self, selection: &GpuSelection) -> Snapshot {
+        take_snapshot(self.py, selection).0
+    }
+    fn finish_host_trace(&mut self, held: &mut ScopeHandles) {
+        held.host_found = held.host_trace.take().map(|window| host_trace::finish(self.py, window, self.interrupts()));
+    }
+    fn teardown(
+        &mut self,
+        held: &mut ScopeHandles,
+        selection: &GpuSelection,
+        keep: &BTreeSet<String>,
+        names: bool,
+    ) -> Teardown {
+        let mut judged = held.baseline.as_deref().filter(|_| names).map(|baseline| Judged { py: self.py, baseline });
+        let namespace = judged.as_mut().map(|j| j as &mut dyn teardown::Namespace);
+        teardown::run(namespace, &mut Releaser { py: self.py, selection: selection.clone() }, keep)
+    }
+    fn inventory_notes(&self, held: &ScopeHandles) -> Vec<String> {
+        held.skipped.note().into_iter().collect()
+    }
+    fn restore_limit(&mut self, held: &mut ScopeHandles) -> PyResult<()> {
+        restore_limit(self.py, &held.limited)
+    }
+    fn stop_monitor(&mut self, held: &mut ScopeHandles) -> Vec<Sample> {
+        let Some(mut monitor) = held.monitor.take() else { return Vec::new() };
+        self.py.detach(|| monitor.stop());
+        monitor.samples()
+    }
+    fn hunt_leaks(&mut self, held: &mut ScopeHandles, report: &mut Report) -> PyResult<()> {
+        let adapter = held.baseline.as_ref().map(|b| b.adapter(self.py));
+        (report.holders, held.storages) = holders::hunt_leaks(self.py, report, adapter.as_ref(), &held.buffers)?;
+        Ok(())
+    }
+    fn drop_pins(&mut self, held: &mut ScopeHandles) {
+        // What the report still reads stays; the rest (the pins first) goes now.
+        let ScopeHandles { trace, host_found, storages, .. } = std::mem::take(held);
+        *held = ScopeHandles { trace, host_found, storages, ..ScopeHandles::default() };
+    }
+    fn complete_trace(&mut self, held: &mut ScopeHandles, report: &mut Report) {
+        if let Some(window) = held.trace.take() {
+            trace::complete_report(self.py, window, report, &held.storages);
+        }
+    }
+    fn complete_host_trace(&mut self, held: &mut ScopeHandles, report: &mut Report) {
+        if let Some(found) = held.host_found.take() {
+            found.complete_report(report);
+        }
+    }
+    fn complete_ranks(&mut self, report: &mut Report) {
+        ranks::complete_report(self.py, report);
+    }
+    fn update_sampler(&mut self) {
+        update_sampler(self.py, None);
+    }
+    fn settle_recording(&mut self) {
+        cell_trace::settle(self.py);
+        super::recorder::settle(self.py);
+    }
+
+    fn publish(&mut self, id: ScopeId, report: &Report) -> Vec<String> {
+        ranks::publish_report(self.py, id, report)
+    }
+}
+
+/// The pins a scope took at opening, while it is open.
+fn baseline_of(id: ScopeId) -> Option<Arc<Baseline>> {
+    registry().attached::<ScopeHandles>(id).and_then(|h| h.baseline.clone())
+}
+
+/// In a forked child: the parent's open scopes are not the child's (see
+/// [`lifecycle::forget_in_child`]). The one fork reset of the registry and its records.
+pub(super) fn forget_in_child() {
+    lifecycle::forget_in_child(&mut registry());
+}
+
+/// The open experiments (their teardown not begun) whose objects are alive, by scope id.
+#[pyfunction]
+pub(super) fn open_experiments(py: Python) -> HashMap<ScopeId, Bound<PyAny>> {
+    // Weak references cloned under the lock; upgraded, which may free nothing, once it is given back.
+    let weak: Vec<(ScopeId, Py<PyWeakrefReference>)> = registry()
+        .all_attached::<ScopeHandles>()
+        .filter_map(|(id, held)| Some((id, held.experiment.as_ref()?.clone_ref(py))))
+        .collect();
+    weak.into_iter().filter_map(|(id, weak)| Some((id, weak.bind(py).upgrade()?))).collect()
+}
+
 /// Opens a scope; returns its id, the state it starts from, the reports of the scopes it
 /// replaced (see [`crate::scope::Registry::replaced_by`]; `on_stack`: the open scopes whose code
 /// is still running, never replaced by name), which finish first keeping `in_use`:
@@ -103,13 +280,13 @@ impl teardown::Release for Releaser<'_> {
                     monitor_s=None, handles=BTreeSet::new(), in_use=BTreeSet::new(), on_stack=BTreeSet::new(), params=None,
                     trace=None, tool=false))]
 #[allow(clippy::too_many_arguments)] // one per keyword of GPUExperiment
-pub(super) fn open_scope(
-    py: Python,
+pub(super) fn open_scope<'py>(
+    py: Python<'py>,
     name: Option<String>,
     gpu: bool,
     devices: Option<Vec<u32>>,
-    adapter: Option<Bound<PyAny>>,
-    owner: Option<Bound<PyAny>>,
+    adapter: Option<Bound<'py, PyAny>>,
+    owner: Option<Bound<'py, PyAny>>,
     cell_log: bool,
     limit: Option<u64>,
     monitor_s: Option<f64>,
@@ -120,100 +297,25 @@ pub(super) fn open_scope(
     trace: Option<Bound<PyAny>>,
     tool: bool,
 ) -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>, bool)> {
-    let opened_by = if tool { Owner::Tool } else { Owner::User };
-    let params = params.as_ref().map(params_from).transpose()?;
-    let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
-    let kinds = TraceKinds::for_scope(trace, registry().trace_by_default, gpu)?;
-    // Before interrupts are held: opening a rank's store may wait on the network or a disk.
-    ranks::prepare_publishing(py)?;
-    let interrupt = interrupts::hold(py);
-    let mut to_publish = Vec::new();
-    // A closure, so that every error path still gives the held interrupt back below.
-    let open = || -> PyResult<(ScopeId, SnapshotPy, Vec<ReportPy>)> {
-        // Outside a notebook, the experiments found unreachable since the last safe point go first.
-        let mut replaced = finish_due(py, &interrupt, SafePoint::Opening, &mut to_publish)?;
-        // Collected first: finishing takes the registry's lock, which a guard alive in the loop's
-        // head would still hold.
-        let replaced_ids = registry().replaced_by(name.as_deref(), &handles, &on_stack, opened_by);
-        for id in replaced_ids {
-            let keep = in_use.iter().cloned().collect();
-            replaced.extend(finish_with_inner(py, &interrupt, id, keep, false, &mut to_publish)?);
-        }
-        // A rank covers its own GPU unless `devices=` names others: on a node of 8, the other
-        // seven would be idle rows in every rank's report and in `ranks()`.
-        let own = if gpu && devices.is_none() { rank_gpu::own_gpu(py) } else { None };
-        let selection = selection(gpu, devices.or_else(|| own.map(|(index, _)| vec![index])));
-        if let GpuSelection::Only(wanted) = &selection {
-            check_devices(py, wanted)?;
-        }
-        // Before the start snapshot: a trace may initialise CUDA, whose context is no scope's doing.
-        let trace = kinds.cuda().then(|| trace_recording::open_experiment(py));
-        let (trace, mut trace_notes) = match trace {
-            Some((window, notes)) => (Some(window), notes),
-            None => (None, Vec::new()),
-        };
-        let (buffers, skipped) = match &adapter {
-            Some(a) if tensors_or_arrays_imported(py) => holders::inventory(py, hunt_roots(a)?)?,
-            _ => (HashSet::new(), Uninspectable::default()),
-        };
-        // Pins are made before the start snapshot so their own memory is not charged to the scope.
-        let scope_held = Held {
-            baseline: adapter.as_ref().map(|a| Baseline::take(a, owner.as_ref()).map(Arc::new)).transpose()?,
-            buffers,
-            skipped,
-            limited: match limit {
-                Some(limit) => apply_limit(py, &selection, limit)?,
-                None => Vec::new(),
-            },
-            monitor: match monitor_s {
-                Some(seconds) => Some(monitor::Monitor::start(units::interval_of_seconds(seconds)?, None, gpu)?),
-                None => None,
-            },
-            trace,
-            host_trace: None,
-        };
-        // After the pins and the inventory: gpuexp's own objects are not the experiment's growth.
-        let host_trace = kinds.host().then(|| {
-            let (window, notes) = host_trace::open(py, &interrupt);
-            trace_notes.extend(notes);
-            window
-        });
-        let scope_held = Held { host_trace, ..scope_held };
-        let (mut start, torch) = opening_snapshot(py, &selection, take_snapshot);
-        start.notes.extend(trace_notes);
-        if let Some((index, because)) = own {
-            start
-                .notes
-                .push(format!("a rank: covers cuda:{index} only, {}; devices= names others", because.describe()));
-        }
-        let (id, title) = {
-            let mut registry = registry();
-            let name = registry.name_or_default(name);
-            let kind = if gpu { Kind::Gpu } else { Kind::Cpu };
-            let title = format!("{name} · started");
-            let id = registry.open(Opening {
-                name,
-                kind,
-                selection,
-                start: start.clone(),
-                cell_log,
-                limit,
-                handles,
-                params,
-                owner: opened_by,
-            });
-            (id, title)
-        };
-        reset_counters(&torch, &start);
-        held().insert(id, scope_held);
-        super::recorder::arm_recorder(py);
-        Ok((id, SnapshotPy { snapshot: start, title }, replaced))
+    let request = Request {
+        name,
+        gpu,
+        devices,
+        in_namespace: adapter.is_some(),
+        cell_log,
+        limit,
+        monitor_s,
+        handles,
+        in_use,
+        on_stack,
+        params: params.as_ref().map(params_from).transpose()?,
+        trace: trace.as_ref().map(host_trace::trace_kinds).transpose()?,
+        owner: if tool { Owner::Tool } else { Owner::User },
     };
-    let opened = open();
-    let interrupted = interrupt.release(py);
-    let amended = publish(py, &to_publish);
-    let (id, start, replaced) = opened?;
-    Ok((id, start, with_notes(replaced, &amended), interrupted))
+    let mut world = PyWorld { adapter, experiment: owner, ..PyWorld::new(py) };
+    let opened = lifecycle::open(&mut world, request)?;
+    let start = SnapshotPy { snapshot: opened.start, title: opened.title };
+    Ok((opened.id, start, opened.replaced.into_iter().map(ReportPy).collect(), opened.interrupted))
 }
 
 /// `params={"bs": 64, "opt": "adam"}`: names with numbers, text or booleans, in the given order.
@@ -263,11 +365,7 @@ fn is_numpy_bool(value: &Bound<PyAny>) -> bool {
 
 #[pyfunction]
 pub(super) fn scope_name(id: ScopeId) -> PyResult<String> {
-    let registry = registry();
-    if let Some(scope) = registry.scope(id) {
-        return Ok(scope.name.clone());
-    }
-    registry.report(id).map(|r| r.name.clone()).ok_or_else(|| unknown(id))
+    registry().name_of(id).ok_or_else(|| unknown(id))
 }
 
 #[pyfunction]
@@ -278,14 +376,10 @@ pub(super) fn is_open(id: ScopeId) -> bool {
 /// Protects names from deletion; each must exist now.
 #[pyfunction]
 pub(super) fn keep(py: Python, id: ScopeId, names: Vec<String>) -> PyResult<()> {
-    let baseline = {
-        let held = held();
-        let Some(scope_held) = held.get(&id) else {
-            return Err(PyValueError::new_err(
-                "keep(): this experiment has already finished; nothing more will be deleted.",
-            ));
-        };
-        scope_held.baseline.clone()
+    let Some(baseline) = registry().attached::<ScopeHandles>(id).map(|h| h.baseline.clone()) else {
+        return Err(PyValueError::new_err(
+            "keep(): this experiment has already finished; nothing more will be deleted.",
+        ));
     };
     let adapter_and_created = match baseline {
         Some(baseline) => Some((baseline.adapter(py), baseline.created(py)?)),
@@ -318,143 +412,20 @@ pub(super) fn finish(
     keep: Vec<String>,
     during_reset: bool,
 ) -> PyResult<(Vec<ReportPy>, bool)> {
-    let held = interrupts::hold(py);
-    let mut to_publish = Vec::new();
-    let finished = finish_with_inner(py, &held, id, keep, during_reset, &mut to_publish);
-    let interrupted = held.release(py);
-    let amended = publish(py, &to_publish);
-    Ok((with_notes(finished?, &amended), interrupted))
+    let finished = lifecycle::finish(&mut PyWorld::new(py), id, keep.into_iter().collect(), during_reset)?;
+    Ok((finished.reports.into_iter().map(ReportPy).collect(), finished.interrupted))
 }
 
-/// Publishes the reports a teardown completed, in a rank, once the held interrupt is given
-/// back: a store may wait, and only gpuexp's own bookkeeping runs with interrupts held. What
-/// a store's failure adds to a report is kept in the history; returns each report so amended,
-/// after its version before.
-pub(super) fn publish(py: Python, ids: &[ScopeId]) -> Vec<(Arc<Report>, Arc<Report>)> {
-    let mut amended = Vec::new();
-    for &id in ids {
-        let Some(report) = registry().report(id) else { continue };
-        let notes = ranks::publish_report(py, id, &report);
-        if let Some(with_notes) = registry().add_notes(id, notes) {
-            amended.push((report, with_notes));
-        }
-    }
-    amended
-}
-
-/// The reports to hand back, each in its version with the notes publishing added.
-pub(super) fn with_notes(reports: Vec<ReportPy>, amended: &[(Arc<Report>, Arc<Report>)]) -> Vec<ReportPy> {
-    let latest = |r: ReportPy| match amended.iter().find(|(before, _)| Arc::ptr_eq(before, &r.0)) {
-        Some((_, after)) => ReportPy(after.clone()),
-        None => r,
-    };
-    reports.into_iter().map(latest).collect()
-}
-
-/// `during_reset`: see [`finish`]. `to_publish` gets the scopes whose teardown this call completed: [`publish`] sends them on.
-/// `interrupts`: those held meanwhile, let through where work may be dropped (`host_trace`).
-pub(super) fn finish_with_inner(
-    py: Python,
-    interrupts: &interrupts::Held,
-    id: ScopeId,
-    keep: Vec<String>,
-    during_reset: bool,
-    to_publish: &mut Vec<ScopeId>,
-) -> PyResult<Vec<ReportPy>> {
-    let inner = registry().inner_of(id);
-    let mut finished = Vec::new();
-    for inner_id in inner {
-        finished.extend(finish_with_inner(py, interrupts, inner_id, keep.clone(), during_reset, to_publish)?);
-    }
-    if let Some(scope) = registry().scope_mut(id) {
-        scope.keep.extend(keep);
-    }
-    keep_what_came_after(py, id)?;
-    let scope = match registry().begin_finish(id) {
-        Finishing::Finished(report) => return Ok(vec![ReportPy(report)]),
-        Finishing::InProgress => return Ok(finished),
-        Finishing::Unknown => return Err(unknown(id)),
-        Finishing::Ready(scope) => scope,
-    };
-    let mut scope_held = held().remove(&id);
-    let (before, _) = take_snapshot(py, &scope.selection);
-    registry().peaks.observe(&before);
-    // Before the teardown: what the experiment's code made and still held, not what it leaked.
-    let host =
-        scope_held.as_mut().and_then(|h| h.host_trace.take()).map(|window| host_trace::finish(py, window, interrupts));
-
-    let mut judged = scope_held
-        .as_ref()
-        .and_then(|h| h.baseline.as_ref())
-        .filter(|_| !during_reset)
-        .map(|baseline| Judged { py, baseline });
-    let namespace = judged.as_mut().map(|j| j as &mut dyn teardown::Namespace);
-    let mut releaser = Releaser { py, selection: scope.selection.clone() };
-    let done = teardown::run(namespace, &mut releaser, &scope.keep);
-
-    let mut details = Details { names: done.names, notes: done.notes, ..Details::default() };
-    if during_reset {
-        details
-            .notes
-            .push("finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none (what the reset keeps stays)".into());
-    }
-    if let Some(scope_held) = scope_held.as_mut() {
-        details.notes.extend(scope_held.skipped.note());
-        if let Err(e) = restore_limit(py, &scope_held.limited) {
-            details.notes.push(format!("restoring torch's memory fraction failed: {e}"));
-        }
-        if let Some(mut monitor) = scope_held.monitor.take() {
-            py.detach(|| monitor.stop());
-            details.monitor = monitor.samples();
-        }
-    }
-    let mut report = registry().report_of(&scope, &before, Some(&done.end), details);
-    // The hunt runs Python code, so the registry is not held (see `registry`).
-    let adapter = scope_held.as_ref().and_then(|h| h.baseline.as_ref()).map(|b| b.adapter(py));
-    let buffers = scope_held.as_ref().map(|h| &h.buffers);
-    let storages = match holders::hunt_leaks(py, &report, adapter.as_ref(), buffers.unwrap_or(&HashSet::new())) {
-        Ok((found, storages)) => {
-            report.holders = found;
-            storages
-        }
-        Err(e) => {
-            report.notes.push(format!("the leak hunt failed: {e}"));
-            Vec::new()
-        }
-    };
-    let trace = scope_held.as_mut().and_then(|h| h.trace.take());
-    drop(scope_held);
-    if let Some(window) = trace {
-        trace::complete_report(py, window, &mut report, &storages);
-    }
-    if let Some(host) = host {
-        host.complete_report(&mut report);
-    }
-    ranks::complete_report(py, &mut report);
-    finished.push(ReportPy(registry().complete(id, report)));
-    to_publish.push(id);
-    update_sampler(py, None);
-    // The cell log this scope kept on may have held a share of the recording.
-    cell_trace::settle(py);
-    super::recorder::settle(py);
-    Ok(finished)
+/// Finishes the experiments found unreachable whose teardown may run `at` this point.
+pub(super) fn finish_unreachable_at(py: Python, at: crate::scope::SafePoint) -> PyResult<(Vec<ReportPy>, bool)> {
+    let finished = lifecycle::finish_unreachable(&mut PyWorld::new(py), at)?;
+    Ok((finished.reports.into_iter().map(ReportPy).collect(), finished.interrupted))
 }
 
 /// The report of a scope as it stands: live while open, final once finished.
 #[pyfunction]
 pub(super) fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
-    let selection = {
-        let registry = registry();
-        if let Some(done) = registry.report(id) {
-            return Ok(ReportPy(done));
-        }
-        registry.scope(id).ok_or_else(|| unknown(id))?.selection.clone()
-    };
-    let (now, _) = take_snapshot(py, &selection);
-    let mut registry = registry();
-    registry.peaks.observe(&now);
-    let scope = registry.scope(id).ok_or_else(|| unknown(id))?;
-    Ok(ReportPy(Arc::new(registry.report_of(scope, &now, None, Details::default()))))
+    lifecycle::report_now(&mut PyWorld::new(py), id).map(ReportPy).ok_or_else(|| unknown(id))
 }
 
 /// The records of the cells that ran while a scope was open.
@@ -462,58 +433,6 @@ pub(super) fn scope_report(py: Python, id: ScopeId) -> PyResult<ReportPy> {
 pub(super) fn scope_cells(id: ScopeId) -> PyResult<Vec<CellRecordPy>> {
     let registry = registry();
     let all_gpus = registry.cell_log_all_gpus;
-    let records = match registry.scope(id) {
-        Some(scope) => registry.cells_of(scope),
-        None => registry.report(id).ok_or_else(|| unknown(id))?.cells.clone(),
-    };
+    let records = registry.cells_of_id(id).ok_or_else(|| unknown(id))?;
     Ok(records.into_iter().map(|r| CellRecordPy { record: Arc::new(r), all_gpus }).collect())
-}
-
-/// The teardowns due `at` this point, run with interrupts held by the caller. A teardown's own
-/// `gc.collect()` may find another experiment unreachable: it is due here too. One that waits
-/// behind a scope opened inside it gets one collection first, since that scope may be garbage
-/// the collector has not found yet. Each round finishes every scope it took (a finished one
-/// leaves the open scopes) or stops at an error.
-pub(super) fn finish_due(
-    py: Python,
-    interrupts: &interrupts::Held,
-    at: SafePoint,
-    to_publish: &mut Vec<ScopeId>,
-) -> PyResult<Vec<ReportPy>> {
-    let mut finished = Vec::new();
-    let mut collected = false;
-    loop {
-        let due = registry().due(at);
-        if due.is_empty() {
-            if collected || !registry().unreachable_waiting() {
-                return Ok(finished);
-            }
-            release(py, Step::CollectGarbage)?;
-            collected = true;
-        }
-        for id in due {
-            finished.extend(finish_with_inner(py, interrupts, id, Vec::new(), false, to_publish)?);
-        }
-    }
-}
-
-/// Before the teardown of a scope found unreachable: the names bound since one of the user's
-/// names last led to it are kept, and its report says why (judged now, against the user's names
-/// as they are).
-pub(super) fn keep_what_came_after(py: Python, id: ScopeId) -> PyResult<()> {
-    if registry().scope(id).is_none_or(|s| s.unreachable.is_none()) {
-        return Ok(());
-    }
-    let now = match baseline_of(id) {
-        Some(baseline) => super::namespace::identities(&baseline.adapter(py))?,
-        None => Default::default(),
-    };
-    let mut registry = registry();
-    if let Some((kept, note)) = registry.kept_when_unreachable(id, &now) {
-        if let Some(scope) = registry.scope_mut(id) {
-            scope.keep.extend(kept);
-            scope.notes.push(note);
-        }
-    }
-    Ok(())
 }

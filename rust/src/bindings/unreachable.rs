@@ -5,14 +5,12 @@
 
 use std::collections::BTreeSet;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::interrupts;
 use super::namespace::identities;
 use super::registry::registry;
 use super::report::ReportPy;
-use super::scope::{finish_due, publish, with_notes};
+use super::scope::finish_unreachable_at;
 use crate::scope::{Dropped, Finish, SafePoint, ScopeId};
 
 /// The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
@@ -45,16 +43,5 @@ pub(super) fn cell_ended_for_scopes(
 /// "opening", "exit"). Returns their reports, innermost first, and whether an interrupt was held.
 #[pyfunction]
 pub(super) fn finish_unreachable(py: Python, at: &str) -> PyResult<(Vec<ReportPy>, bool)> {
-    let at = match at {
-        "cell_end" => SafePoint::CellEnd,
-        "opening" => SafePoint::Opening,
-        "exit" => SafePoint::Exit,
-        other => return Err(PyValueError::new_err(format!("at={other:?}: one of 'cell_end', 'opening', 'exit'"))),
-    };
-    let held = interrupts::hold(py);
-    let mut to_publish = Vec::new();
-    let finished = finish_due(py, &held, at, &mut to_publish);
-    let interrupted = held.release(py);
-    let amended = publish(py, &to_publish);
-    Ok((with_notes(finished?, &amended), interrupted))
+    finish_unreachable_at(py, SafePoint::parse(at)?)
 }

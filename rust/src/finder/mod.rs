@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use crate::grid::Grid;
 use crate::units::bytes;
 
+mod lab;
 mod seeded;
+pub use lab::{find, Lab};
 pub use seeded::Seed;
 
 /// How one trial of the step went.

@@ -2,7 +2,7 @@ use super::*;
 
 const MIB: u64 = 1 << 20;
 
-fn settings(usable: u64) -> Settings {
+pub(super) fn settings(usable: u64) -> Settings {
     Settings {
         start: 8,
         max: 4096,

@@ -1,6 +1,7 @@
 //! The scope registry: open scopes nest by time, each keeps its start snapshot and its peaks,
 //! and finished scopes stay in this kernel's history.
 
+use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
+pub mod lifecycle;
 mod unreachable;
 pub use unreachable::{Dropped, Finish, Identities, SafePoint, Sighting, Unreachable};
 
@@ -77,7 +79,7 @@ pub enum Owner {
     Tool,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Scope {
     pub id: ScopeId,
     pub name: String,
@@ -105,6 +107,37 @@ pub struct Scope {
     pub sighting: Option<Sighting>,
     /// Found unreachable where its teardown could not run: it waits for a safe point.
     pub unreachable: Option<Unreachable>,
+    /// What the bindings keep for it (its pins into the user's namespace, its monitor, its trace
+    /// windows, the experiment object): taken out when its teardown begins.
+    attached: Attached,
+}
+
+/// The bindings' handles of an open scope, opaque to the core: the scope's one record carries
+/// them, so that a forked child, which drops the registry, drops them too. Taken out of the
+/// registry before anything acts on them: dropping them may run Python code, which may call
+/// back into the registry.
+#[derive(Default)]
+pub struct Attached(Option<Box<dyn Any + Send>>);
+
+impl Attached {
+    pub fn new<H: Send + 'static>(handles: H) -> Attached {
+        Attached(Some(Box::new(handles)))
+    }
+
+    /// The handles, when they are of type `H` and still attached.
+    pub fn get<H: 'static>(&self) -> Option<&H> {
+        self.0.as_ref()?.downcast_ref()
+    }
+
+    pub fn take<H: 'static>(self) -> Option<H> {
+        self.0?.downcast().ok().map(|handles| *handles)
+    }
+}
+
+impl std::fmt::Debug for Attached {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Attached(..)" } else { "Attached(None)" })
+    }
 }
 
 /// What a scope opens with.
@@ -142,8 +175,17 @@ pub enum Finishing {
     Finished(Arc<Report>),
     /// Teardown is under way further up the stack.
     InProgress,
-    Ready(Box<Scope>),
+    /// Its teardown begins: the scope stays open (closing) until its report is recorded.
+    Ready(Closing),
     Unknown,
+}
+
+/// What a scope's teardown starts from, handed out once.
+#[derive(Debug)]
+pub struct Closing {
+    pub selection: GpuSelection,
+    pub keep: BTreeSet<String>,
+    pub attached: Attached,
 }
 
 pub struct Registry {
@@ -236,8 +278,26 @@ impl Registry {
             owner,
             sighting: None,
             unreachable: None,
+            attached: Attached::default(),
         });
         id
+    }
+
+    /// Gives an open scope the bindings' handles (see [`Attached`]).
+    pub fn attach(&mut self, id: ScopeId, attached: Attached) {
+        if let Some(scope) = self.scope_mut(id) {
+            scope.attached = attached;
+        }
+    }
+
+    /// The handles of an open scope whose teardown has not begun.
+    pub fn attached<H: 'static>(&self, id: ScopeId) -> Option<&H> {
+        self.scope(id)?.attached.get()
+    }
+
+    /// Every open scope's handles, oldest first, with their ids.
+    pub fn all_attached<H: 'static>(&self) -> impl Iterator<Item = (ScopeId, &H)> {
+        self.open.iter().filter_map(|s| Some((s.id, s.attached.get()?)))
     }
 
     pub fn scope(&self, id: ScopeId) -> Option<&Scope> {
@@ -297,7 +357,11 @@ impl Registry {
             Some(scope) if scope.closing => Finishing::InProgress,
             Some(scope) => {
                 scope.closing = true;
-                Finishing::Ready(Box::new(scope.clone()))
+                Finishing::Ready(Closing {
+                    selection: scope.selection.clone(),
+                    keep: scope.keep.clone(),
+                    attached: std::mem::take(&mut scope.attached),
+                })
             }
             None => Finishing::Unknown,
         }
@@ -344,6 +408,22 @@ impl Registry {
         self.finished.iter().find(|(done, _)| *done == id).map(|(_, r)| r.clone())
     }
 
+    /// A scope's name, open or finished.
+    pub fn name_of(&self, id: ScopeId) -> Option<String> {
+        match self.scope(id) {
+            Some(scope) => Some(scope.name.clone()),
+            None => self.report(id).map(|r| r.name.clone()),
+        }
+    }
+
+    /// The records of the cells that ran while a scope was open, so far or in its report.
+    pub fn cells_of_id(&self, id: ScopeId) -> Option<Vec<CellRecord>> {
+        match self.scope(id) {
+            Some(scope) => Some(self.cells_of(scope)),
+            None => self.report(id).map(|r| r.cells.clone()),
+        }
+    }
+
     pub fn history(&self) -> Vec<Arc<Report>> {
         self.finished.iter().map(|(_, r)| r.clone()).collect()
     }
@@ -388,16 +468,15 @@ impl Registry {
         window
     }
 
-    /// Closes a window opened by [`Registry::open_window`], returning its peaks of `gauges`, the
-    /// end snapshot's counters included.
-    pub fn close_window<const N: usize>(
-        &mut self,
-        window: u64,
-        end: &Snapshot,
-        gauges: [Gauge; N],
-    ) -> [Option<u64>; N] {
+    /// Closes a window opened by [`Registry::open_window`] (one trial of the batch-size finder),
+    /// returning torch's peaks (allocated, reserved) on the GPU of `torch_index` in it, the end
+    /// snapshot's counters included; None where the end snapshot has no such GPU.
+    pub fn close_torch_window(&mut self, window: u64, end: &Snapshot, torch_index: u32) -> Option<(u64, u64)> {
         self.peaks.observe(end);
-        let peaks = gauges.map(|gauge| self.peaks.peak(window, &gauge));
+        let peak = |gauge| self.peaks.peak(window, &gauge);
+        let peaks = end.gpus.iter().find(|g| g.torch_index == torch_index).and_then(|gpu| {
+            peak(Gauge::TorchAllocated(gpu.uuid.clone())).zip(peak(Gauge::TorchReserved(gpu.uuid.clone())))
+        });
         self.peaks.close(window);
         peaks
     }
@@ -507,5 +586,7 @@ impl Registry {
     }
 }
 
+#[cfg(test)]
+mod lifecycle_tests;
 #[cfg(test)]
 mod tests;

@@ -91,8 +91,17 @@ fn a_trial_window_returns_every_peak_asked_for_with_the_end_counters() {
     let window = registry.open_window(&start);
     let mut end = host(1.0, 0, 0);
     end.gpus = vec![torch_gpu(0, "GPU-a", (1, 2, 3, 4))];
-    let peaks = registry.close_window(window, &end, [allocated("GPU-a"), reserved("GPU-a")]);
-    assert_eq!(peaks, [Some(3 * GIB), Some(4 * GIB)]);
+    assert_eq!(registry.close_torch_window(window, &end, 0), Some((3 * GIB, 4 * GIB)));
+    assert!(!registry.has_windows());
+}
+
+#[test]
+fn a_trial_window_on_a_gpu_the_end_does_not_show_has_no_peaks_and_still_closes() {
+    let mut registry = Registry::default();
+    let window = registry.open_window(&host(0.0, 0, 0));
+    let mut end = host(1.0, 0, 0);
+    end.gpus = vec![torch_gpu(0, "GPU-a", (1, 2, 3, 4))];
+    assert_eq!(registry.close_torch_window(window, &end, 1), None);
     assert!(!registry.has_windows());
 }
 
@@ -378,10 +387,7 @@ fn begin_finish_hands_out_the_scope_once_then_waits_then_returns_the_report() {
     let id = open_cpu(&mut registry, "a");
 
     match registry.begin_finish(id) {
-        Finishing::Ready(scope) => {
-            assert_eq!((scope.id, scope.name.as_str()), (id, "a"));
-            assert!(scope.closing);
-        }
+        Finishing::Ready(closing) => assert_eq!(closing.selection, GpuSelection::None),
         _ => panic!("the first finish must get the scope"),
     }
     assert!(registry.scope(id).unwrap().closing);
@@ -396,6 +402,18 @@ fn begin_finish_hands_out_the_scope_once_then_waits_then_returns_the_report() {
     }
     assert!(Arc::ptr_eq(&registry.report(id).unwrap(), &recorded));
     assert!(registry.scope(id).is_none());
+}
+
+#[test]
+fn a_scope_has_its_name_and_cells_while_open_and_from_its_report_once_finished() {
+    let mut registry = Registry::default();
+    let id = open_cpu(&mut registry, "a");
+    assert_eq!(registry.name_of(id).as_deref(), Some("a"));
+    assert_eq!(registry.cells_of_id(id).map(|c| c.len()), Some(0));
+    registry.complete(id, report_named("b"));
+    assert_eq!(registry.name_of(id).as_deref(), Some("b"), "the report's name once finished");
+    assert!(registry.cells_of_id(id).is_some());
+    assert_eq!((registry.name_of(id + 1), registry.cells_of_id(id + 1)), (None, None));
 }
 
 #[test]
@@ -532,8 +550,7 @@ fn a_finished_run_closes_its_interval_windows_and_its_report_carries_its_notes()
     let windows = [registry.open_window(&start), registry.open_window(&start)];
     registry.runs.begin(id, windows);
     registry.scope_mut(id).unwrap().notes.push("the run raised OutOfMemoryError at epoch 1, step 5".into());
-    let scope = registry.scope(id).unwrap().clone();
-    let report = registry.report_of(&scope, &start, Some(&start), Details::default());
+    let report = registry.report_of(registry.scope(id).unwrap(), &start, Some(&start), Details::default());
     assert!(report.notes.iter().any(|n| n.contains("epoch 1, step 5")), "{:?}", report.notes);
     registry.complete(id, report);
     assert!(!registry.runs.is_run(id));

@@ -45,6 +45,20 @@ pub enum SafePoint {
     Exit,
 }
 
+impl SafePoint {
+    /// `"cell_end"`, `"opening"` or `"exit"`.
+    pub fn parse(text: &str) -> crate::error::Result<SafePoint> {
+        match text {
+            "cell_end" => Ok(SafePoint::CellEnd),
+            "opening" => Ok(SafePoint::Opening),
+            "exit" => Ok(SafePoint::Exit),
+            other => {
+                Err(crate::error::Error::InvalidArgument(format!("at={other:?}: one of 'cell_end', 'opening', 'exit'")))
+            }
+        }
+    }
+}
+
 impl Dropped {
     pub fn finish(&self) -> Finish {
         match self {
@@ -277,5 +291,14 @@ mod tests {
         let (kept, note) = registry.kept_when_unreachable(id, &now).expect("found unreachable");
         assert_eq!(kept, names(&["arr", "results"]));
         assert!(note.contains("next experiment's opening or at exit"), "{note}");
+    }
+
+    #[test]
+    fn a_safe_point_is_read_from_its_name_and_another_name_says_which_there_are() {
+        assert_eq!(SafePoint::parse("cell_end").unwrap(), SafePoint::CellEnd);
+        assert_eq!(SafePoint::parse("opening").unwrap(), SafePoint::Opening);
+        assert_eq!(SafePoint::parse("exit").unwrap(), SafePoint::Exit);
+        let error = SafePoint::parse("later").unwrap_err().to_string();
+        assert!(error.contains("'cell_end', 'opening', 'exit'"), "{error}");
     }
 }
