@@ -45,6 +45,8 @@ pub mod status;
 pub mod teardown;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
 pub mod trace;
+/// What a step reaches besides its model and optimizers, saved before an estimate and put back after.
+pub mod step_state;
 /// Training runs measured by a framework's callback: their position, intervals and metrics.
 pub mod training;
 /// Objects a namespace walk could not inspect: skipped, counted, said in one note.
