@@ -4,8 +4,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{
-    PyBool, PyBytes, PyCFunction, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple,
-    PyType,
+    PyBool, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple, PyType,
 };
 
 use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
@@ -264,15 +263,9 @@ impl<'py> StepObjects for PythonStep<'py> {
         self.kinds.scaler.as_ref().is_some_and(|scaler| self.is(object, scaler))
     }
 
-    /// `GradScaler._maybe_opt_step` reads the inf check with `.item()`; set on the instance,
-    /// whose `__dict__` was saved before.
     fn assume_finite_gradients(&mut self, scaler: &Self::Object) -> PyResult<()> {
-        let step = PyCFunction::new_closure(scaler.py(), None, None, |args, kwargs| -> PyResult<Py<PyAny>> {
-            let optimizer = args.get_item(0)?;
-            let rest = args.get_slice(2, args.len());
-            Ok(optimizer.getattr("step")?.call(rest, kwargs)?.unbind())
-        })?;
-        scaler.getattr("__dict__")?.set_item("_maybe_opt_step", step)
+        let fake_step = scaler.py().import("gpuexp.fake_step")?;
+        fake_step.call_method1("assume_finite_gradients", (scaler,)).map(drop)
     }
 }
 
