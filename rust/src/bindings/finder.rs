@@ -5,10 +5,10 @@
 
 use std::time::Instant;
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::estimate::seed_search;
+use super::estimate::{check_step, seed_search};
 use super::interrupts;
 use super::ranks;
 use super::registry::registry;
@@ -70,12 +70,7 @@ pub(super) fn find_batch_size(
     ranks_timeout: f64,
     adapter: Bound<PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
-    if !step.is_callable() {
-        return Err(PyTypeError::new_err(format!(
-            "step must be a function of the batch size, e.g. find_batch_size(train_step); got {}",
-            step.repr()?
-        )));
-    }
+    check_step(&step, "find_batch_size(train_step)")?;
     // At a cap the allocator's rounding and fragmentation still need a little room.
     let margin = margin.unwrap_or(if limit.is_some() { 0.02 } else { 0.05 });
     if !(0.0..1.0).contains(&margin) {
