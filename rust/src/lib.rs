@@ -19,7 +19,7 @@ pub mod explain;
 pub mod files;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
-/// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.
+/// Fork safety: state kept per process, the one fork hook, and NVML kept clean across a fork.
 pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
@@ -27,8 +27,13 @@ pub mod grid;
 pub mod holders_walk;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
+/// Locks that outlive a panic while they were held.
+pub mod locks;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// What an experiment varied (`params=`, or `bs=64` in its name): below the reports and the
+/// trace's diffs, which both show it.
+pub mod params;
 /// The thread that raises peaks between snapshots where no peak counter exists.
 pub mod peak_sampler;
 /// Experiments across processes: each rank's report published to torch.distributed's store, gathered.

@@ -41,10 +41,10 @@ enum Runner<M> {
     User,
 }
 
-/// The clients of one recording in one process, and who runs it.
+/// The clients of one recording in one process, and who runs it (kept in a
+/// [`crate::fork::PerProcess`]: a forked child's recording is not the parent's).
 #[derive(Debug)]
 pub struct Lease<M> {
-    pid: u32,
     /// One entry per client's share, by the mode it asked for.
     clients: Vec<M>,
     runner: Option<Runner<M>>,
@@ -52,16 +52,7 @@ pub struct Lease<M> {
 
 impl<M: Copy + Ord> Lease<M> {
     pub const fn new() -> Lease<M> {
-        Lease { pid: 0, clients: Vec::new(), runner: None }
-    }
-
-    /// The lease as seen from process `pid`: a forked child's recording is not the parent's,
-    /// and its clients start from none.
-    pub fn in_process(&mut self, pid: u32) -> &mut Lease<M> {
-        if self.pid != pid {
-            *self = Lease { pid, clients: Vec::new(), runner: None };
-        }
-        self
+        Lease { clients: Vec::new(), runner: None }
     }
 
     fn strongest(&self) -> Option<M> {
@@ -258,15 +249,5 @@ mod tests {
         lease.join_failed(Mode::Stacks);
         assert_eq!((lease.clients(), lease.mode()), (1, Some(Mode::Plain)));
         assert_eq!(lease.leave(Mode::Plain), Change::Stop);
-    }
-
-    #[test]
-    fn a_forked_child_starts_from_no_clients() {
-        let mut lease = Lease::new();
-        assert_eq!(lease.in_process(10).join((), || false), Change::Start(()));
-        assert_eq!(lease.in_process(10).clients(), 1);
-        // The child's torch records nothing of the parent's: its first client starts its own.
-        assert_eq!(lease.in_process(11).clients(), 0);
-        assert_eq!(lease.in_process(11).join((), || false), Change::Start(()));
     }
 }

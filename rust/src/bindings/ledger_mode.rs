@@ -14,6 +14,7 @@ use super::holders::Memory;
 use crate::estimate::{Category, Entry, Peak, Phase, Rounding};
 use crate::estimate_books::Books;
 use crate::estimate_run;
+use crate::locks::lock;
 
 /// Runs `body` with the ledger's dispatch mode inside the fake mode of `fakes`; the peak it found.
 pub(super) fn run<'py, T>(
@@ -58,7 +59,7 @@ type Locked = Arc<Mutex<Shared>>;
 
 /// The books, locked. Never held across a call into Python: a storage freed there calls back.
 fn books(shared: &Locked) -> MutexGuard<'_, Shared> {
-    shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(shared)
 }
 
 /// What the dispatch closure needs of Python, kept as it is called on torch's threads too.

@@ -7,13 +7,12 @@
 //! started is shared and left exactly as it was. While any client with stacks holds a share,
 //! module hooks mark allocations with their `nn.Module` path.
 
-use std::sync::{Mutex, MutexGuard};
-
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
 use super::trace_opening::WindowKey;
+use crate::fork::{Guard, PerProcess};
 use crate::recording_lease::{Change, HistoryMode, Lease};
 
 /// Entries the ring buffer keeps, in either mode (torch would scramble a ring buffer that a
@@ -22,12 +21,11 @@ use crate::recording_lease::{Change, HistoryMode, Lease};
 /// memory is stated in docs/trace.md.
 pub(super) const MAX_ENTRIES: u64 = 200_000;
 
-static HISTORY: Mutex<Lease<HistoryMode>> = Mutex::new(Lease::new());
+/// A forked child's torch records nothing of the parent's: its first client starts its own.
+static HISTORY: PerProcess<Lease<HistoryMode>> = PerProcess::new(Lease::new);
 
-fn lease() -> MutexGuard<'static, Lease<HistoryMode>> {
-    let mut guard = HISTORY.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    guard.in_process(crate::fork::pid());
-    guard
+fn lease() -> Guard<'static, Lease<HistoryMode>> {
+    HISTORY.lock()
 }
 
 /// One traced experiment's share of the recording.
