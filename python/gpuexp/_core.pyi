@@ -641,7 +641,7 @@ class Estimate(_Table):
 def explain(memory: int | None, adapter: _NamespaceAdapter | None = None) -> Explanation:
     """Explains a GPU's memory (by torch index) or, with None, the host's."""
 def estimate(
-    step: Any, batch_size: int, *, memory: int | None = None, limit: int | str | None = None, steps: int = 1
+    step: Any, batch_size: int, *, memory: int | None = None, limit: int | None = None, steps: int = 1
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
 

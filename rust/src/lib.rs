@@ -9,6 +9,10 @@ pub mod cudnn_rnn;
 pub mod error;
 /// A step's memory predicted under fake tensors: the peak, what made it up, whether it fits.
 pub mod estimate;
+/// An estimate's books while its step runs: which storage is which ledger entry.
+pub mod estimate_books;
+/// How an estimate runs its step under fake tensors: on which memory, how many calls, what it says.
+pub mod estimate_run;
 /// How one device's memory adds up: torch's tensors by role, its cache, what torch does not track.
 pub mod explain;
 /// Paths a user names: regular files read without waiting, files written whole atomically.
@@ -48,6 +52,8 @@ pub mod snapshot;
 pub mod stack_sampling;
 /// `gpuexp status`: the driver and every device.
 pub mod status;
+/// What a step reaches besides its model and optimizers, saved before an estimate and put back after.
+pub mod step_state;
 /// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.

@@ -19,6 +19,7 @@ use super::snapshot::take_snapshot;
 use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
+use crate::estimate_run::{self, call_step, Swapped, Unready};
 use crate::finder::{Search, Seed};
 use crate::snapshot::{host, GpuSelection};
 use crate::units;
@@ -100,54 +101,22 @@ fn run_on_fakes<'py>(
         wrapped
     })?;
     state.fake_device_tensors(&fakes.mode)?;
-    let fastpath_skipped = fakes.fastpath_skipped;
-    let loaded = fakes.from_meta.len();
+    let swapped =
+        Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.from_meta.len(), scalers: state.scalers };
     // What the step returns is kept until the ledger is read: an output outlives the step.
     let mut returned = Vec::new();
     let ran = ledger_mode::run(&fakes, memory, |ledgered: &Ledgered| {
-        let mut made = 0;
-        loop {
+        call_step(calls, || {
             let state_before = ledgered.optimizer_state_entries()?;
-            made += 1;
             returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
-            let created_state = ledgered.optimizer_state_entries()? > state_before;
-            if !created_state || made >= calls {
-                let mut notes = Vec::new();
-                if created_state {
-                    notes.push(
-                        "this call created the optimizer's state: later steps hold it all along, \
-                         which estimate(..., steps=2) includes"
-                            .to_string(),
-                    );
-                }
-                return Ok((made, notes));
-            }
-        }
+            Ok(ledgered.optimizer_state_entries()? > state_before)
+        })
     });
     drop(returned);
     let restored = fakes.restore();
     let (peak, (calls, mut notes)) = ran?;
     restored?;
-    if fastpath_skipped {
-        notes.push(
-            "attention's fast path (nested tensors) can't run under fake tensors: this is the peak of the \
-             regular path, which needs more where the fast path drops padding"
-                .into(),
-        );
-    }
-    if loaded > 0 {
-        notes.push(format!(
-            "{loaded} tensors are on the meta device: they count as loaded onto {} before the step",
-            memory.label()
-        ));
-    }
-    if state.scalers > 0 {
-        notes.push(
-            "GradScaler: estimated as a step whose gradients are finite, so that the optimizer steps \
-             (the step that needs the memory)"
-                .into(),
-        );
-    }
+    notes.extend(swapped.notes(&memory.label()));
     Ok(Run { peak, calls, notes })
 }
 
@@ -260,40 +229,23 @@ fn room(py: Python, memory: &Memory, limit: Option<u64>) -> PyResult<Room> {
     }
 }
 
-/// Which memory an estimate counts: a GPU torch has initialised (fake CUDA tensors need one),
-/// or the host.
+/// Which memory an estimate counts ([`estimate_run::memory`]).
 fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
     let torch = PyTorch::find(py);
-    if torch.torch.is_none() {
-        return Err(PyRuntimeError::new_err(
-            "estimate runs the step under torch's fake tensors: import torch and build the model first",
-        ));
-    }
-    match device {
-        None => Ok(Memory::Host),
-        Some(index) if torch.cuda().is_some() => Ok(Memory::Cuda(index)),
-        Some(index) => Err(PyValueError::new_err(format!(
-            "device=cuda:{index}: torch has not initialised CUDA, so nothing of the step is on the GPU; \
-             move the model there first, or estimate on device='cpu'"
-        ))),
-    }
+    estimate_run::memory(torch.torch.is_some(), torch.cuda().is_some(), device).map_err(|unready| match unready {
+        Unready::NoTorch(why) => PyRuntimeError::new_err(why),
+        Unready::NoCuda(why) => PyValueError::new_err(why),
+    })
 }
 
-fn limit_bytes(limit: Option<&Bound<PyAny>>) -> PyResult<Option<u64>> {
-    let Some(limit) = limit else { return Ok(None) };
-    if let Ok(text) = limit.extract::<String>() {
-        return match units::parse_size(&text)? {
-            0 => Err(PyValueError::new_err("limit=\"0\": a limit is more than 0 bytes, e.g. limit=\"24GiB\"")),
-            bytes => Ok(Some(bytes)),
-        };
+/// The one check that `step` is what `estimate` and `find_batch_size` take; `call` shows it
+/// called, e.g. `estimate(train_step, 64)`.
+pub(super) fn check_step(step: &Bound<PyAny>, call: &str) -> PyResult<()> {
+    if step.is_callable() {
+        return Ok(());
     }
-    match limit.extract::<u64>() {
-        Ok(bytes) if bytes > 0 && !limit.is_instance_of::<pyo3::types::PyBool>() => Ok(Some(bytes)),
-        _ => Err(PyValueError::new_err(format!(
-            "limit={}: write a size such as limit=\"24GiB\" or a number of bytes",
-            limit.repr()?
-        ))),
-    }
+    let got = step.repr()?;
+    Err(PyTypeError::new_err(format!("step must be a function of the batch size, e.g. {call}; got {got}")))
 }
 
 /// The prediction of ``gpuexp.estimate``: the peak a step will reach, and whether it fits.
@@ -351,21 +303,10 @@ pub(super) fn estimate(
     step: Bound<PyAny>,
     batch_size: u64,
     memory: Option<u32>,
-    limit: Option<Bound<PyAny>>,
+    limit: Option<u64>,
     steps: u32,
 ) -> PyResult<EstimatePy> {
-    if !step.is_callable() {
-        return Err(PyTypeError::new_err(format!(
-            "step must be a function of the batch size, e.g. estimate(train_step, 64); got {}",
-            step.repr()?
-        )));
-    }
-    if batch_size == 0 || steps == 0 {
-        return Err(PyValueError::new_err(format!(
-            "batch_size={batch_size}, steps={steps}: both must be at least 1, e.g. estimate(train_step, 64)"
-        )));
-    }
-    let limit = limit_bytes(limit.as_ref())?;
+    check_step(&step, "estimate(train_step, 64)")?;
     let memory = estimated_memory(py, memory)?;
     let started = Instant::now();
     let reach = Reach::of(py, &step)?;

@@ -5,10 +5,10 @@
 
 use std::time::Instant;
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::estimate::seed_search;
+use super::estimate::{check_step, seed_search};
 use super::interrupts;
 use super::ranks;
 use super::registry::registry;
@@ -69,12 +69,7 @@ pub(super) fn find_batch_size<'py>(
     ranks_timeout: f64,
     adapter: Bound<'py, PyAny>,
 ) -> PyResult<BatchSizeResultPy> {
-    if !step.is_callable() {
-        return Err(PyTypeError::new_err(format!(
-            "step must be a function of the batch size, e.g. find_batch_size(train_step); got {}",
-            step.repr()?
-        )));
-    }
+    check_step(&step, "find_batch_size(train_step)")?;
     let margin = Settings::margin_or_default(margin, limit)?;
     let settings =
         Settings { start, max, usable: 0, margin, power_of_two, multiple_of, verifications, steps_per_trial: steps };

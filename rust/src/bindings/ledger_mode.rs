@@ -6,12 +6,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyCFunction, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyCFunction, PyDict, PyList, PyModule, PyTuple, PyType};
 
 use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
-use crate::estimate::{Category, Entry, Ledger, Peak, Phase, Rounding};
+use crate::estimate::{Category, Entry, Peak, Phase, Rounding};
+use crate::estimate_books::Books;
+use crate::estimate_run;
 use crate::locks::lock;
 
 /// Runs `body` with the ledger's dispatch mode inside the fake mode of `fakes`; the peak it found.
@@ -23,7 +25,7 @@ pub(super) fn run<'py, T>(
     let ledgered = Ledgered::open(fakes, memory)?;
     let outcome = within(&fakes.mode, || within(&ledgered.mode, || body(&ledgered)));
     let marked = ledgered.mark_gradients_and_state();
-    let peak = books(&ledgered.shared).ledger.peak();
+    let peak = books(&ledgered.shared).books.ledger.peak();
     // The hooks go whatever happened: the optimizer's are global.
     ledgered.close()?;
     let outcome = outcome?;
@@ -43,21 +45,20 @@ fn within<T>(mode: &Bound<PyAny>, inner: impl FnOnce() -> PyResult<T>) -> PyResu
     Ok(outcome)
 }
 
-/// What the dispatch mode and the hooks share: the ledger, which storage is which entry, and
-/// the weak references that tell the ledger when a storage is freed.
-struct Books {
-    ledger: Ledger,
-    entries: HashMap<usize, Entry>,
+/// What the dispatch mode and the hooks share: the core's books, and the weak references that
+/// tell them when a storage is freed.
+struct Shared {
+    books: Books,
     weakrefs: Vec<Py<PyAny>>,
     last_op: Option<Py<PyAny>>,
     /// Per operator: whether each of its returns aliases an input (a view, an in-place result).
     aliases: HashMap<usize, Vec<bool>>,
 }
 
-type Shared = Arc<Mutex<Books>>;
+type Locked = Arc<Mutex<Shared>>;
 
 /// The books, locked. Never held across a call into Python: a storage freed there calls back.
-fn books(shared: &Shared) -> MutexGuard<'_, Books> {
+fn books(shared: &Locked) -> MutexGuard<'_, Shared> {
     lock(shared)
 }
 
@@ -74,7 +75,7 @@ struct Context {
 /// the dispatch mode.
 pub(super) struct Ledgered<'py> {
     py: Python<'py>,
-    shared: Shared,
+    shared: Locked,
     context: Arc<Context>,
     params: Vec<Bound<'py, PyAny>>,
     optimizers: Vec<Bound<'py, PyAny>>,
@@ -98,9 +99,8 @@ impl<'py> Ledgered<'py> {
             current_node: fakes.torch.getattr("_C")?.getattr("_current_autograd_node")?.unbind(),
             weakref: py.import("weakref")?.getattr("ref")?.unbind(),
         });
-        let shared = Arc::new(Mutex::new(Books {
-            ledger: Ledger::new(rounding),
-            entries: HashMap::new(),
+        let shared = Arc::new(Mutex::new(Shared {
+            books: Books::new(rounding),
             weakrefs: Vec::new(),
             last_op: None,
             aliases: HashMap::new(),
@@ -110,7 +110,7 @@ impl<'py> Ledgered<'py> {
             shared,
             context,
             params: fakes.params.clone(),
-            optimizers: fakes.optimizers.iter().map(|o| o.optimizer.clone()).collect(),
+            optimizers: fakes.optimizers.clone(),
             hooks: Vec::new(),
             mode: py.None().into_bound(py),
             from_meta: fakes.from_meta.clone(),
@@ -150,19 +150,10 @@ impl<'py> Ledgered<'py> {
             return Ok(());
         }
         let storage = tensor.call_method0("untyped_storage")?;
-        let key = storage.as_ptr() as usize;
-        if books(&self.shared).entries.contains_key(&key) {
-            return Ok(());
-        }
         let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-        let mut books = books(&self.shared);
-        let entry = if self.from_meta.contains(&(tensor.as_ptr() as usize)) {
-            books.ledger.loaded(nbytes, category)
-        } else {
-            books.ledger.existing(nbytes, category)
-        };
-        drop(books);
-        watch(&self.shared, &self.context, &storage, key, entry)
+        let loaded = self.from_meta.contains(&(tensor.as_ptr() as usize));
+        let entry = books(&self.shared).books.existing(storage.as_ptr() as usize, nbytes, category, loaded);
+        entry.map_or(Ok(()), |entry| watch(&self.shared, &self.context, &storage, entry))
     }
 
     /// The tensors in the (fake) state of every swapped optimizer.
@@ -183,38 +174,25 @@ impl<'py> Ledgered<'py> {
         self.optimizers.iter().map(|o| o.getattr("state")?.len()).sum()
     }
 
-    /// Marks a made storage as what it turned out to be.
-    fn mark(&self, tensor: &Bound<'py, PyAny>, category: Category) -> PyResult<()> {
-        if tensor.is_none() {
-            return Ok(());
-        }
-        let key = tensor.call_method0("untyped_storage")?.as_ptr() as usize;
-        let mut books = books(&self.shared);
-        if let Some(entry) = books.entries.get(&key).copied() {
-            books.ledger.mark(entry, category);
-        }
-        Ok(())
-    }
-
     fn mark_gradients_and_state(&self) -> PyResult<()> {
         for param in &self.params {
-            self.mark(&param.getattr("grad")?, Category::Gradients)?;
+            mark_storage(&self.shared, &param.getattr("grad")?, Category::Gradients)?;
         }
         for tensor in self.state_tensors()? {
-            self.mark(&tensor, Category::OptimizerState)?;
+            mark_storage(&self.shared, &tensor, Category::OptimizerState)?;
         }
         Ok(())
     }
 
     /// The optimizer's step is its own phase, and marks the state it made; each gradient is
     /// marked as it is accumulated, since the step may free it (`zero_grad`) before it ends.
+    /// Torch's hooks are `gpuexp.fake_step`'s; these are their bodies.
     fn install_hooks(&mut self) -> PyResult<()> {
         let py = self.py;
-        let optimizers = py.import("torch.optim.optimizer")?;
         let shared = self.shared.clone();
         // Hooks return None: a tuple would be taken for new arguments, `()` included.
         let before = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> Py<PyAny> {
-            books(&shared).ledger.enter(Phase::Optimizer);
+            books(&shared).books.ledger.enter(Phase::Optimizer);
             args.py().None()
         })?;
         let (shared, context) = (self.shared.clone(), self.context.clone());
@@ -227,40 +205,26 @@ impl<'py> Ledgered<'py> {
                     mark_storage(&shared, &value, Category::OptimizerState)?;
                 }
             }
-            books(&shared).ledger.enter(Phase::Forward);
+            books(&shared).books.ledger.enter(Phase::Forward);
             Ok(args.py().None())
         })?;
-        self.hooks.push(optimizers.call_method1("register_optimizer_step_pre_hook", (before,))?);
-        self.hooks.push(optimizers.call_method1("register_optimizer_step_post_hook", (after,))?);
-        for param in &self.params {
-            if !param.getattr("requires_grad")?.extract::<bool>()? {
-                continue;
-            }
-            let shared = self.shared.clone();
-            let accumulated = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
-                mark_storage(&shared, &args.get_item(0)?.getattr("grad")?, Category::Gradients)?;
-                Ok(args.py().None())
-            })?;
-            self.hooks.push(param.call_method1("register_post_accumulate_grad_hook", (accumulated,))?);
-        }
+        let shared = self.shared.clone();
+        let accumulated = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
+            mark_storage(&shared, &args.get_item(0)?.getattr("grad")?, Category::Gradients)?;
+            Ok(args.py().None())
+        })?;
+        let hooks = fake_step(py)?.call_method1("mark_hooks", (&self.params, before, after, accumulated))?;
+        self.hooks = hooks.extract()?;
         Ok(())
     }
 
-    /// A `TorchDispatchMode` whose `__torch_dispatch__` is a Rust closure over the books.
+    /// `gpuexp.fake_step`'s `TorchDispatchMode`, whose every operator is [`dispatch`] over the books.
     fn dispatch_mode(&self) -> PyResult<Bound<'py, PyAny>> {
-        let py = self.py;
         let (shared, context) = (self.shared.clone(), self.context.clone());
-        let dispatch = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
+        let dispatch = PyCFunction::new_closure(self.py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
             dispatch(&shared, &context, args)
         })?;
-        let base = py.import("torch.utils._python_dispatch")?.getattr("TorchDispatchMode")?;
-        let class = py.get_type::<PyType>().call1(("GpuexpLedgerMode", (base,), PyDict::new(py)))?;
-        let mode = class.call0()?;
-        // Torch wants a method bound to the mode; set on the instance, the base class does not
-        // wrap it for torch.compile.
-        let method = py.import("types")?.getattr("MethodType")?.call1((dispatch, &mode))?;
-        mode.setattr("__torch_dispatch__", method)?;
-        Ok(mode)
+        fake_step(self.py)?.call_method1("ledger_mode", (dispatch,))
     }
 
     /// The step's error as `NoEstimate`, naming the operator it failed at.
@@ -274,14 +238,10 @@ impl<'py> Ledgered<'py> {
             .ok()
             .filter(|f| !f.is_none())
             .or_else(|| books(&self.shared).last_op.as_ref().map(|op| op.bind(py).clone()))
-            .map(|op| op.to_string())
-            .unwrap_or_else(|| "its first operator".into());
+            .map(|op| op.to_string());
         let kind = value.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        let message = format!(
-            "no estimate was made: the step failed under fake tensors at {operator} ({kind}: {})",
-            value.str().map(|s| s.to_string()).unwrap_or_default().lines().next().unwrap_or("")
-        );
-        let wrapped = NoEstimate::new_err(message);
+        let message = value.str().map(|s| s.to_string()).unwrap_or_default();
+        let wrapped = NoEstimate::new_err(estimate_run::failed_at(operator.as_deref(), &kind, &message));
         wrapped.set_cause(py, Some(error));
         wrapped
     }
@@ -301,55 +261,45 @@ fn on_target(context: &Context, tensor: &Bound<PyAny>) -> bool {
     device.and_then(|d| d.eq(context.target.bind(py))).unwrap_or(false)
 }
 
-fn mark_storage(shared: &Shared, tensor: &Bound<PyAny>, category: Category) -> PyResult<()> {
+fn mark_storage(shared: &Locked, tensor: &Bound<PyAny>, category: Category) -> PyResult<()> {
     if tensor.is_none() {
         return Ok(());
     }
-    let key = tensor.call_method0("untyped_storage")?.as_ptr() as usize;
-    let mut books = books(shared);
-    if let Some(entry) = books.entries.get(&key).copied() {
-        books.ledger.mark(entry, category);
-    }
+    let storage = tensor.call_method0("untyped_storage")?.as_ptr() as usize;
+    books(shared).books.mark(storage, category);
     Ok(())
 }
 
 /// Tells the ledger when `storage` is freed: a weak reference whose callback runs as it dies.
-fn watch(shared: &Shared, context: &Context, storage: &Bound<PyAny>, key: usize, entry: Entry) -> PyResult<()> {
+fn watch(shared: &Locked, context: &Context, storage: &Bound<PyAny>, entry: Entry) -> PyResult<()> {
     let py = storage.py();
-    let callback_books = shared.clone();
+    let (callback_books, key) = (shared.clone(), storage.as_ptr() as usize);
     let freed = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> Py<PyAny> {
-        let mut books = books(&callback_books);
-        books.ledger.freed(entry);
-        if books.entries.get(&key) == Some(&entry) {
-            books.entries.remove(&key);
-        }
+        books(&callback_books).books.freed(key, entry);
         args.py().None()
     })?;
     let weakref = context.weakref.bind(py).call1((storage, freed))?;
-    let mut books = books(shared);
-    books.entries.insert(key, entry);
-    books.weakrefs.push(weakref.unbind());
+    books(shared).weakrefs.push(weakref.unbind());
     Ok(())
 }
 
-/// `mode.__torch_dispatch__(func, types, args, kwargs)`: runs the operator (in the fake mode below)
+/// `gpuexp.fake_step`'s torch instrumentation, which torch calls back.
+fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
+    py.import("gpuexp.fake_step")
+}
+
+/// `dispatch(func, args, kwargs)`, each operator of the step: runs it (in the fake mode below)
 /// and enters the storages it made.
-fn dispatch(shared: &Shared, context: &Context, call: &Bound<PyTuple>) -> PyResult<Py<PyAny>> {
+fn dispatch(shared: &Locked, context: &Context, call: &Bound<PyTuple>) -> PyResult<Py<PyAny>> {
     let py = call.py();
-    // (mode, func, types, args, kwargs)
-    let func = call.get_item(1)?;
-    let args = call.get_item(3)?.cast_into::<PyTuple>()?;
-    let kwargs = call.get_item(4).ok().filter(|k| !k.is_none()).map(|k| k.cast_into::<PyDict>()).transpose()?;
+    let func = call.get_item(0)?;
+    let args = call.get_item(1)?.cast_into::<PyTuple>()?;
+    let kwargs = call.get_item(2).ok().filter(|k| !k.is_none()).map(|k| k.cast_into::<PyDict>()).transpose()?;
     let in_backward = !context.current_node.bind(py).call0()?.is_none();
     let previous = {
-        let mut books = books(shared);
-        books.ledger.count_op();
-        match (in_backward, books.ledger.phase()) {
-            (true, _) => books.ledger.enter(Phase::Backward),
-            (false, Phase::Backward) => books.ledger.enter(Phase::Forward),
-            _ => {}
-        }
-        books.last_op.replace(func.clone().unbind())
+        let mut shared = books(shared);
+        shared.books.operator(in_backward);
+        shared.last_op.replace(func.clone().unbind())
     };
     drop(previous);
     refuse_real_leaves(context, &args, kwargs.as_ref())?;
@@ -367,10 +317,7 @@ fn refuse_real_leaves(context: &Context, args: &Bound<PyTuple>, kwargs: Option<&
     let check = |value: &Bound<PyAny>| -> PyResult<()> {
         if value.is_instance(tensor)? && !value.is_instance(fake)? && value.getattr("requires_grad")?.is_truthy()? {
             let shape = value.getattr("shape")?.str()?.to_string();
-            return Err(NoEstimate::new_err(format!(
-                "no estimate was made: the step uses a tensor that requires grad ({shape}) that is in no module or \
-                 optimizer reachable from the step or your names; make the model a global or a closure variable of the step"
-            )));
+            return Err(NoEstimate::new_err(estimate_run::unknown_parameter(&shape)));
         }
         Ok(())
     };
@@ -397,7 +344,7 @@ fn refuse_cudnn_rnn(func: &Bound<PyAny>, args: &Bound<PyTuple>) -> PyResult<()> 
     Err(NoEstimate::new_err(crate::cudnn_rnn::refusal(mode)))
 }
 
-fn aliases(shared: &Shared, func: &Bound<PyAny>) -> PyResult<Vec<bool>> {
+fn aliases(shared: &Locked, func: &Bound<PyAny>) -> PyResult<Vec<bool>> {
     let key = func.as_ptr() as usize;
     if let Some(known) = books(shared).aliases.get(&key) {
         return Ok(known.clone());
@@ -412,9 +359,9 @@ fn aliases(shared: &Shared, func: &Bound<PyAny>) -> PyResult<Vec<bool>> {
     Ok(aliased)
 }
 
-/// Enters each storage an operator's outputs made. Outputs the schema marks as aliases (views,
-/// in-place and `out=` results) made nothing, unless a known storage grew (`resize_`).
-fn enter_outputs(shared: &Shared, context: &Context, func: &Bound<PyAny>, out: &Bound<PyAny>) -> PyResult<()> {
+/// Enters each storage an operator's outputs hold ([`Books::output`]), with whether the schema
+/// marks that output an alias.
+fn enter_outputs(shared: &Locked, context: &Context, func: &Bound<PyAny>, out: &Bound<PyAny>) -> PyResult<()> {
     let aliased = aliases(shared, func)?;
     let several = aliased.len() > 1 && out.is_instance_of::<PyTuple>();
     let positions: Vec<Bound<PyAny>> =
@@ -429,21 +376,10 @@ fn enter_outputs(shared: &Shared, context: &Context, func: &Bound<PyAny>, out: &
         };
         for item in items.iter().filter(|i| i.is_instance(tensor).unwrap_or(false) && on_target(context, i)) {
             let Ok(storage) = item.call_method0("untyped_storage") else { continue };
-            let key = storage.as_ptr() as usize;
             let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-            let made = {
-                let mut books = books(shared);
-                match books.entries.get(&key).copied() {
-                    Some(entry) => {
-                        books.ledger.grew(entry, nbytes);
-                        None
-                    }
-                    None if alias || nbytes == 0 => None,
-                    None => Some(books.ledger.made(nbytes)),
-                }
-            };
+            let made = books(shared).books.output(storage.as_ptr() as usize, nbytes, alias);
             if let Some(entry) = made {
-                watch(shared, context, &storage, key, entry)?;
+                watch(shared, context, &storage, entry)?;
             }
         }
     }

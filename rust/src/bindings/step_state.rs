@@ -1,16 +1,14 @@
-//! What a step reaches besides the model's tensors and the optimizers' state: a GradScaler, an
-//! LR scheduler, an EMA copy, a metric accumulator, any attribute or container it assigns to.
-//! Run under fake tensors, the step would leave fakes there (and a scheduler advanced), and the
-//! next real step would fail on them. So every container reachable from the step is copied,
-//! shallowly, before the estimate, and put back after it where it changed; then the same walk
-//! looks for fakes still reachable, and names them.
-
-use std::collections::HashSet;
+//! The step's Python objects for the core's state saving ([`crate::step_state`]): what each
+//! object is to the walk, how a container is copied and put back, and the GradScaler's inf check
+//! skipped. The order, the walk and the notes are the core's.
 
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple, PyType,
 };
+
+use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
+use crate::step_state::{self, Saving, StepObjects, MOST_ITEMS_WALKED};
 
 /// Objects a walk starts from, each with the name a person knows it by.
 pub(super) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
@@ -18,14 +16,8 @@ pub(super) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
 /// A global name a step assigns to, and the namespace it is in.
 pub(super) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
-/// Enough for a large model's modules and the step's own objects; a walk that stops says so.
-const MOST_OBJECTS: usize = 200_000;
-/// Longer containers are saved and put back whole, but their items are not walked.
-const MOST_ITEMS_WALKED: usize = 10_000;
-const MOST_NAMED: usize = 5;
-
 /// A container as it was before the step, by the identity of what it held.
-enum Saved<'py> {
+pub(super) enum Saved<'py> {
     /// A dict, or an object's `__dict__`.
     Dict(Bound<'py, PyDict>, Bound<'py, PyDict>),
     List(Bound<'py, PyList>, Bound<'py, PyList>),
@@ -43,41 +35,8 @@ enum Saved<'py> {
     },
 }
 
-/// One object the walk reached, and how: the path to it is rendered only when it is named.
-struct Node<'py> {
-    object: Bound<'py, PyAny>,
-    parent: Option<usize>,
-    edge: Edge<'py>,
-}
-
-/// How an object was reached from its parent. Rendered only for a path that is named: a key
-/// may be a tensor (an optimizer's state is keyed by parameters), whose repr reads the device.
-enum Edge<'py> {
-    Root(String),
-    Attribute(Bound<'py, PyAny>),
-    Key(Bound<'py, PyAny>),
-    Index(usize),
-    Closure(Bound<'py, PyAny>),
-    MethodSelf,
-}
-
-impl Edge<'_> {
-    fn render(&self) -> String {
-        let plain = |key: &Bound<PyAny>| key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>();
-        match self {
-            Edge::Root(name) => name.clone(),
-            Edge::Attribute(name) => format!(".{name}"),
-            Edge::Key(key) if plain(key) => format!("[{}]", key.repr().map(|r| r.to_string()).unwrap_or_default()),
-            Edge::Key(key) => format!("[<{}>]", key.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
-            Edge::Index(index) => format!("[{index}]"),
-            Edge::Closure(name) => format!(" (closure {name})"),
-            Edge::MethodSelf => ".__self__".into(),
-        }
-    }
-}
-
 /// The types the walk treats specially, looked up once.
-struct Kinds<'py> {
+struct StepKinds<'py> {
     tensor: Bound<'py, PyType>,
     fake: Bound<'py, PyType>,
     function: Bound<'py, PyType>,
@@ -86,66 +45,34 @@ struct Kinds<'py> {
     scaler: Option<Bound<'py, PyType>>,
 }
 
-impl<'py> Kinds<'py> {
-    fn find(py: Python<'py>) -> PyResult<Kinds<'py>> {
+/// The step's objects, and the globals it assigns to.
+pub(super) struct PythonStep<'py> {
+    kinds: StepKinds<'py>,
+    assigned: Vec<AssignedGlobal<'py>>,
+}
+
+impl<'py> PythonStep<'py> {
+    fn find(py: Python<'py>, assigned: &[AssignedGlobal<'py>]) -> PyResult<PythonStep<'py>> {
         let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
         let types = py.import("types")?;
         let scaler = py.import("torch.amp.grad_scaler").and_then(|m| m.getattr("GradScaler")).ok();
-        Ok(Kinds {
+        let kinds = StepKinds {
             tensor: torch.getattr("Tensor")?.cast_into()?,
             fake: py.import("torch._subclasses.fake_tensor")?.getattr("FakeTensor")?.cast_into()?,
             function: types.getattr("FunctionType")?.cast_into()?,
             method: types.getattr("MethodType")?.cast_into()?,
             deque: py.import("collections")?.getattr("deque")?.cast_into()?,
             scaler: scaler.and_then(|s| s.cast_into().ok()),
-        })
-    }
-}
-
-/// The walk from the step's roots, breadth-first, each object once.
-struct Walk<'py> {
-    nodes: Vec<Node<'py>>,
-    partial: bool,
-}
-
-impl<'py> Walk<'py> {
-    fn new(roots: &[(String, Bound<'py, PyAny>)], kinds: &Kinds<'py>, mut visit: impl FnMut(&Node<'py>)) -> Walk<'py> {
-        let mut walk = Walk { nodes: Vec::new(), partial: false };
-        let mut seen = HashSet::new();
-        for (name, object) in roots {
-            if seen.insert(object.as_ptr() as usize) {
-                walk.nodes.push(Node { object: object.clone(), parent: None, edge: Edge::Root(name.clone()) });
-            }
-        }
-        let mut next = 0;
-        while next < walk.nodes.len() {
-            visit(&walk.nodes[next]);
-            for (edge, child) in children(&walk.nodes[next].object, kinds) {
-                if walk.nodes.len() >= MOST_OBJECTS {
-                    walk.partial = true;
-                    break;
-                }
-                if seen.insert(child.as_ptr() as usize) {
-                    walk.nodes.push(Node { object: child, parent: Some(next), edge });
-                }
-            }
-            next += 1;
-        }
-        walk
+        };
+        Ok(PythonStep { kinds, assigned: assigned.to_vec() })
     }
 
-    fn path(&self, mut index: usize) -> String {
-        let mut edges = Vec::new();
-        loop {
-            let node = &self.nodes[index];
-            edges.push(node.edge.render());
-            match node.parent {
-                Some(parent) => index = parent,
-                None => break,
-            }
-        }
-        edges.reverse();
-        edges.concat()
+    fn is(&self, object: &Bound<'py, PyAny>, kind: &Bound<'py, PyType>) -> bool {
+        object.is_instance(kind).unwrap_or(false)
+    }
+
+    fn attributes(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+        object.getattr("__dict__").ok()?.cast_into::<PyDict>().ok()
     }
 }
 
@@ -160,99 +87,210 @@ fn is_atom(object: &Bound<PyAny>) -> bool {
         || object.is_instance_of::<PyType>()
 }
 
-/// What an object holds that the step may have changed: a container's items, an object's
-/// attributes, a function's closure, a bound method's object. Tensors, modules, classes and
-/// plain values are leaves; the globals a function reads are roots already.
-fn children<'py>(object: &Bound<'py, PyAny>, kinds: &Kinds<'py>) -> Vec<(Edge<'py>, Bound<'py, PyAny>)> {
-    let mut found = Vec::new();
-    if is_atom(object) || object.is_instance(&kinds.tensor).unwrap_or(true) {
-        return found;
+fn items<'py>(iterable: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>) {
+    if iterable.len().unwrap_or(usize::MAX) > MOST_ITEMS_WALKED {
+        return;
     }
-    let items = |iterable: &Bound<'py, PyAny>, found: &mut Vec<(Edge<'py>, Bound<'py, PyAny>)>| {
-        if iterable.len().unwrap_or(usize::MAX) > MOST_ITEMS_WALKED {
-            return;
+    if let Ok(iterator) = iterable.try_iter() {
+        refs.extend(iterator.flatten().enumerate().map(|(i, item)| (Edge::Index(i), item)));
+    }
+}
+
+fn entries<'py>(
+    dict: &Bound<'py, PyDict>,
+    refs: &mut Refs<Bound<'py, PyAny>>,
+    edge: fn(Bound<'py, PyAny>) -> Edge<Bound<'py, PyAny>>,
+) {
+    if dict.len() <= MOST_ITEMS_WALKED {
+        refs.extend(dict.iter().map(|(key, value)| (edge(key), value)));
+    }
+}
+
+impl<'py> Heap for PythonStep<'py> {
+    type Object = Bound<'py, PyAny>;
+
+    fn address(&self, object: &Self::Object) -> usize {
+        object.as_ptr() as usize
+    }
+
+    /// What an object holds that the step may have changed: a container's items, an object's
+    /// attributes, a function's closure, a bound method's object. Tensors, modules, classes and
+    /// plain values are leaves; the globals a function reads are roots already. The containers
+    /// are `Owner`s (saved), the fakes `Buffer`s (named if left after).
+    fn look(&mut self, object: &Self::Object, refs: &mut Refs<Self::Object>) -> Result<Kind, Unreadable> {
+        if is_atom(object) {
+            return Ok(Kind::Leaf);
         }
-        if let Ok(iterator) = iterable.try_iter() {
-            found.extend(iterator.flatten().enumerate().map(|(i, item)| (Edge::Index(i), item)));
+        if object.is_instance(&self.kinds.tensor).unwrap_or(true) {
+            if !self.is(object, &self.kinds.fake) {
+                return Ok(Kind::Leaf);
+            }
+            let buffer = Buffer::Storage(object.as_ptr() as usize);
+            let (shape, device) = (String::new(), String::new());
+            return Ok(Kind::Buffer(Piece { buffer, bytes: 0, kind: "fake tensor", shape, device }));
         }
-    };
-    if let Ok(dict) = object.cast::<PyDict>() {
-        if dict.len() <= MOST_ITEMS_WALKED {
-            found.extend(dict.iter().map(|(key, value)| (Edge::Key(key), value)));
+        if let Ok(dict) = object.cast::<PyDict>() {
+            entries(dict, refs, Edge::Key);
+            return Ok(Kind::Owner);
         }
-    } else if object.is_instance_of::<PyList>()
-        || object.is_instance_of::<PyTuple>()
-        || object.is_instance_of::<PySet>()
-        || object.is_instance_of::<PyFrozenSet>()
-        || object.is_instance(&kinds.deque).unwrap_or(false)
-    {
-        items(object, &mut found);
-    } else if object.is_instance(&kinds.function).unwrap_or(false) {
-        let names = object.getattr("__code__").and_then(|c| c.getattr("co_freevars"));
-        if let (Ok(cells), Ok(names)) = (object.getattr("__closure__"), names) {
-            if let (Ok(cells), Ok(names)) = (cells.try_iter(), names.try_iter()) {
-                for (cell, name) in cells.flatten().zip(names.flatten()) {
-                    if let Ok(contents) = cell.getattr("cell_contents") {
-                        found.push((Edge::Closure(name), contents));
+        if object.is_instance_of::<PyList>() || object.is_instance_of::<PySet>() || self.is(object, &self.kinds.deque) {
+            items(object, refs);
+            return Ok(Kind::Owner);
+        }
+        if object.is_instance_of::<PyTuple>() || object.is_instance_of::<PyFrozenSet>() {
+            items(object, refs);
+        } else if self.is(object, &self.kinds.function) {
+            let names = object.getattr("__code__").and_then(|c| c.getattr("co_freevars"));
+            if let (Ok(cells), Ok(names)) = (object.getattr("__closure__"), names) {
+                if let (Ok(cells), Ok(names)) = (cells.try_iter(), names.try_iter()) {
+                    for (cell, name) in cells.flatten().zip(names.flatten()) {
+                        if let Ok(contents) = cell.getattr("cell_contents") {
+                            refs.push((Edge::Closure(Name::Of(name)), contents));
+                        }
                     }
                 }
             }
+        } else if self.is(object, &self.kinds.method) {
+            if let Ok(owner) = object.getattr("__self__") {
+                refs.push((Edge::Attr(Name::Fixed("__self__")), owner));
+            }
+        } else if let Some(attributes) = PythonStep::attributes(object) {
+            entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)));
+            return Ok(Kind::Owner);
         }
-    } else if object.is_instance(&kinds.method).unwrap_or(false) {
-        if let Ok(owner) = object.getattr("__self__") {
-            found.push((Edge::MethodSelf, owner));
-        }
-    } else if let Ok(attributes) = object.getattr("__dict__").and_then(|d| Ok(d.cast_into::<PyDict>()?)) {
-        if attributes.len() <= MOST_ITEMS_WALKED {
-            found.extend(attributes.iter().map(|(name, value)| (Edge::Attribute(name), value)));
-        }
+        Ok(Kind::Plain)
     }
-    found
+
+    fn text(&self, name: &Self::Object) -> String {
+        name.str().map(|s| s.to_string()).unwrap_or_default()
+    }
+
+    fn is_text(&self, key: &Self::Object) -> bool {
+        key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>()
+    }
+
+    /// A key by its repr where it is text; by its type otherwise: a tensor's repr reads the device.
+    fn describe(&self, key: &Self::Object) -> String {
+        if self.is_text(key) {
+            return key.repr().map(|r| r.to_string()).unwrap_or_default();
+        }
+        format!("<{}>", key.get_type().name().map(|n| n.to_string()).unwrap_or_default())
+    }
+
+    fn call(&self, key: &Self::Object) -> String {
+        self.describe(key)
+    }
+}
+
+impl<'py> StepObjects for PythonStep<'py> {
+    type Saved = Saved<'py>;
+    type Error = PyErr;
+
+    fn save_assigned(&mut self) -> PyResult<Vec<Saved<'py>>> {
+        let mut saved = Vec::new();
+        for (globals, name) in &self.assigned {
+            let before = globals.get_item(name)?;
+            saved.push(Saved::Global { globals: globals.clone(), name: name.clone(), before });
+        }
+        Ok(saved)
+    }
+
+    fn save(&mut self, object: &Self::Object) -> Option<Saved<'py>> {
+        if let Ok(dict) = object.cast::<PyDict>() {
+            return dict.copy().ok().map(|copy| Saved::Dict(dict.clone(), copy));
+        }
+        if let Ok(list) = object.cast::<PyList>() {
+            return Some(Saved::List(list.clone(), PyList::new(object.py(), list.iter()).ok()?));
+        }
+        let refill = if object.is_instance_of::<PySet>() {
+            "update"
+        } else if self.is(object, &self.kinds.deque) {
+            "extend"
+        } else {
+            let attributes = PythonStep::attributes(object)?;
+            return attributes.copy().ok().map(|copy| Saved::Dict(attributes, copy));
+        };
+        let items = PyList::new(object.py(), object.try_iter().ok()?.flatten()).ok()?;
+        Some(Saved::Refilled { container: object.clone(), items, refill })
+    }
+
+    fn restore(&mut self, saved: &Saved<'py>) -> PyResult<()> {
+        match saved {
+            Saved::Dict(dict, before) => {
+                let same = dict.len() == before.len()
+                    && before
+                        .iter()
+                        .all(|(key, value)| dict.get_item(&key).ok().flatten().is_some_and(|now| now.is(&value)));
+                if !same {
+                    dict.clear();
+                    dict.update(before.as_mapping())?;
+                }
+            }
+            Saved::List(list, before) => {
+                if !same_items(list.iter(), before, list.len()) {
+                    list.call_method0("clear")?;
+                    list.call_method1("extend", (before,))?;
+                }
+            }
+            Saved::Global { globals, name, before } => match (before, globals.get_item(name)?) {
+                (Some(before), Some(now)) if before.is(&now) => {}
+                (Some(before), _) => globals.set_item(name, before)?,
+                (None, Some(_)) => globals.del_item(name)?,
+                (None, None) => {}
+            },
+            Saved::Refilled { container, items, refill } => {
+                let now: Vec<_> = container.try_iter()?.flatten().collect();
+                if !same_items(now.iter().cloned(), items, now.len()) {
+                    container.call_method0("clear")?;
+                    container.call_method1(*refill, (items,))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn assigned_now(&mut self) -> PyResult<Roots<'py>> {
+        let mut bound = Vec::new();
+        for (globals, name) in &self.assigned {
+            if let Some(value) = globals.get_item(name)? {
+                bound.push((name.clone(), value));
+            }
+        }
+        Ok(bound)
+    }
+
+    fn is_scaler(&self, object: &Self::Object) -> bool {
+        self.kinds.scaler.as_ref().is_some_and(|scaler| self.is(object, scaler))
+    }
+
+    fn assume_finite_gradients(&mut self, scaler: &Self::Object) -> PyResult<()> {
+        let fake_step = scaler.py().import("gpuexp.fake_step")?;
+        fake_step.call_method1("assume_finite_gradients", (scaler,)).map(drop)
+    }
+}
+
+fn same_items<'py>(now: impl Iterator<Item = Bound<'py, PyAny>>, before: &Bound<'py, PyList>, len: usize) -> bool {
+    len == before.len() && now.zip(before.iter()).all(|(a, b)| a.is(&b))
 }
 
 /// The containers reachable from a step, as they were, until [`StepState::restore`].
 pub(super) struct StepState<'py> {
-    roots: Vec<(String, Bound<'py, PyAny>)>,
-    kinds: Kinds<'py>,
-    saved: Vec<Saved<'py>>,
-    partial: bool,
+    step: PythonStep<'py>,
+    saving: Saving<Saved<'py>, Bound<'py, PyAny>>,
     /// GradScalers reached: told, for the estimate, that the gradients are finite.
     pub(super) scalers: usize,
 }
 
 impl<'py> StepState<'py> {
-    /// Copies every container reachable from `roots`; then makes each GradScaler reached step
-    /// its optimizer without reading its inf check (`.item()` has no value under fake tensors):
-    /// the step whose gradients are finite, the one that needs the memory.
+    /// Saves what the step reaches from `roots` and the globals it assigns ([`step_state::save`]).
     pub(super) fn save(
         py: Python<'py>,
         roots: &Roots<'py>,
         assigned: &[AssignedGlobal<'py>],
     ) -> PyResult<StepState<'py>> {
-        let kinds = Kinds::find(py)?;
-        let mut saved = Vec::new();
-        let mut roots = roots.clone();
-        for (globals, name) in assigned {
-            let before = globals.get_item(name)?;
-            if let Some(value) = &before {
-                roots.push((name.clone(), value.clone()));
-            }
-            saved.push(Saved::Global { globals: globals.clone(), name: name.clone(), before });
-        }
-        let mut scalers = Vec::new();
-        let walk = Walk::new(&roots, &kinds, |node| {
-            if let Some(copy) = save(&node.object, &kinds) {
-                saved.push(copy);
-            }
-            if kinds.scaler.as_ref().is_some_and(|s| node.object.is_instance(s).unwrap_or(false)) {
-                scalers.push(node.object.clone());
-            }
-        });
-        let state = StepState { roots, saved, partial: walk.partial, scalers: scalers.len(), kinds };
-        for scaler in scalers {
-            assume_finite_gradients(py, &scaler)?;
-        }
-        Ok(state)
+        let mut step = PythonStep::find(py, assigned)?;
+        let saving = step_state::save(&mut step, roots.clone())?;
+        Ok(StepState { scalers: saving.scalers, step, saving })
     }
 
     /// Swaps the real GPU tensors held in the saved containers (a GradScaler's scale, an EMA
@@ -261,8 +299,9 @@ impl<'py> StepState<'py> {
     /// puts the real ones back with the containers.
     pub(super) fn fake_device_tensors(&self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
         let mut fakes = std::collections::HashMap::new();
+        let kinds = &self.step.kinds;
         let mut fake_of = |value: &Bound<'py, PyAny>| -> PyResult<Option<Bound<'py, PyAny>>> {
-            let real = value.is_instance(&self.kinds.tensor)? && !value.is_instance(&self.kinds.fake)?;
+            let real = value.is_instance(&kinds.tensor)? && !value.is_instance(&kinds.fake)?;
             if !real || value.getattr("device")?.getattr("type")?.extract::<String>()? != "cuda" {
                 return Ok(None);
             }
@@ -274,7 +313,7 @@ impl<'py> StepState<'py> {
             fakes.insert(key, fake.clone());
             Ok(Some(fake))
         };
-        for saved in &self.saved {
+        for saved in &self.saving.saved {
             match saved {
                 Saved::Dict(dict, _) => {
                     for (key, value) in dict.copy()?.iter() {
@@ -301,123 +340,8 @@ impl<'py> StepState<'py> {
         Ok(())
     }
 
-    /// Puts back every container the step changed; returns notes naming the fakes still
-    /// reachable (in what no copy could put back), and the walk's limit if it was reached.
+    /// Puts back every container the step changed ([`step_state::restore`]); the notes.
     pub(super) fn restore(mut self) -> PyResult<Vec<String>> {
-        for saved in &self.saved {
-            restore(saved)?;
-        }
-        // A global the step assigned is checked where it is now.
-        for saved in &self.saved {
-            if let Saved::Global { globals, name, .. } = saved {
-                if let Some(value) = globals.get_item(name)? {
-                    self.roots.push((name.clone(), value));
-                }
-            }
-        }
-        let mut left = Vec::new();
-        let mut count = 0;
-        let walk = Walk::new(&self.roots, &self.kinds, |node| {
-            if node.object.is_instance(&self.kinds.fake).unwrap_or(false) {
-                count += 1;
-            }
-        });
-        for (index, node) in walk.nodes.iter().enumerate() {
-            if left.len() < MOST_NAMED && node.object.is_instance(&self.kinds.fake).unwrap_or(false) {
-                left.push(walk.path(index));
-            }
-        }
-        let mut notes = Vec::new();
-        if count > 0 {
-            let more = if count > left.len() { format!(" and {} more", count - left.len()) } else { String::new() };
-            notes.push(format!(
-                "the step left fake tensors where the estimate could not put the old values back: {}{more}; \
-                 reassign them before the next real step",
-                left.join(", ")
-            ));
-        }
-        if self.partial || walk.partial {
-            notes.push(format!(
-                "the step reaches more than {MOST_OBJECTS} objects: what it changed beyond them was not put back"
-            ));
-        }
-        Ok(notes)
+        step_state::restore(&mut self.step, self.saving)
     }
-}
-
-fn save<'py>(object: &Bound<'py, PyAny>, kinds: &Kinds<'py>) -> Option<Saved<'py>> {
-    if is_atom(object) || object.is_instance(&kinds.tensor).unwrap_or(true) {
-        return None;
-    }
-    if let Ok(dict) = object.cast::<PyDict>() {
-        return dict.copy().ok().map(|copy| Saved::Dict(dict.clone(), copy));
-    }
-    if let Ok(list) = object.cast::<PyList>() {
-        return Some(Saved::List(list.clone(), PyList::new(object.py(), list.iter()).ok()?));
-    }
-    let refill = if object.is_instance_of::<PySet>() {
-        "update"
-    } else if object.is_instance(&kinds.deque).unwrap_or(false) {
-        "extend"
-    } else {
-        // An object's attributes: its `__dict__`, saved as a dict; modules and functions keep theirs.
-        if object.is_instance(&kinds.function).unwrap_or(false) || object.is_instance(&kinds.method).unwrap_or(false) {
-            return None;
-        }
-        let attributes = object.getattr("__dict__").ok()?.cast_into::<PyDict>().ok()?;
-        return attributes.copy().ok().map(|copy| Saved::Dict(attributes, copy));
-    };
-    let items = PyList::new(object.py(), object.try_iter().ok()?.flatten()).ok()?;
-    Some(Saved::Refilled { container: object.clone(), items, refill })
-}
-
-fn same_items<'py>(now: impl Iterator<Item = Bound<'py, PyAny>>, before: &Bound<'py, PyList>, len: usize) -> bool {
-    len == before.len() && now.zip(before.iter()).all(|(a, b)| a.is(&b))
-}
-
-fn restore(saved: &Saved) -> PyResult<()> {
-    match saved {
-        Saved::Dict(dict, before) => {
-            let same = dict.len() == before.len()
-                && before
-                    .iter()
-                    .all(|(key, value)| dict.get_item(&key).ok().flatten().is_some_and(|now| now.is(&value)));
-            if !same {
-                dict.clear();
-                dict.update(before.as_mapping())?;
-            }
-        }
-        Saved::List(list, before) => {
-            if !same_items(list.iter(), before, list.len()) {
-                list.call_method0("clear")?;
-                list.call_method1("extend", (before,))?;
-            }
-        }
-        Saved::Global { globals, name, before } => match (before, globals.get_item(name)?) {
-            (Some(before), Some(now)) if before.is(&now) => {}
-            (Some(before), _) => globals.set_item(name, before)?,
-            (None, Some(_)) => globals.del_item(name)?,
-            (None, None) => {}
-        },
-        Saved::Refilled { container, items, refill } => {
-            let now: Vec<_> = container.try_iter()?.flatten().collect();
-            if !same_items(now.iter().cloned(), items, now.len()) {
-                container.call_method0("clear")?;
-                container.call_method1(*refill, (items,))?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `GradScaler._maybe_opt_step` reads the inf check with `.item()`; for the estimate, the
-/// scaler steps its optimizer as it does when the gradients are finite. Set on the instance,
-/// whose `__dict__` was saved before, so putting it back removes this.
-fn assume_finite_gradients(py: Python, scaler: &Bound<PyAny>) -> PyResult<()> {
-    let step = pyo3::types::PyCFunction::new_closure(py, None, None, |args, kwargs| -> PyResult<Py<PyAny>> {
-        let optimizer = args.get_item(0)?;
-        let rest = args.get_slice(2, args.len());
-        Ok(optimizer.getattr("step")?.call(rest, kwargs)?.unbind())
-    })?;
-    scaler.getattr("__dict__")?.set_item("_maybe_opt_step", step)
 }

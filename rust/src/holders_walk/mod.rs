@@ -119,9 +119,11 @@ pub enum Kind {
     Plain,
     /// Its references are roots of their own (a module, whose globals are), or lead nowhere.
     Leaf,
-    /// A buffer in the memory hunted; its references (`grad`, `grad_fn`) are followed too.
+    /// A buffer in the memory hunted; its references (`grad`, `grad_fn`) are followed too. (To
+    /// an estimate's state saving, `crate::step_state`: a fake tensor, named if one is left.)
     Buffer(Piece),
     /// A model or an optimizer: followed, and remembered, for what its tensors are to training.
+    /// (To an estimate's state saving: a container the step may change, to be copied.)
     Owner,
 }
 
@@ -169,7 +171,7 @@ pub struct Survey<O> {
     /// Every live buffer of the memory hunted that the collector knows, reachable or not
     /// (empty where the walk was not given them: [`survey`] gives them).
     pub live: HashMap<Buffer, u64>,
-    /// Models and optimizers reached on the way.
+    /// The `Owner`s reached on the way, in the walk's order: models and optimizers.
     pub owners: Vec<O>,
     pub objects_visited: u64,
     /// Objects that raised when inspected.

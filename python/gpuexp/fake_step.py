@@ -1,0 +1,274 @@
+"""What torch finds in place of its own objects, and calls back, while ``gpuexp.estimate`` runs a
+step under fake tensors: the model's tensors and its optimizers' state swapped for fakes
+(``Fakes``), the dispatch mode that enters each operator's storages in the core's ledger
+(``LedgerMode``), the hooks that mark gradients, optimizer state and the optimizer's step
+(``mark_hooks``), and a GradScaler's inf check skipped (``assume_finite_gradients``).
+
+This is torch instrumentation, so it is Python (docs/ARCHITECTURE.md, "Where torch
+instrumentation goes"): it subclasses, hooks and stands in for torch's own code, written the way
+torch documents it. What an operator made, which storage is which and what the step's peak is are
+the core's (``rust/src/estimate.rs``), reached through plain calls
+(``rust/src/bindings/ledger_mode.rs``). Torch is imported already when these run: the estimate
+refuses to start without it.
+"""
+
+import collections
+import sys
+
+# Fake tensors' probe of the GPU context, under its names in torch's versions.
+_CONTEXT_PROBES = ("init_gpu_context", "init_cuda_context")
+
+
+class Fakes:
+    """The real parameters, gradients and buffers of ``owners`` (the modules and optimizers the
+    step reaches) and their optimizers' state swapped for fake copies made by one
+    ``FakeTensorMode``, until ``restore()`` puts back the very objects. ``target`` is the
+    ``torch.device`` the estimate is for: tensors on the ``meta`` device are faked there.
+    On an error, what was swapped so far is put back before it raises."""
+
+    def __init__(self, owners, target):
+        from torch._subclasses import fake_tensor
+
+        self._torch = torch = sys.modules["torch"]
+        # Without a fake implementation torch would run the operator for real on zero-filled
+        # tensors of the step's sizes, on the device the estimate is meant to spare: refused instead.
+        self.mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+        self.tensor, self.fake_tensor = torch.Tensor, fake_tensor.FakeTensor
+        self._target = target
+        self._by_real = {}  # id of a real tensor: its fake, so a weight tied in two places stays one
+        self.params, self.buffers, self.optimizers = [], [], []
+        self.from_meta = set()  # ids of the fakes of meta tensors: loaded before the step, not allocated now
+        # An attention module in eval mode was swapped: at inference the fast path would have run.
+        self.fastpath_skipped = False
+        self._swapped = []  # (a module's _parameters or _buffers, the name, the real tensor)
+        self._optimizers = []  # (the optimizer, its real state, each param group with its contents before)
+        self._undo = []  # what puts torch's own settings back: the context probe, attention's fast path
+        try:
+            # The probe is quieted first: making the first fakes, of the parameters, calls it.
+            self._quiet_context_probe(fake_tensor)
+            self._swap_owners(owners)
+            self._turn_fastpath_off()
+        except BaseException:
+            self.restore()
+            raise
+        self._forget_conversions()
+
+    def _swap_owners(self, owners):
+        module = self._torch.nn.Module
+        seen = set()
+        for owner in [o for o in owners if isinstance(o, module)]:
+            for sub in owner.modules():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    self._swap_module(sub)
+        for optimizer in [o for o in owners if not isinstance(o, module)]:
+            if id(optimizer) not in seen:
+                seen.add(id(optimizer))
+                self._swap_optimizer(optimizer)
+
+    def _turn_fastpath_off(self):
+        """Attention's fast path makes nested tensors, which can't be faked: off while the step runs."""
+        mha = getattr(self._torch.backends, "mha", None)
+        if hasattr(mha, "set_fastpath_enabled"):
+            was = mha.get_fastpath_enabled()
+            mha.set_fastpath_enabled(False)
+            self._undo.append(lambda: mha.set_fastpath_enabled(was))
+
+    def _quiet_context_probe(self, fake_tensor):
+        """The first fake tensor on a GPU makes torch allocate a real one-element tensor there, once
+        per device, so that CUDA is initialised before a backward. Where CUDA already has a context
+        on that device (the model is there), that allocation only moves torch's peak: it is
+        skipped, so an estimate allocates nothing at all. Elsewhere torch's probe runs. The probe
+        is called for every fake tensor made, so the devices are looked up once, here."""
+        name = next((name for name in _CONTEXT_PROBES if hasattr(fake_tensor, name)), None)
+        if name is None:
+            return
+        cuda, with_context, current = self._torch.cuda, set(), 0
+        # Asked only once CUDA is initialised: asking before would initialise it.
+        if cuda.is_initialized():
+            has_context = self._torch._C._cuda_hasPrimaryContext
+            with_context = {index for index in range(cuda.device_count()) if has_context(index)}
+            current = cuda.current_device()
+        probe = getattr(fake_tensor, name)
+
+        def quiet(*args, **kwargs):
+            device = args[0] if args else None
+            if getattr(device, "type", None) == "cuda":
+                if (current if device.index is None else device.index) in with_context:
+                    return None
+            return probe(*args, **kwargs)
+
+        setattr(fake_tensor, name, quiet)
+        self._undo.append(lambda: setattr(fake_tensor, name, probe))
+
+    def _is_real(self, value):
+        return isinstance(value, self.tensor) and not isinstance(value, self.fake_tensor)
+
+    def _fake(self, real):
+        fake = self._by_real.get(id(real))
+        if fake is None:
+            if real.device.type == "meta":
+                fake = self._fake_on_target(real)
+                self.from_meta.add(id(fake))
+            else:
+                fake = self.mode.from_tensor(real)
+            self._by_real[id(real)] = fake
+        return fake
+
+    def _fake_on_target(self, meta):
+        """A tensor on the ``meta`` device has a size and no data: its fake is made on the
+        estimate's device, as loading the weights there would make it."""
+        with self.mode:
+            fake = self._torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device=self._target)
+        return fake.requires_grad_(meta.requires_grad)
+
+    def _fake_parameter(self, real):
+        """A parameter's fake, with a fake of its gradient."""
+        known = id(real) in self._by_real
+        fake = self._fake(real)
+        if not known:
+            if real.grad is not None:
+                fake.grad = self._fake(real.grad)
+            self.params.append(fake)
+        return fake
+
+    def _swap_module(self, module):
+        nn = self._torch.nn
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention)) and not module.training:
+            self.fastpath_skipped = True
+        for attribute, parameters in (("_parameters", True), ("_buffers", False)):
+            tensors = getattr(module, attribute, None)
+            if not isinstance(tensors, dict):
+                continue
+            for name, real in list(tensors.items()):
+                if not self._is_real(real):
+                    continue
+                if parameters:
+                    fake = self._fake_parameter(real)
+                else:
+                    fake = self._fake(real)
+                    self.buffers.append(fake)
+                tensors[name] = fake
+                self._swapped.append((tensors, name, real))
+
+    def _fake_state(self, real):
+        """An optimizer's state as a fake. A scalar on the host (Adam's ``step``) becomes a fake
+        that keeps a copy of its value, since the optimizer reads it with ``.item()``."""
+        if real.numel() <= 1 and real.device.type == "cpu":
+            converter = self.mode.fake_tensor_converter
+            return converter.from_real_tensor(self.mode, real.clone(), make_constant=True)
+        return self._fake(real)
+
+    def _swap_optimizer(self, optimizer):
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        real_state = optimizer.state
+        state = collections.defaultdict(dict)
+        for param, values in real_state.items():
+            copy = {}
+            if isinstance(values, dict):
+                copy = {key: self._fake_state(v) if self._is_real(v) else v for key, v in values.items()}
+            state[self._fake_parameter(param)] = copy
+        # The optimizer picks its implementation from its parameters' type, and fakes would get
+        # the per-tensor loop, whose peak differs: the real parameters choose, as they would.
+        groups = []
+        for group in optimizer.param_groups:
+            before = dict(group)
+            reals = group["params"]
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                _, foreach = _default_to_fused_or_foreach(reals, bool(group.get("differentiable")))
+                # As the optimizers do: a tensor learning rate without `capturable` keeps the loop.
+                loop_kept = isinstance(group.get("lr"), self.tensor) and not group.get("capturable")
+                group["foreach"] = bool(foreach) and not loop_kept
+            group["params"] = [self._fake_parameter(real) for real in reals]
+            groups.append((group, before))
+        optimizer.state = state
+        self.optimizers.append(optimizer)
+        self._optimizers.append((optimizer, real_state, groups))
+
+    def _forget_conversions(self):
+        """The converter remembers each real tensor's fake; forgetting lets a fake gradient that
+        the step sets to None be freed, as the real one would be."""
+        converter = getattr(self.mode, "fake_tensor_converter", None)
+        meta = getattr(converter, "meta_converter", None)
+        for owner, memo in ((converter, "tensor_memo"), (meta, "tensor_memo"), (meta, "storage_memo")):
+            clear = getattr(getattr(owner, memo, None), "clear", None)
+            if clear is not None:
+                clear()
+
+    def restore(self):
+        """Puts back every real tensor, state and param group, and torch's own settings; safe to
+        call twice. Everything is put back before the first error met is raised."""
+        errors = []
+
+        def attempt(put_back, *args):
+            try:
+                put_back(*args)
+            except Exception as error:  # noqa: BLE001  (raised below, once the rest is back)
+                errors.append(error)
+
+        while self._undo:
+            attempt(self._undo.pop(0))
+        while self._swapped:
+            tensors, name, real = self._swapped.pop()
+            attempt(tensors.__setitem__, name, real)
+        while self._optimizers:
+            optimizer, real_state, groups = self._optimizers.pop(0)
+            attempt(setattr, optimizer, "state", real_state)
+            for group, before in groups:
+                group.clear()
+                attempt(group.update, before)
+        if errors:
+            raise errors[0]
+
+
+def ledger_mode(dispatch):
+    """A ``TorchDispatchMode`` that runs each operator through ``dispatch(func, args, kwargs)``,
+    the core's books, which runs it (in the fake mode below) and enters what it made."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LedgerMode(TorchDispatchMode):
+        pass
+
+    def torch_dispatch(mode, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs)
+
+    # Set once the class is made: one written in its body, TorchDispatchMode wraps to keep
+    # torch.compile out of it, a cost on every operator that the books do not need.
+    LedgerMode.__torch_dispatch__ = torch_dispatch
+    return LedgerMode()
+
+
+def mark_hooks(params, before_step, after_step, accumulated):
+    """Torch's hooks for the books: ``before_step(optimizer)`` and ``after_step(optimizer)`` around
+    every optimizer's step (global hooks), ``accumulated(param)`` as each parameter that requires
+    grad has its gradient accumulated. The handles, to remove them."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    # Hooks return None: a tuple would be taken for new arguments.
+    def before(optimizer, args, kwargs):
+        before_step(optimizer)
+
+    def after(optimizer, args, kwargs):
+        after_step(optimizer)
+
+    def accumulated_grad(param):
+        accumulated(param)
+
+    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    for param in params:
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(accumulated_grad))
+    return handles
+
+
+def assume_finite_gradients(scaler):
+    """``GradScaler._maybe_opt_step`` reads the inf check with ``.item()``, which has no value under
+    fake tensors: for the estimate, the scaler steps its optimizer as it does when the gradients
+    are finite, the step that needs the memory. Set on the instance, whose ``__dict__`` the
+    estimate saved before, so putting it back removes this."""
+
+    def step(optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    scaler.__dict__["_maybe_opt_step"] = step
