@@ -164,7 +164,7 @@ pub(super) fn map_sites(spans: &[StepSpan], blocks: &mut [Block], context: &mut 
 }
 
 /// How the sites of a window's peak were found, where gpuexp's sampling recorded the trace.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Sampling {
     /// Steps in the window: the stretches between step ends that allocated (the one running at
     /// its end too).
@@ -179,6 +179,44 @@ pub struct Sampling {
     pub unattributed_bytes: u64,
     /// The steps (numbered from 1 at the window's opening; 0: before it) the mapped sites come from.
     pub sites_from_steps: Vec<usize>,
+    /// What the stacks measured on this run, where steps of both kinds were timed.
+    pub cost: Option<StackCost>,
+}
+
+/// What recording Python stacks cost this run, from its own step marks: the median step with
+/// stacks against the median step without (each step's time is from its end to the next one's;
+/// the stretch from the opening to the first step end is left out, it may hold setup).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StackCost {
+    /// A step with stacks over one without: 0.25 is 25% longer.
+    pub per_sampled_step: f64,
+    /// The sampled steps' extra time as a share of the timed steps' total.
+    pub of_the_run: f64,
+}
+
+impl StackCost {
+    pub(crate) fn measure(durations: &[(i64, bool)]) -> Option<StackCost> {
+        let median = |stacks: bool| {
+            let mut of: Vec<i64> = durations.iter().filter(|(_, s)| *s == stacks).map(|(d, _)| *d).collect();
+            of.sort_unstable();
+            (!of.is_empty()).then(|| of[of.len() / 2] as f64)
+        };
+        let (with, without) = (median(true)?, median(false)?);
+        if without <= 0.0 {
+            return None;
+        }
+        let extra: f64 = durations.iter().filter(|(_, s)| *s).map(|(d, _)| (*d as f64 - without).max(0.0)).sum();
+        let total: f64 = durations.iter().map(|(d, _)| *d as f64).sum();
+        Some(StackCost { per_sampled_step: with / without - 1.0, of_the_run: extra / total })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "; measured on this run, a step with stacks took {:+.0}% and the sampled steps {:+.1}% of the run              (torch's history without stacks on every step is not in this figure: bench/RESULTS.md)",
+            self.per_sampled_step * 100.0,
+            self.of_the_run * 100.0
+        )
+    }
 }
 
 impl Sampling {
@@ -203,12 +241,13 @@ impl Sampling {
         format!(
             "attribution sampled: Python stacks on {} of {} steps, the others recorded without stacks (every size \
              exact); at the peak {} attributed directly, {} mapped{from} by order of allocation and size, {} \
-             unattributed (gpuexp.config(trace_sampling=False): stacks on every step)",
+             unattributed (gpuexp.config(trace_sampling=False): stacks on every step){}",
             self.with_stacks,
             self.steps,
             bytes(self.direct_bytes),
             bytes(self.mapped_bytes),
-            bytes(self.unattributed_bytes)
+            bytes(self.unattributed_bytes),
+            self.cost.map(|cost| cost.describe()).unwrap_or_default()
         )
     }
 }
@@ -241,7 +280,13 @@ pub fn summary(replay: &Replay, since_us: i64, live: &[&Block]) -> Option<Sampli
         mapped_bytes: 0,
         unattributed_bytes: 0,
         sites_from_steps: Vec::new(),
+        cost: None,
     };
+    // Each step's time runs to the next step end; the last has none, the first may hold setup.
+    let timed: Vec<(i64, bool)> = (in_window.iter().skip(1))
+        .filter_map(|&i| Some((spans.get(i + 1)?.start_us - spans[i].start_us, spans[i].recorded == Recorded::Stacks)))
+        .collect();
+    sampling.cost = StackCost::measure(&timed);
     for block in live {
         match block.sites {
             SiteSource::Own => sampling.direct_bytes += block.bytes,

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::sampled::StackCost;
 use super::tests::{attribution, Program};
 use super::*;
 
@@ -175,4 +176,24 @@ fn a_window_counts_only_its_own_steps_and_the_marks_after_the_last_experiment_ar
     assert_eq!((from_second.steps, from_second.with_stacks), (2, 0));
     // The sampled step was before this window: its number says so (0).
     assert_eq!(from_second.sites_from_steps, vec![0]);
+}
+
+#[test]
+fn the_report_states_what_the_stacks_cost_this_run_from_its_own_step_times() {
+    // Steps of 10 ms without stacks, one of 13 ms with: +30% a sampled step, 3 ms of 43 ms.
+    let cost = StackCost::measure(&[(10_000, false), (13_000, true), (10_000, false), (10_000, false)]).unwrap();
+    assert!((cost.per_sampled_step - 0.30).abs() < 1e-9, "{cost:?}");
+    assert!((cost.of_the_run - 3.0 / 43.0).abs() < 1e-9, "{cost:?}");
+    assert_eq!(StackCost::measure(&[(10_000, false), (10_000, false)]), None, "no sampled step timed");
+    let sampling = Sampling {
+        steps: 5,
+        with_stacks: 2,
+        direct_bytes: 0,
+        mapped_bytes: 0,
+        unattributed_bytes: 0,
+        sites_from_steps: vec![],
+        cost: Some(cost),
+    };
+    let text = sampling.describe();
+    assert!(text.contains("a step with stacks took +30% and the sampled steps +7.0% of the run"), "{text}");
 }
