@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "rust" / "src"
 BINDINGS = SRC / "bindings"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+# Where the drawing of the floors in ARCHITECTURE.md starts its entries, after the floors' labels.
+DRAWING_COLUMN = 18
 
 # The core's floors as docs/ARCHITECTURE.md draws them ("The floors"), lowest first: a module may
 # import its own floor's modules and lower floors' ones, never a higher floor's. A new module gets
@@ -81,6 +83,16 @@ def code_of(text):
     return "".join(out)
 
 
+def after_block(code, brace):
+    """Where the block that opens with the brace at `brace` ends, just after its closing brace."""
+    depth = 0
+    for end in range(brace, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[end], 0)
+        if depth == 0:
+            return end + 1
+    raise ValueError("a block without its closing brace")
+
+
 def cfg_test_spans(code):
     """Where `code`'s `#[cfg(test)]` items are, each a `mod tests;` line or a braced block."""
     spans, at = [], code.find("#[cfg(test)]")
@@ -89,12 +101,7 @@ def cfg_test_spans(code):
         if semicolon >= 0 and (brace < 0 or semicolon < brace):
             end = semicolon + 1
         else:
-            depth, end = 0, brace
-            while True:
-                depth += {"{": 1, "}": -1}.get(code[end], 0)
-                end += 1
-                if depth == 0:
-                    break
+            end = after_block(code, brace)
         spans.append((at, end))
         at = code.find("#[cfg(test)]", end)
     return spans
@@ -137,12 +144,8 @@ def imported_modules(code, modules):
         if match[1] != "{":
             found.add(match[1])
             continue
-        depth, start = 0, match.start(1)
-        for end in range(start, len(code)):
-            depth += {"{": 1, "}": -1}.get(code[end], 0)
-            if depth == 0:
-                break
-        group, level, items, item = code[start + 1 : end], 0, [], ""
+        start = match.start(1)
+        group, level, items, item = code[start + 1 : after_block(code, start) - 1], 0, [], ""
         for c in group:
             level += {"{": 1, "}": -1}.get(c, 0)
             if c == "," and level == 0:
@@ -209,12 +212,31 @@ def test_the_core_modules_import_each_other_without_a_circle():
         pytest.fail("import circle: " + " -> ".join(error.args[1]))
 
 
+def drawn_floors():
+    """Each module's floor in the drawing under ARCHITECTURE.md's "The floors": the floors are
+    separated by rules, a floor's number leads its first line, and a module is placed where an
+    entry (at a line's start or after a `·`) names its file or folder."""
+    section = ARCHITECTURE.read_text(encoding="utf-8").split("## The floors", 1)[1]
+    drawing = section.split("```", 2)[1]
+    drawn = {}
+    for floor in re.split(r"^ [─═].*$", drawing, flags=re.M):
+        number = re.search(r"^ (\d+) ", floor.strip("\n"))
+        if number:
+            for line in floor.splitlines():
+                for module in re.findall(r"(?:^|· )(\w+)(?:\.rs|/)(?= \(|$)", line[DRAWING_COLUMN:]):
+                    drawn[module] = int(number[1])
+    return drawn
+
+
 def test_every_core_module_has_a_floor_and_a_place_in_the_architecture():
     modules = core_modules()
     assert modules == set(FLOORS), f"without a floor: {modules - set(FLOORS)}; gone: {set(FLOORS) - modules}"
     text = ARCHITECTURE.read_text(encoding="utf-8")
-    unnamed = [m for m in sorted(modules) if not re.search(rf"\b{m}(\.rs|/|\b)", text)]
-    assert unnamed == [], f"core modules docs/ARCHITECTURE.md does not place: {unnamed}"
+    unnamed = [m for m in sorted(modules) if not re.search(rf"\b{m}\b", text)]
+    assert unnamed == [], f"core modules docs/ARCHITECTURE.md does not name: {unnamed}"
+    drawn = drawn_floors()
+    differ = {m: (FLOORS.get(m), drawn.get(m)) for m in sorted(modules | set(drawn)) if drawn.get(m) != FLOORS.get(m)}
+    assert differ == {}, f"module: (floor here, floor in ARCHITECTURE.md's drawing): {differ}"
 
 
 def test_the_imports_go_down_the_floors():
