@@ -58,14 +58,21 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
         // The history was given back after the cell's first steps: levels and the allocator's state.
-        (None, Some(step)) if step.level.is_some() => match failing_gpu.and_then(|g| Some((g.torch_index, g.torch?))) {
-            Some((index, torch)) => (
-                crate::recorder::since_level(Some(step), index, trace_recording::now_us(), torch.allocated),
-                None,
-                trace::live_in_state(py, index),
-            ),
-            None => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
-        },
+        (None, Some(step)) if crate::recorder::last_level().is_some() => {
+            match failing_gpu.and_then(|g| Some((g.torch_index, g.torch?))) {
+                Some((index, torch)) => (
+                    crate::recorder::since_level(
+                        crate::recorder::last_level(),
+                        index,
+                        trace_recording::now_us(),
+                        torch.allocated,
+                    ),
+                    None,
+                    trace::live_in_state(py, index),
+                ),
+                None => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
+            }
+        }
         (None, Some(step)) => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
     };
     let cleared = match &adapter {

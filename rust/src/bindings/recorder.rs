@@ -103,7 +103,8 @@ pub(super) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
 /// A step of `kind` completed (the optimizer hook's, a trainer's, the finder's or a cell's): its
 /// end, with a level where the schedule wants one, and the schedule's change to the history.
 pub(super) fn step_completed(py: Python, kind: StepKind) {
-    let level = if recorder::wants_level() { level(py) } else { None };
-    change_history(py, recorder::step_ended(kind, trace_recording::now_us(), level));
+    let now_us = trace_recording::now_us();
+    let level = if recorder::wants_level(now_us) { level(py) } else { None };
+    change_history(py, recorder::step_ended(kind, now_us, level));
     super::trace_sampling::step_ended(py, kind);
 }

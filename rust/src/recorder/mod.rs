@@ -68,7 +68,14 @@ pub struct StepEnd {
 struct Record {
     phase: Phase,
     last: Option<StepEnd>,
+    /// The latest step end with a level read, and how many steps completed after it.
+    levelled: Option<(StepEnd, u32)>,
 }
+
+/// After the history, a level is read at a step's end at most this often: in a steady loop the
+/// level at every step's end is the same, and a read (one allocator stats call, about 21 µs, and
+/// its Python calls) is what a launch-bound step of a few milliseconds would feel.
+pub const LEVEL_EVERY_US: i64 = 250_000;
 
 /// One record per process (a forked child starts its own).
 static RECORD: PerProcess<Record> = PerProcess::new(Record::default);
@@ -87,16 +94,29 @@ pub fn disarm() -> HistoryChange {
     with_record(|record| record.phase.disarm())
 }
 
-/// Whether the step ending now needs its level read (one allocator stats call).
-pub fn wants_level() -> bool {
-    with_record(|record| record.phase.wants_level())
+/// Whether the step ending at `now_us` needs its level read: the schedule wants levels, and the
+/// last was read `LEVEL_EVERY_US` ago or more (always at the step that gives the history back).
+pub fn wants_level(now_us: i64) -> bool {
+    with_record(|record| {
+        let due = match (record.phase, record.levelled) {
+            (Phase::History { .. }, _) | (_, None) => true,
+            (_, Some((levelled, _))) => now_us - levelled.time_us >= LEVEL_EVERY_US,
+        };
+        record.phase.wants_level() && due
+    })
 }
 
 /// A step of `kind` ended at `time_us`, its level read where `wants_level` asked: one lock and
 /// one store. Says what happens to the recorder's share of torch's history.
 pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> HistoryChange {
     with_record(|record| {
-        record.last = Some(StepEnd { kind, time_us, level });
+        let step = StepEnd { kind, time_us, level };
+        record.last = Some(step);
+        record.levelled = match (level, record.levelled) {
+            (Some(_), _) => Some((step, 0)),
+            (None, Some((levelled, after))) => Some((levelled, after + 1)),
+            (None, None) => None,
+        };
         record.phase.step_ended()
     })
 }
@@ -104,6 +124,11 @@ pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> History
 /// The latest step that ended in this process.
 pub fn last_step() -> Option<StepEnd> {
     with_record(|record| record.last)
+}
+
+/// The latest step end with a level read, and how many steps completed after it.
+pub fn last_level() -> Option<(StepEnd, u32)> {
+    with_record(|record| record.levelled)
 }
 
 /// What grew from the last completed step to the failure.
@@ -124,6 +149,8 @@ pub enum SinceStep {
         held_at_failure: u64,
         made_since: Option<u64>,
         blocks_since: Option<usize>,
+        /// Steps that completed after `step` (levels are not read at every step's end).
+        later_steps: u32,
     },
     /// No record to read it from.
     Unknown { step: StepEnd, why: String },
@@ -140,14 +167,18 @@ impl SinceStep {
                 "since the last completed {}: unknown, it ended before the allocation record's first event",
                 step.kind.label()
             ),
-            SinceStep::Grew { step, failed_us, held_then, held_at_failure, made_since, blocks_since } => {
+            SinceStep::Grew { step, failed_us, held_then, held_at_failure, made_since, blocks_since, later_steps } => {
                 let seconds = (failed_us - step.time_us).max(0) as f64 / 1e6;
                 let change = *held_at_failure as i128 - *held_then as i128;
                 let sign = if change < 0 { "−" } else { "+" };
+                let which = match later_steps {
+                    0 => format!("the last completed {}", step.kind.label()),
+                    n => {
+                        format!("the last completed {} with a level read, {n} steps before the last", step.kind.label())
+                    }
+                };
                 let grew = format!(
-                    "since the last completed {} ({seconds:.1} s before): torch's allocated went from {} to {} \
-                     ({sign}{})",
-                    step.kind.label(),
+                    "since {which} ({seconds:.1} s before): torch's allocated went from {} to {} ({sign}{})",
                     bytes(*held_then),
                     bytes(*held_at_failure),
                     bytes(change.unsigned_abs() as u64),
@@ -273,6 +304,7 @@ pub fn read_oom(
                 held_at_failure: replay.allocated_at(event),
                 made_since: Some(made.iter().sum()),
                 blocks_since: Some(made.len()),
+                later_steps: 0,
             }
         }
     };
@@ -288,10 +320,16 @@ fn live_blocks(replay: &Replay, event: usize, since_step: &SinceStep) -> LiveBlo
     LiveBlocks::by_size(replay.live_at(event).map(|block| block.bytes), made_since_step)
 }
 
-/// Where the recorder had given the history back: what grew from the level read at the last
-/// step's end on this device to the failure's allocated bytes.
-pub fn since_level(step: Option<StepEnd>, torch_index: u32, failed_us: i64, held_at_failure: u64) -> SinceStep {
-    let Some(step) = step else { return SinceStep::NoStep };
+/// Where the recorder had given the history back: what grew from the latest level read at a
+/// step's end on this device (`levelled`: that step, and the steps completed after it) to the
+/// failure's allocated bytes.
+pub fn since_level(
+    levelled: Option<(StepEnd, u32)>,
+    torch_index: u32,
+    failed_us: i64,
+    held_at_failure: u64,
+) -> SinceStep {
+    let Some((step, later_steps)) = levelled else { return SinceStep::NoStep };
     match step.level {
         Some(level) if level.torch_index == torch_index => SinceStep::Grew {
             step,
@@ -300,6 +338,7 @@ pub fn since_level(step: Option<StepEnd>, torch_index: u32, failed_us: i64, held
             held_at_failure,
             made_since: None,
             blocks_since: None,
+            later_steps,
         },
         _ => SinceStep::Unknown { step, why: "no allocation record and no level read at its end on this GPU".into() },
     }
@@ -360,7 +399,8 @@ mod tests {
                 held_then: 4 * MIB,
                 held_at_failure: 22 * MIB,
                 made_since: Some(18 * MIB),
-                blocks_since: Some(3)
+                blocks_since: Some(3),
+                later_steps: 0,
             }
         );
         let live = found.live.expect("live blocks by size");
@@ -402,11 +442,13 @@ mod tests {
         use crate::trace::{Segment, SegmentBlock};
         let level = Level { torch_index: 0, allocated: 4 * MIB };
         let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10, level: Some(level) };
-        let grew = since_level(Some(step), 0, 30, 22 * MIB);
+        let grew = since_level(Some((step, 0)), 0, 30, 22 * MIB);
         assert!(matches!(grew, SinceStep::Grew { held_then, made_since: None, .. } if held_then == 4 * MIB));
         let text = grew.describe();
         assert!(text.contains("(+18.00 MiB)") && text.contains("which blocks grew is not known"), "{text}");
-        assert!(matches!(since_level(Some(step), 1, 30, MIB), SinceStep::Unknown { .. }), "another GPU's level");
+        let older = since_level(Some((step, 3)), 0, 30, 22 * MIB).describe();
+        assert!(older.contains("with a level read, 3 steps before the last"), "{older}");
+        assert!(matches!(since_level(Some((step, 0)), 1, 30, MIB), SinceStep::Unknown { .. }), "another GPU's level");
         assert_eq!(since_level(None, 0, 30, MIB), SinceStep::NoStep);
         let block = |size, state| SegmentBlock { address: 0, size, requested_size: size, state, stack: 0 };
         let state = Snapshot {
