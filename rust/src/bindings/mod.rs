@@ -12,6 +12,7 @@ mod estimate;
 mod explain;
 mod fakes;
 mod files;
+mod fit;
 mod finder;
 mod fork;
 mod holders;
@@ -56,6 +57,8 @@ mod core_module {
     use super::explain::{explain, ExplanationPy};
     #[pymodule_export]
     use super::files::write_atomically;
+    #[pymodule_export]
+    use super::fit::{fit_accumulation, fit_checkpoint_plan, fit_report, FitPy};
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
     #[pymodule_export]

@@ -170,6 +170,12 @@ pub struct Ranked {
     pub code: String,
     /// Why it has no prediction, naming the operator.
     pub refused: Option<String>,
+    /// The checkpointed blocks (checkpointing; empty otherwise).
+    pub paths: Vec<String>,
+    /// The blocks' forward FLOPs as a share of the step's (checkpointing).
+    pub recompute_share: Option<f64>,
+    /// The micro-batch (accumulation), or the batch (a smaller batch).
+    pub batch_size: Option<u64>,
 }
 
 /// `gpuexp.fit`'s answer: why the step does not fit, and what would make it.

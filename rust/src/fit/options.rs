@@ -115,6 +115,9 @@ pub fn ranked(input: &FitInput, budget: Option<&Budget>) -> Vec<Ranked> {
                 ),
                 code: format!("step({batch})"),
                 refused: None,
+                paths: Vec::new(),
+                recompute_share: None,
+                batch_size: Some(batch),
             });
         }
     }
@@ -138,6 +141,9 @@ fn ranked_run(input: &FitInput, run: &Run, budget: Option<&Budget>) -> Ranked {
         cost,
         code,
         refused: run.error.clone(),
+        paths: run.paths.clone(),
+        recompute_share: (run.option == Choice::Checkpoint).then(|| recompute_share(input, &run.paths)).flatten(),
+        batch_size: run.micro_batch,
     }
 }
 
@@ -168,7 +174,7 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
             };
             let paths: Vec<String> = run.paths.iter().map(|p| format!("{p:?}")).collect();
             let mut code = format!(
-                "from gpuexp.fit_apply import checkpointed\n\nwith checkpointed({model_name}, [{}]):\n    step({bs})",
+                "import gpuexp\n\nwith gpuexp.checkpointed({model_name}, [{}]):\n    step({bs})",
                 paths.join(", ")
             );
             if let Some(switch) = &model.library_switch {

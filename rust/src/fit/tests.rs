@@ -94,7 +94,11 @@ fn the_options_are_ranked_by_what_they_save_and_those_without_an_estimate_come_l
     assert!(checkpoint.cost.starts_with("recomputes 25% of the step's FLOPs"), "{}", checkpoint.cost);
     assert!(checkpoint
         .code
-        .contains("with checkpointed(net, [\"layers.0\", \"layers.1\", \"layers.2\"]):\n    step(64)"));
+        .contains("with gpuexp.checkpointed(net, [\"layers.0\", \"layers.1\", \"layers.2\"]):\n    step(64)"));
+    assert_eq!(checkpoint.recompute_share, Some(0.25));
+    assert_eq!(checkpoint.paths.len(), 3);
+    assert_eq!(option(Choice::Accumulate).batch_size, Some(16));
+    assert_eq!(option(Choice::SmallerBatch).batch_size, Some(40));
     assert!(option(Choice::ForeachOff).refused.as_deref().unwrap().contains("aten.nonzero"));
     assert_eq!(report.best().map(|o| o.option), Some(Choice::Autocast));
     // 512 MiB cached at the last OOM, more than the 300 MiB gap.
@@ -129,7 +133,7 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
     assert!(text.contains("how to apply each:\n1. autocast the step to bfloat16:\n    import torch"), "{text}");
     assert!(text.contains("the largest batch that fits as the step is: about 40"));
     let html = view.to_html();
-    assert!(html.contains("<pre>from gpuexp.fit_apply import checkpointed"), "{html}");
+    assert!(html.contains("<pre>import gpuexp\n\nwith gpuexp.checkpointed(net"), "{html}");
     let json = serde_json::to_value(&report).unwrap();
     assert_eq!(json["options"][0]["option"], "autocast");
     assert_eq!(json["budget"]["against"], "limit");
