@@ -83,3 +83,20 @@ def test_example_notebooks_run_whole_at_tiny_size(notebook, model):
     assert out.splitlines().count("skipped: only at real size on a GPU") == 1
     if not GPU:
         assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 2
+
+
+@pytest.mark.skipif(not (ROOT / "python" / "gpuexp" / "fit.py").exists(), reason="gpuexp.fit is not on this branch")
+def test_fit_notebook_says_what_to_change_here_and_checks_it_on_a_gpu():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / "fit.ipynb")],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "with checkpointed(model, [" in out or "gpuexp.checkpointed(model, [" in out, out[-3000:]
+    assert "blocks." in out
+    if GPU:
+        assert "everything as it was: True | allocated as before: True" in out, out[-3000:]
+        assert "gpuexp · bs=64 checkpointed · finished" in out
+    else:
+        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 2

@@ -30,6 +30,7 @@ from ._core import (
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
 from .fit import fit
+from .fit_apply import checkpointed
 from .monitor import Monitor
 from .ranks import host_ranks_store, ranks
 
@@ -55,6 +56,7 @@ __all__ = [
     "Timeline",
     "Trace",
     "cells",
+    "checkpointed",
     "compare",
     "config",
     "load_snapshot",

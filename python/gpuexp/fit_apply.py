@@ -1,0 +1,242 @@
+"""Applying what ``gpuexp.fit`` proposes, and checking it with one real step.
+
+``checkpointed(model, paths)`` wraps named blocks in activation checkpointing and undoes it
+exactly. ``verify(step, batch_size, option, ...)`` runs the step once (or a few times) for real
+with an option applied, in a gpuexp scope, measures torch's peak and the step time, and then
+puts every piece of state the step changed back, bit for bit (``saved_state``).
+"""
+
+import contextlib
+import difflib
+import gc
+import time
+
+from . import _core
+from .experiment import size
+from .saved_state import RestoreFailed, capture, imported_torch
+from .torch_peaks import watch_torch_peak_resets
+
+__all__ = ["RestoreFailed", "Verified", "capture", "checkpointed", "verify"]
+
+
+@contextlib.contextmanager
+def checkpointed(model, paths):
+    """Activation checkpointing on the named submodules of ``model`` while the block runs:
+    ``with gpuexp.checkpointed(model, ["layers.0", "layers.1"]): step(64)``.
+
+    paths: dotted names as ``model.named_modules()`` gives them (one string or a list). Each
+        module's forward then runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``:
+        what it saves for backward is dropped after its forward and recomputed in the backward
+        (RNG preserved, so dropout draws the same mask). Without grad (``torch.no_grad``, eval)
+        the forward runs as it is.
+    On exit the modules are exactly as before: the same objects, their own ``forward``, hooks
+    (which run once per call, not again in the recompute) and ``state_dict`` keys. An unknown
+    path raises ValueError naming it and the closest valid names; nothing is wrapped then.
+    """
+    torch = imported_torch("checkpointed")
+    chosen = _chosen_modules(model, paths)
+    checkpoint = _checkpoint_function()
+    wrapped = []
+    try:
+        for module in chosen:
+            wrapped.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
+            module.forward = _checkpointing_forward(torch, checkpoint, module.forward)
+        yield model
+    finally:
+        for module, had_own, own in reversed(wrapped):
+            if had_own:
+                module.forward = own
+            else:
+                del module.forward
+
+
+def _chosen_modules(model, paths):
+    torch = imported_torch("checkpointed")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"checkpointed() takes a torch.nn.Module and paths of its submodules; got {type(model).__name__}"
+        )
+    if isinstance(paths, str):
+        paths = [paths]
+    try:
+        paths = list(dict.fromkeys(paths))
+    except TypeError:
+        raise TypeError(f"paths must be a list of submodule names, e.g. ['layers.0']; got {paths!r}") from None
+    if not paths or not all(isinstance(p, str) for p in paths):
+        raise TypeError(f"paths must be a non-empty list of submodule names, e.g. ['layers.0']; got {paths!r}")
+    modules = dict(model.named_modules(remove_duplicate=False))
+    unknown = [p for p in paths if p not in modules]
+    if unknown:
+        names = [n for n in modules if n]
+        hints = []
+        for path in unknown:
+            close = difflib.get_close_matches(path, names, n=3, cutoff=0.5)
+            hints.append(f"{path!r} (closest: {', '.join(close)})" if close else repr(path))
+        raise ValueError(
+            f"{type(model).__name__} has no submodule {'; '.join(hints)}. Paths are the names of "
+            f"model.named_modules(), e.g. {', '.join(repr(n) for n in names[:3])}"
+        )
+    for path in paths:
+        outer = next((p for p in paths if p != path and (p == "" or path.startswith(p + "."))), None)
+        if outer is not None:
+            raise ValueError(
+                f"{path!r} is inside {outer!r}: checkpointing both would recompute {path!r} twice; name one of them"
+            )
+    return [modules[path] for path in paths]
+
+
+def _checkpoint_function():
+    import torch.utils.checkpoint  # a torch submodule, imported only once the user has torch
+
+    return torch.utils.checkpoint.checkpoint
+
+
+def _checkpointing_forward(torch, checkpoint, forward):
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    checkpointed_forward.__wrapped__ = forward
+    return checkpointed_forward
+
+
+class Verified:
+    """What one option did in a real step: ``peak`` (bytes of torch allocated above the start),
+    ``seconds`` (the step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
+    (bytes still allocated after everything was restored: 0 expected), ``report`` (the scope's)."""
+
+    def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes):
+        self.option, self.batch_size, self.peak, self.seconds = option, batch_size, peak, seconds
+        self.out_of_memory, self.leftover, self.report, self.notes = out_of_memory, leftover, report, notes
+
+    def to_dict(self):
+        return {"option": self.option, "batch_size": self.batch_size, "peak": self.peak, "seconds": self.seconds,
+                "out_of_memory": self.out_of_memory, "leftover": self.leftover, "notes": list(self.notes)}
+
+    def __repr__(self):
+        if self.out_of_memory:
+            outcome = f"out of memory ({self.out_of_memory.splitlines()[0]})"
+        else:
+            outcome = f"peak {_mib(self.peak)}, {self.seconds * 1000:.1f} ms a step"
+        return f"<verified {self.option} at batch size {self.batch_size}: {outcome}>"
+
+
+def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scalers=(), objects=(), device=None,
+           limit=None, steps=1, repeat=2):
+    """Runs ``step(batch_size)`` for real with ``option`` applied and measures it; then restores
+    the state the step changed. Returns a ``Verified``.
+
+    option: ``"as_is"``, ``"autocast"`` (bf16 autocast over the step, for a step in fp32),
+        ``{"kind": "autocast", "dtype": "bfloat16"}``, or
+        ``{"kind": "checkpoint", "model": model, "paths": ["layers.0", ...]}`` (``checkpointed``).
+    modules, optimizers, scalers, objects: what the step changes, as for ``capture``: each is put
+        back bit for bit after every run (same objects, version counters, RNG).
+    device: the GPU (torch's current one by default). limit: caps torch's allocations while it
+        runs (the scope's ``limit``), so that "does it fit 24GiB" is answered for real.
+    steps: calls in a row in one run (state carries over within a run). repeat: runs, each
+        from the same restored state; the first warms up and is left out of the time when
+        there are more. The peak is the highest of all runs.
+    An out-of-memory error ends the runs: ``out_of_memory`` says so, and the state is restored.
+    GPU only. If restoring fails, ``RestoreFailed`` names what could not be put back.
+    """
+    torch = imported_torch("verify")
+    if not callable(step):
+        raise TypeError(f"step must be a function of the batch size, e.g. verify(train_step, 64); got {step!r}")
+    for name, value in (("batch_size", batch_size), ("steps", steps), ("repeat", repeat)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "verify runs the step for real on a GPU and measures torch's CUDA allocator, but torch sees no "
+            "CUDA GPU here (torch.cuda.is_available() is False): predict without it (verify=False), or run "
+            "on a machine with a GPU"
+        )
+    label, applied = _option(torch, option)
+    index = torch.device("cuda", torch.cuda.current_device() if device is None else device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    saved = dict(modules=modules, optimizers=optimizers, scalers=scalers, objects=objects)
+    state = capture(**saved)  # bad arguments fail here, before anything runs
+    try:
+        scope, _start, _replaced, interrupted = _core.open_scope(
+            f"verify {label} bs={batch_size}", gpu=True, devices=[index], cell_log=False,
+            limit=size(limit, "limit"), tool=True,
+        )
+    except BaseException:
+        state.restore()
+        raise
+    watch_torch_peak_resets()
+    torch.cuda.synchronize(index)
+    before = torch.cuda.memory_allocated(index)
+    peaks, times, out_of_memory, notes = [], [], None, []
+    try:
+        for run in range(repeat):
+            state = state if run == 0 else capture(**saved)
+            try:
+                out_of_memory = _run(torch, index, step, batch_size, steps, applied, peaks, times)
+            finally:
+                state.restore()
+            if out_of_memory:
+                break
+    finally:
+        gc.collect()
+        torch.cuda.synchronize(index)
+        leftover = torch.cuda.memory_allocated(index) - before
+        torch.cuda.empty_cache()
+        reports, held = _core.finish(scope, during_reset=False)
+    if leftover > 0:
+        notes.append(f"{_mib(leftover)} more is allocated after verify than before: "
+                     "something the step made is still referenced (gpuexp.holders() shows what)")
+    if interrupted or held:
+        raise KeyboardInterrupt("gpuexp held this interrupt until verify had restored the state")
+    kept = times[1:] if len(times) > 1 else times
+    return Verified(label, batch_size, max(peaks) if peaks else None, min(kept) if kept else None,
+                    out_of_memory, leftover, reports[-1], notes)
+
+
+def _run(torch, index, step, batch_size, steps, applied, peaks, times):
+    """One run: the peak and the time, or the out-of-memory message (the frames it held dropped)."""
+    torch.cuda.reset_peak_memory_stats(index)
+    start = torch.cuda.memory_allocated(index)
+    began = time.perf_counter()
+    try:
+        with applied():
+            for _ in range(steps):
+                step(batch_size)
+        torch.cuda.synchronize(index)
+    except torch.cuda.OutOfMemoryError as error:
+        message = str(error)
+        error.__traceback__ = None  # its frames hold the step's tensors
+        peaks.append(torch.cuda.max_memory_allocated(index) - start)
+        return message
+    times.append(time.perf_counter() - began)
+    peaks.append(torch.cuda.max_memory_allocated(index) - start)
+    return None
+
+
+def _option(torch, option):
+    """The option's label and a function giving the context that applies it."""
+    if option == "as_is" or option is None:
+        return "as is", contextlib.nullcontext
+    if option == "autocast":
+        option = {"kind": "autocast"}
+    if isinstance(option, dict) and option.get("kind") == "autocast":
+        dtype = option.get("dtype", "bfloat16")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"autocast dtype must be a torch dtype such as 'bfloat16'; got {option.get('dtype')!r}")
+        return f"autocast {str(dtype).removeprefix('torch.')}", lambda: torch.autocast("cuda", dtype=dtype)
+    if isinstance(option, dict) and option.get("kind") == "checkpoint":
+        model, paths = option.get("model"), option.get("paths")
+        _chosen_modules(model, paths)  # bad paths fail before anything runs
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        return f"checkpoint {', '.join(paths)}", lambda: checkpointed(model, paths)
+    raise ValueError(
+        "option must be 'as_is', 'autocast', {'kind': 'autocast', 'dtype': 'bfloat16'} or "
+        f"{{'kind': 'checkpoint', 'model': model, 'paths': ['layers.0']}}; got {option!r}"
+    )
+
+
+def _mib(count):
+    return f"{count / 2**20:.2f} MiB"

@@ -1,0 +1,160 @@
+"""gpuexp.checkpointed and the state verify restores, on the CPU in real kernels: checkpointing
+changes what is saved for backward and nothing else, and is undone exactly; a real step's every
+change (parameters, gradients, buffers, optimizer state and counters, schedulers, RNG) is put
+back to the bit, and what can't be put back is named with its value kept."""
+
+from test_estimate import FINGERPRINT, SETUP
+
+TRANSFORMER = """\
+import torch, gpuexp
+torch.manual_seed(0)
+layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.1)
+model = torch.nn.Sequential(torch.nn.Embedding(100, 64),
+                            torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False),
+                            torch.nn.Linear(64, 100))
+hooked = []
+hook = model[1].layers[0].register_forward_hook(lambda m, i, o: hooked.append(1))
+x = torch.randint(0, 100, (8, 32))
+def run():
+    saved = []
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+    torch.manual_seed(1)  # dropout draws the same masks in both runs
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.sum().backward()
+    return out.detach().clone(), [p.grad.clone() for p in model.parameters()], sum(saved)
+def shape():
+    return {
+        "modules": [(n, id(m), sorted(m.__dict__)) for n, m in model.named_modules()],
+        "hooks": [(id(m._forward_hooks), list(m._forward_hooks)) for m in model.modules()],
+        "keys": list(model.state_dict()),
+        "forward": [type(m).forward is getattr(m.forward, "__func__", None) for m in model.modules()],
+    }
+"""
+
+
+def test_checkpointed_blocks_give_the_same_outputs_and_grads_and_save_less(kernel):
+    kernel.run(TRANSFORMER + "before = shape()\nplain = run()")
+    kernel.run("with gpuexp.checkpointed(model, ['1.layers.0', '1.layers.1']) as wrapped:\n"
+               "    inside = shape()\n"
+               "    checked = run()")
+    assert kernel.value("wrapped is model") is True
+    assert kernel.value("torch.equal(plain[0], checked[0])") is True
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(plain[1], checked[1]))") is True
+    plain_saved, checked_saved = kernel.value("[plain[2], checked[2]]")
+    assert checked_saved < 0.75 * plain_saved, (plain_saved, checked_saved)  # two of three layers recomputed
+    assert kernel.value("hooked") == [1, 1]  # the hook ran once per call: not again in the recompute
+    assert kernel.value("inside['forward'] != before['forward']") is True  # it really wrapped them
+    assert kernel.value("shape() == before") is True
+    assert kernel.value("run()[2] == plain[2]") is True
+
+
+def test_it_is_undone_when_the_block_raises_and_an_own_forward_comes_back(kernel):
+    kernel.run(TRANSFORMER + "before = shape()\n"
+               "own = lambda *a, **k: type(model[2]).forward(model[2], *a, **k)\n"
+               "model[2].forward = own")
+    failed = kernel.run("with gpuexp.checkpointed(model, ['2', '1.layers.2']):\n"
+                        "    raise KeyError('in the block')", expect_error=True)
+    assert failed.error.startswith("KeyError"), failed.error
+    assert kernel.value("model[2].forward is own") is True
+    assert kernel.value("'forward' not in model[1].layers[2].__dict__") is True
+
+
+def test_unknown_or_nested_paths_are_refused_with_the_closest_names_and_nothing_is_wrapped(kernel):
+    kernel.run(TRANSFORMER + "before = shape()")
+    for paths, error in [
+        ("['1.layers.0', '1.layer.1']", "ValueError: Sequential has no submodule '1.layer.1' (closest: 1.layers.1, "),
+        ("['1', '1.layers.0']", "ValueError: '1.layers.0' is inside '1': checkpointing both would recompute"),
+        ("[]", "TypeError: paths must be a non-empty list of submodule names"),
+        ("[3]", "TypeError: paths must be a non-empty list of submodule names"),
+    ]:
+        failed = kernel.run(f"with gpuexp.checkpointed(model, {paths}):\n    pass", expect_error=True)
+        assert failed.error.startswith(error), (paths, failed.error)
+    failed = kernel.run("with gpuexp.checkpointed(model.state_dict(), ['1']):\n    pass", expect_error=True)
+    assert failed.error.startswith("TypeError: checkpointed() takes a torch.nn.Module"), failed.error
+    assert kernel.value("shape() == before") is True
+
+
+STEPS = """\
+from gpuexp.fit_apply import capture
+import random
+scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+def real_step(bs):
+    step(bs)
+    scheduler.step()
+real_step(4)
+def everything():
+    return (fingerprint(), scheduler.last_epoch, scheduler.get_last_lr(), opt.param_groups[0]['lr'],
+            random.random(), [t.data_ptr() for t in model.parameters()])
+"""
+
+
+def test_a_real_step_is_put_back_to_the_bit_into_the_same_objects(kernel):
+    kernel.run(SETUP + FINGERPRINT + STEPS)
+    # Read twice from the same RNG state: each read draws from Python's random.
+    kernel.run("random.seed(5)\nbefore = everything()\nrandom.seed(5)\n"
+               "saved = capture(modules={'model': model}, optimizers={'opt': opt}, objects={'scheduler': scheduler})")
+    kernel.run("real_step(32)\nreal_step(32)\nmodel.eval()\nrandom.random()")
+    assert kernel.value("fingerprint()['params'] != before[0]['params']") is True  # the steps did change them
+    kernel.run("saved.restore()")
+    assert kernel.value("everything() == before") is True
+    kernel.run("real_step(4)")  # and it trains on from there
+    assert kernel.value("fingerprint()['params'] != before[0]['params']") is True
+
+
+def test_state_a_first_step_creates_is_taken_away_again(kernel):
+    kernel.run("import torch, gpuexp\nfrom gpuexp.fit_apply import capture\n"
+               "model = torch.nn.Linear(64, 64)\nopt = torch.optim.Adam(model.parameters())\n"
+               "state, groups = opt.state, opt.param_groups\n"
+               "saved = capture(modules=[model], optimizers=[opt])\n"
+               "model(torch.randn(4, 64)).sum().backward()\nopt.step()")
+    assert kernel.value("len(opt.state)") == 2
+    kernel.run("saved.restore()")
+    assert kernel.value("[len(opt.state), model.weight.grad is None, opt.state is state, "
+                        "opt.param_groups is groups]") == [0, True, True, True]
+
+
+def test_what_cannot_be_put_back_is_named_and_its_value_kept_and_the_rest_restored(kernel):
+    kernel.run("import torch, gpuexp\nfrom gpuexp.fit_apply import capture\n"
+               "class Locked(dict):\n"
+               "    def clear(self):\n"
+               "        raise TypeError('this table is locked')\n"
+               "class Config:\n"
+               "    def __init__(self):\n"
+               "        self.table = Locked(lr=0.1)\n"
+               "config = Config()\n"
+               "model = torch.nn.Linear(8, 8)\n"
+               "with torch.inference_mode():\n"
+               "    model.register_buffer('frozen', torch.arange(4.0))  # in-place only in inference mode\n"
+               "weight = model.weight.detach().clone()\n"
+               "saved = capture(modules={'model': model}, objects={'config': config})\n"
+               "with torch.no_grad():\n"
+               "    model.weight.add_(1)\n"
+               "with torch.inference_mode():\n"
+               "    model.frozen.mul_(2)\n"
+               "config.table['lr'] = 0.5")
+    failed = kernel.run("try:\n    saved.restore()\nexcept Exception as e:\n    error = e\n    raise",
+                        expect_error=True)
+    assert failed.error.startswith("RestoreFailed: verify could not put back 1 piece(s) of state"), failed.error
+    assert "config['table'] (TypeError: this table is locked)" in failed.error, failed.error
+    assert kernel.value("error.saved") == {"config['table']": {"lr": 0.1}}
+    assert kernel.value("[torch.equal(model.weight, weight), model.frozen.tolist()]") == [True, [0.0, 1.0, 2.0, 3.0]]
+
+
+def test_verify_without_a_gpu_says_why(kernel):
+    kernel.run(SETUP)
+    failed = kernel.run("gpuexp.fit_apply.verify(step, 8, 'autocast', modules=[model], optimizers=[opt])",
+                        expect_error=True)
+    assert failed.error.startswith("RuntimeError: verify runs the step for real on a GPU"), failed.error
+    assert "torch.cuda.is_available() is False" in failed.error
+
+
+def test_without_torch_they_say_to_import_it(kernel):
+    kernel.run("import gpuexp, sys")
+    for call in ("gpuexp.fit_apply.capture()", "gpuexp.checkpointed(None, ['a']).__enter__()"):
+        failed = kernel.run(call, expect_error=True)
+        assert failed.error.startswith("RuntimeError") and "import torch" in failed.error, failed.error
+    assert kernel.value("'torch' in sys.modules") is False
