@@ -371,7 +371,7 @@ class _Reached:
         if optimizer is None:
             return None
         torch = self.torch
-        choose = torch.optim.optimizer._default_to_fused_or_foreach
+        choose = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
         state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor))
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -116,6 +116,8 @@ pub struct FitInput {
     pub last_oom_cached: Option<u64>,
     pub verified: Option<Verified>,
     pub estimates: u32,
+    /// Filled in last, by the report's caller.
+    #[serde(default)]
     pub seconds: f64,
     #[serde(default)]
     pub notes: Vec<String>,
@@ -207,15 +209,30 @@ pub struct FitReport {
 /// The most modules the table lists.
 const MOST_BLOCKS: usize = 12;
 
+/// The modules the table lists: the blocks a plan picks from, and the model's other children
+/// that hold saved tensors (an embedding, a head), the largest first.
+fn shown_blocks(input: &FitInput) -> Vec<Block> {
+    let all = input.blocks();
+    let candidates = blocks::candidates(&input.modules, &all);
+    let related = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}.")) || b.starts_with(&format!("{a}."));
+    let others = all.iter().enumerate().filter(|(_, b)| {
+        !b.path.is_empty()
+            && !b.path.contains('.')
+            && b.saved > 0
+            && !candidates.iter().any(|&c| related(&all[c].path, &b.path))
+    });
+    let mut shown: Vec<Block> = candidates.iter().map(|&c| all[c].clone()).chain(others.map(|(_, b)| b.clone())).collect();
+    shown.sort_by(|a, b| b.saved.cmp(&a.saved).then(a.path.cmp(&b.path)));
+    shown.truncate(MOST_BLOCKS);
+    shown
+}
+
 impl FitReport {
     pub fn new(input: &FitInput) -> FitReport {
         let budget = input.budget();
         let options = options::ranked(input, budget.as_ref());
         let largest_batch = budget.as_ref().and_then(|b| options::largest_batch(input, b.bytes));
-        let mut blocks: Vec<Block> = input.blocks().into_iter().filter(|b| !b.path.is_empty() && b.saved > 0).collect();
-        // The finest modules that hold much: a parent with one child is shown as the child.
-        blocks.sort_by(|a, b| b.saved.cmp(&a.saved).then(a.path.cmp(&b.path)));
-        blocks.truncate(MOST_BLOCKS);
+        let blocks = shown_blocks(input);
         let mut hints = Vec::new();
         let short = budget.as_ref().map(|b| input.peak.saturating_sub(b.bytes));
         if let (Some(cached), Some(short)) = (input.last_oom_cached, short) {
@@ -246,7 +263,12 @@ impl FitReport {
             verified: input.verified.clone(),
             estimates: input.estimates,
             seconds: input.seconds,
-            notes: input.notes.clone(),
+            notes: input
+                .skipped
+                .iter()
+                .map(|(choice, why)| format!("{}: not offered: {why}", choice.label()))
+                .chain(input.notes.iter().cloned())
+                .collect(),
         }
     }
 

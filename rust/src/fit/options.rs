@@ -109,10 +109,7 @@ pub fn ranked(input: &FitInput, budget: Option<&Budget>) -> Vec<Ranked> {
                 saves: peak.map(|p| input.peak.saturating_sub(p)),
                 fits: peak.map(|p| p <= budget.bytes),
                 peak,
-                cost: format!(
-                    "{:.0}% of the samples per step; the same effective batch needs accumulation (above)",
-                    100.0 * batch as f64 / input.batch_size as f64
-                ),
+                cost: format!("{:.0}% of the samples per step", 100.0 * batch as f64 / input.batch_size as f64),
                 code: format!("step({batch})"),
                 refused: None,
                 paths: Vec::new(),
@@ -166,11 +163,8 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
             let more = if run.paths.len() > shown.len() { ", …" } else { "" };
             let title = format!("checkpoint {} of {blocks} blocks ({}{more})", run.paths.len(), shown.join(", "));
             let cost = match recompute_share(input, &run.paths) {
-                Some(share) => format!(
-                    "recomputes {:.0}% of the step's FLOPs: those blocks' forward passes run again in backward",
-                    share * 100.0
-                ),
-                None => "recompute: those blocks' forward passes run again in backward (no FLOPs were counted)".into(),
+                Some(share) => format!("recomputes {:.0}% of the step's FLOPs (their forwards, again)", share * 100.0),
+                None => "recomputes their forwards in backward (no FLOPs were counted)".into(),
             };
             let paths: Vec<String> = run.paths.iter().map(|p| format!("{p:?}")).collect();
             let mut code = format!(
@@ -184,10 +178,7 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
         }
         Choice::Autocast => (
             "autocast the step to bfloat16".into(),
-            "numerics: bfloat16 keeps float32's range with 8 bits of mantissa (about 3 significant digits); \
-             weights, gradients and optimizer state stay float32 and no loss scaling is needed; compare a few \
-             steps' loss with float32's"
-                .into(),
+            "numerics: 8 bits of mantissa in matmuls (below)".into(),
             format!("import torch\n\nwith torch.autocast({device_type:?}, dtype=torch.bfloat16):\n    step({bs})"),
         ),
         Choice::Accumulate => {
@@ -196,11 +187,7 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
             let optimizer = input.optimizer.as_ref().map(|o| o.name.clone()).unwrap_or_else(|| "opt".into());
             (
                 format!("accumulate gradients: {k} micro-batches of {micro}"),
-                format!(
-                    "{k}× the forward and backward calls per optimizer step for the same effective batch of {bs}; \
-                     normalisation statistics (BatchNorm) see {micro} samples; the gradients ({}) stay between them",
-                    bytes(input.gradient_bytes)
-                ),
+                format!("{k}× the calls per optimizer step; BatchNorm sees {micro} samples"),
                 format!(
                     "{optimizer}.zero_grad(set_to_none=True)\nfor i in range({k}):\n    \
                      micro = slice(i * {micro}, (i + 1) * {micro})\n    \
@@ -215,7 +202,7 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
                 .as_ref()
                 .map(|o| {
                     format!(
-                        "; its state stays {} ({:.1}× the parameters)",
+                        "; state stays {} ({:.1}× the parameters)",
                         bytes(o.state_bytes),
                         o.state_bytes as f64 / o.parameter_bytes.max(1) as f64
                     )
@@ -228,7 +215,7 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
             };
             (
                 format!("{class} without foreach temporaries (foreach=False)"),
-                format!("a slower optimizer step (a kernel per tensor){state}"),
+                format!("a slower optimizer step{state}"),
                 format!("for group in {name}.param_groups:\n    group[\"foreach\"] = False{fused}"),
             )
         }

@@ -153,6 +153,20 @@ impl FitReport {
                 option.refused.clone().unwrap_or_default()
             ));
         }
+        if self.options.iter().any(|o| o.option == super::Choice::Autocast && o.peak.is_some()) {
+            notes.push(
+                "autocast: bfloat16 keeps float32's range with 8 bits of mantissa (about 3 significant digits); \
+                 weights, gradients and optimizer state stay float32 and no loss scaling is needed; compare a few \
+                 steps' loss with float32's"
+                    .into(),
+            );
+        }
+        if self.options.iter().any(|o| o.option == super::Choice::Accumulate && o.peak.is_some()) {
+            notes.push(format!(
+                "accumulation: the same effective batch of {}; the gradients stay between micro-batches, and are in its peak",
+                self.batch_size
+            ));
+        }
         if let Some(batch) = self.largest_batch {
             notes.push(format!("the largest batch that fits as the step is: about {batch}"));
         }

@@ -89,6 +89,9 @@ fn the_options_are_ranked_by_what_they_save_and_those_without_an_estimate_come_l
     assert_eq!(option(Choice::Accumulate).peak, Some(1024 * MIB));
     assert_eq!(option(Choice::Accumulate).fits, Some(true));
     assert_eq!(report.largest_batch, Some(40));
+    // The table lists the blocks a plan picks from, not their Linears nor the model.
+    let listed: Vec<&str> = report.blocks.iter().map(|b| b.path.as_str()).collect();
+    assert_eq!(listed, ["layers.0", "layers.1", "layers.2", "layers.3"]);
     let checkpoint = option(Choice::Checkpoint);
     assert_eq!(checkpoint.title, "checkpoint 3 of 4 blocks (layers.0, layers.1, layers.2)");
     assert!(checkpoint.cost.starts_with("recomputes 25% of the step's FLOPs"), "{}", checkpoint.cost);
@@ -145,7 +148,9 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
 fn a_step_that_fits_says_so_and_offers_no_smaller_batch() {
     let mut input = input();
     input.fits.pop();
+    input.skipped = vec![(Choice::Autocast, "the model's parameters are bfloat16 already".into())];
     let report = FitReport::new(&input);
+    assert_eq!(report.notes, ["autocast to bfloat16: not offered: the model's parameters are bfloat16 already"]);
     assert_eq!(report.fits, Some(true));
     assert!(report.verdict().contains("it fits the budget of 8.00 GiB (free memory)"), "{}", report.verdict());
     assert!(report.options.is_empty());
