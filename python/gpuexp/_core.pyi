@@ -570,6 +570,7 @@ def find_batch_size(
     estimate: bool = True,
     ranks_timeout: float = 600.0,
     adapter: _NamespaceAdapter,
+    want: int | None = None,
 ) -> BatchSizeResult:
     """Runs the search. The arguments are checked before anything touches the GPU. `adapter`
     clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
@@ -663,6 +664,8 @@ class FitReport(_Table):
     @property
     def largest_batch(self) -> int | None:
         """The largest batch that fits as the step is, from the estimates' line."""
+    def raises(self, answer: int) -> str | None:
+        """Which options raise the batch that fits above ``answer``, and to about what, in a sentence."""
 
 def fit_checkpoint_plan(input: str, more: int) -> dict[str, Any]:
     """The blocks to checkpoint so that the step fits, saving `more` bytes beyond what is needed:

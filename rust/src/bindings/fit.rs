@@ -65,6 +65,10 @@ impl FitPy {
     fn largest_batch(&self) -> Option<u64> {
         self.0.largest_batch
     }
+    /// Which options raise the batch that fits above ``answer``, and to about what, in a sentence.
+    fn raises(&self, answer: u64) -> Option<String> {
+        self.0.raises(answer)
+    }
 }
 
 shown_as_table!(FitPy, |this| &this.0, this.0.view());
