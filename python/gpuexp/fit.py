@@ -63,6 +63,12 @@ def fit(step, batch_size, *, limit=None, verify=False, device=None, model=None):
     return _core.fit_report(json.dumps(found))
 
 
+def finder_hint(step, wanted, limit, device, answer):
+    """What ``find_batch_size`` says when its answer is below the batch wanted: which options
+    raise it, and to about what (``fit`` at the batch wanted, nothing allocated)."""
+    return fit(step, wanted, limit=limit, device=device).raises(answer)
+
+
 class _Gathered:
     """The estimates fit runs, and what they found, as the core reads it."""
 
@@ -324,7 +330,7 @@ class _Reached:
         pending, seen = [step], set()
         while pending and len(seen) < 64:
             function = pending.pop()
-            if id(function) in seen:
+            if function is None or id(function) in seen:
                 continue
             seen.add(id(function))
             for attribute in ("__wrapped__", "__func__", "func"):
@@ -338,8 +344,10 @@ class _Reached:
                 self._consider(f"args[{index}]", argument)
             code = getattr(function, "__code__", None)
             if code is None:
-                if not isinstance(function, type) and hasattr(type(function), "__call__"):
+                # A callable object: its attributes, and the globals its __call__ loads.
+                if not isinstance(function, type):
                     self._consider("step", function)
+                    pending.append(type(function).__call__)
                 continue
             for name, cell in zip(code.co_freevars, function.__closure__ or ()):
                 value = getattr(cell, "cell_contents", None)

@@ -178,6 +178,9 @@ pub struct Ranked {
     pub recompute_share: Option<f64>,
     /// The micro-batch (accumulation), or the batch (a smaller batch).
     pub batch_size: Option<u64>,
+    /// The largest batch that fits with it (checkpointing, autocast, the optimizer's loop): the
+    /// step's fixed part, with the option's bytes per sample.
+    pub largest_batch: Option<u64>,
 }
 
 /// `gpuexp.fit`'s answer: why the step does not fit, and what would make it.
@@ -221,7 +224,8 @@ fn shown_blocks(input: &FitInput) -> Vec<Block> {
             && b.saved > 0
             && !candidates.iter().any(|&c| related(&all[c].path, &b.path))
     });
-    let mut shown: Vec<Block> = candidates.iter().map(|&c| all[c].clone()).chain(others.map(|(_, b)| b.clone())).collect();
+    let mut shown: Vec<Block> =
+        candidates.iter().map(|&c| all[c].clone()).chain(others.map(|(_, b)| b.clone())).collect();
     shown.sort_by(|a, b| b.saved.cmp(&a.saved).then(a.path.cmp(&b.path)));
     shown.truncate(MOST_BLOCKS);
     shown
@@ -270,6 +274,31 @@ impl FitReport {
                 .chain(input.notes.iter().cloned())
                 .collect(),
         }
+    }
+
+    /// What `find_batch_size` says when its answer is below the batch wanted: which options
+    /// raise the batch that fits, and to about what.
+    pub fn raises(&self, answer: u64) -> Option<String> {
+        let mut raised: Vec<(u64, &Ranked)> =
+            self.options.iter().filter_map(|o| o.largest_batch.filter(|b| *b > answer).map(|b| (b, o))).collect();
+        raised.sort_by_key(|(batch, _)| std::cmp::Reverse(*batch));
+        let said: Vec<String> = raised
+            .iter()
+            .take(3)
+            .map(|(batch, o)| format!("{} to about {batch} ({})", o.option.label(), o.title))
+            .collect();
+        let wanted = self.batch_size;
+        if said.is_empty() {
+            return Some(format!(
+                "gpuexp.fit(step, {wanted}) found no option that raises the batch above {answer} on its own{}",
+                if self.options.iter().any(|o| o.option == Choice::Accumulate) {
+                    "; gradient accumulation reaches the effective batch (fit shows the code)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        Some(format!("to reach {wanted}, gpuexp.fit(step, {wanted}) says: {}", said.join("; ")))
     }
 
     /// The first ranked option that fits, else the one that saves the most.

@@ -58,7 +58,7 @@ fn line(input: &FitInput) -> Option<(f64, f64)> {
         return None;
     }
     let slope = (input.peak as f64 - half.peak as f64) / (input.batch_size - half.batch_size) as f64;
-    (slope > 0.0).then(|| (half.peak as f64 - slope * half.batch_size as f64, slope))
+    (slope > 0.0).then_some((half.peak as f64 - slope * half.batch_size as f64, slope))
 }
 
 fn on_line(input: &FitInput, batch: u64) -> Option<u64> {
@@ -71,6 +71,15 @@ pub fn largest_batch(input: &FitInput, budget: u64) -> Option<u64> {
     let (intercept, slope) = line(input)?;
     let batch = ((budget as f64 - intercept) / slope).floor();
     (batch >= 1.0).then_some(batch as u64)
+}
+
+/// The largest batch an option fits: the step's line keeps its fixed part, and the option's
+/// peak at the batch gives its bytes per sample.
+fn largest_with(input: &FitInput, peak: u64, budget: u64) -> Option<u64> {
+    let (intercept, _) = line(input)?;
+    let slope = (peak as f64 - intercept) / input.batch_size as f64;
+    let batch = ((budget as f64 - intercept) / slope).floor();
+    (slope > 0.0 && batch >= 1.0).then_some(batch as u64)
 }
 
 /// Gradient accumulation's plan: k micro-batches of `micro_batch`.
@@ -88,7 +97,7 @@ pub fn accumulation(input: &FitInput) -> Option<Accumulation> {
     let kept_gradients = |gradients_at_peak: u64| input.gradient_bytes.saturating_sub(gradients_at_peak);
     let half = input.half.as_ref()?;
     let budget = input.budget().map(|b| b.bytes);
-    (2..=input.batch_size).filter(|k| input.batch_size % k == 0).find_map(|k| {
+    (2..=input.batch_size).filter(|k| input.batch_size.is_multiple_of(*k)).find_map(|k| {
         let micro_batch = input.batch_size / k;
         let peak = if micro_batch == half.batch_size { Some(half.peak) } else { on_line(input, micro_batch) }?;
         let predicted = peak + kept_gradients(half.gradients_at_peak);
@@ -115,6 +124,7 @@ pub fn ranked(input: &FitInput, budget: Option<&Budget>) -> Vec<Ranked> {
                 paths: Vec::new(),
                 recompute_share: None,
                 batch_size: Some(batch),
+                largest_batch: Some(batch),
             });
         }
     }
@@ -141,6 +151,9 @@ fn ranked_run(input: &FitInput, run: &Run, budget: Option<&Budget>) -> Ranked {
         paths: run.paths.clone(),
         recompute_share: (run.option == Choice::Checkpoint).then(|| recompute_share(input, &run.paths)).flatten(),
         batch_size: run.micro_batch,
+        largest_batch: (run.option != Choice::Accumulate)
+            .then(|| budget.zip(peak).and_then(|(b, p)| largest_with(input, p, b.bytes)))
+            .flatten(),
     }
 }
 
