@@ -12,8 +12,8 @@ mod estimate;
 mod explain;
 mod fakes;
 mod files;
-mod fit;
 mod finder;
+mod fit;
 mod fork;
 mod holders;
 mod host_trace;
@@ -58,9 +58,9 @@ mod core_module {
     #[pymodule_export]
     use super::files::write_atomically;
     #[pymodule_export]
-    use super::fit::{fit_accumulation, fit_checkpoint_plan, fit_report, FitPy};
-    #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
+    #[pymodule_export]
+    use super::fit::{fit_accumulation, fit_checkpoint_plan, fit_report, FitPy};
     #[pymodule_export]
     use super::fork::{after_fork_in_child, after_fork_in_parent, before_fork};
     #[pymodule_export]

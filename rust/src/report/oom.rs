@@ -324,8 +324,13 @@ mod tests {
     fn an_oom_in_a_models_forward_or_a_training_step_points_to_fit() {
         assert!(!diagnosis().hints().iter().any(|h| h.contains("gpuexp.fit")));
         let mut d = diagnosis();
-        d.failed_line = Some(FailedLine { label: "In [7], line 3".into(), source: None, module: Some("model.h.3 (Block)".into()) });
-        assert!(d.hints().last().is_some_and(|h| h.starts_with("next: gpuexp.fit(step, batch_size)")), "{:?}", d.hints());
+        d.failed_line =
+            Some(FailedLine { label: "In [7], line 3".into(), source: None, module: Some("model.h.3 (Block)".into()) });
+        assert!(
+            d.hints().last().is_some_and(|h| h.starts_with("next: gpuexp.fit(step, batch_size)")),
+            "{:?}",
+            d.hints()
+        );
         d.failed_line = None;
         d.training = Some(Position::default());
         assert!(d.hints().iter().any(|h| h.contains("gpuexp.fit")));
