@@ -12,8 +12,12 @@ Conditions, each a block of `--steps` steps inside an experiment:
 - off: `GPUExperiment(trace=False)`, gpuexp's recorder turned off where it has one;
 - recorder: gpuexp's flight recorder on, where this gpuexp has the switch (`gpuexp.config(recorder=)`);
   else torch's history started here as the recorder runs it (events, no stacks: `context=None`);
-- trace: `GPUExperiment(trace=True)` (torch's history with Python stacks at alloc and free, and
-  the module-path hooks);
+- trace: `GPUExperiment(trace=True)` as it runs by default: Python stacks at alloc and free and
+  the module-path hooks on sampled steps only (the first after the opening, then one in N), the
+  history without stacks on the others; a line gives how many steps of its last block were
+  sampled. Its block's median step is mostly an unsampled one, so it also has a row from the
+  mean of every step of the block (the two untimed ones after the opening included) against
+  the off block's mean: "trace, mean of all steps", which carries the sampled steps' cost;
 - the split by cause (not with --no-split), each alone: history (no stacks), stacks at alloc
   (`context="alloc"`), stacks at alloc and free (`context="all"`, what trace=True records), and
   the module-path hooks with no history.
@@ -24,8 +28,8 @@ a round is its block against that round's off block, and the figure is the media
 is its median step (stalls that have nothing to do with the recording hit single steps). Before
 each block the garbage of the last one is collected and two steps run untimed; opening and
 finishing the experiments are outside the timing. Gates: the recorder at most +1%, trace=True at
-most +3%. Exit status 0 when every model meets both, 1 when not, 2 when it cannot be measured
-here (no CUDA GPU).
+most +3% (its median and its mean row both). Exit status 0 when every model meets them, 1 when
+not, 2 when it cannot be measured here (no CUDA GPU).
 """
 
 import argparse
@@ -40,7 +44,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-GATES = {"recorder": 0.01, "trace": 0.03}
+TRACE_MEAN = "trace, mean of all steps"
+GATES = {"recorder": 0.01, "trace": 0.03, TRACE_MEAN: 0.03}
 SIZES = {"transformer": 16, "attention": 16, "conv": 64}
 MAX_ENTRIES = 200_000
 CAUSES = ("history", "stacks at alloc", "stacks at alloc+free", "module-path hooks")
@@ -112,18 +117,17 @@ def conditions(torch, gpuexp, split):
 
 
 def timed_block(gpuexp, step, batch_size, steps, trace, around):
-    """The median step of `steps` (each ends synchronised) and the experiment."""
+    """The median step of `steps` (each ends synchronised), the mean of every step of the block
+    (the two untimed ones included) and the experiment."""
     gc.collect()
     times = []
     with contextlib.redirect_stdout(io.StringIO()):
         with around(), gpuexp.GPUExperiment(f"trace={trace}", trace=trace, cell_log=False) as exp:
-            for _ in range(2):
-                step(batch_size)
-            for _ in range(steps):
+            for _ in range(2 + steps):
                 started = time.perf_counter()
                 step(batch_size)
                 times.append(time.perf_counter() - started)
-    return statistics.median(times), exp
+    return statistics.median(times[2:]), statistics.mean(times), exp
 
 
 def make_model(torch, name, device):
@@ -140,25 +144,41 @@ def make_model(torch, name, device):
     return workloads_of.make_step(torch, model, optimizer, workload, device), SIZES[name]
 
 
+def sampled_steps(exp):
+    """"K of N steps" that recorded stacks in a traced experiment, from its report."""
+    sampling = exp.data.to_dict()["trace"][0]["peak"].get("sampling")
+    if sampling is None:
+        return "no step marks (this gpuexp does not sample stacks)"
+    return f"{sampling['with_stacks']} of {sampling['steps']} steps"
+
+
 def measure(torch, gpuexp, step, batch_size, found, rounds, steps):
-    """Per condition other than off: its cost in each round; and the trace's events a step."""
+    """Per condition other than off: its cost in each round; the trace's events a step; how many
+    steps its last block sampled."""
     names = list(found)
     shares = {name: [] for name in names if name != "off"}
-    events = None
+    if "trace" in found:
+        shares[TRACE_MEAN] = []
+    events, sampled = None, None
     for round_ in range(rounds):
         shift = round_ % len(names)
         order = names[shift:] + names[:shift]
         if round_ % 2:
             order.reverse()
-        seconds = {}
+        seconds, means = {}, {}
         for name in order:
             trace, around = found[name]
-            seconds[name], exp = timed_block(gpuexp, step, batch_size, steps, trace, around)
+            seconds[name], means[name], exp = timed_block(gpuexp, step, batch_size, steps, trace, around)
             if trace and events is None:
                 events = exp.data.to_dict()["trace"][0]["peak"]["completeness"]["events"] // (steps + 2)
+            if trace:
+                sampled = sampled_steps(exp)
         for name in shares:
-            shares[name].append(seconds[name] / seconds["off"] - 1)
-    return shares, events, seconds["off"]
+            if name == TRACE_MEAN:
+                shares[name].append(means["trace"] / means["off"] - 1)
+            else:
+                shares[name].append(seconds[name] / seconds["off"] - 1)
+    return shares, events, seconds["off"], sampled
 
 
 def main(argv=None):
@@ -189,7 +209,7 @@ def main(argv=None):
         for _ in range(3):
             step(batch_size)
         try:
-            shares, events, off = measure(torch, gpuexp, step, batch_size, found, args.rounds, args.steps)
+            shares, events, off, sampled = measure(torch, gpuexp, step, batch_size, found, args.rounds, args.steps)
         except Exception as error:  # noqa: BLE001 - one model's failure is reported, the others still run
             print(f"{name:12} failed: {type(error).__name__}: {error}")
             failed.append(f"{name} (failed)")
@@ -203,6 +223,8 @@ def main(argv=None):
                 failed.append(f"{name} {condition}")
             cells.append(f"{condition} {median:+.2%} ({min(values):+.2%} … {max(values):+.2%}){verdict}")
         per_step = f", {events} events a step" if events else ""
+        if sampled is not None:
+            cells.append(f"trace=True recorded Python stacks on {sampled} of its last block")
         print(f"{name:12} bs {batch_size:4}, {off * 1e3:.1f} ms a step{per_step}:\n    " + "\n    ".join(cells))
         del step
         gc.collect()

@@ -52,6 +52,47 @@ def test_checkpointed_blocks_give_the_same_outputs_and_grads_and_save_less(kerne
     assert kernel.value("run()[2] == plain[2]") is True
 
 
+def test_batch_norms_update_their_running_statistics_once_as_without_checkpointing(kernel):
+    kernel.run("import torch, gpuexp\ntorch.manual_seed(0)\n"
+               "net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Sequential(\n"
+               "    torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()), torch.nn.Flatten(),\n"
+               "    torch.nn.Linear(8 * 8 * 8, 2))\n"
+               "x = torch.randn(4, 3, 12, 12)\n"
+               "start = {k: v.clone() for k, v in net.state_dict().items()}\n"
+               "def run():\n"
+               "    net.load_state_dict(start)\n"
+               "    net.zero_grad(set_to_none=True)\n"
+               "    net(x).sum().backward()\n"
+               "    state = {k: v.clone() for k, v in net.state_dict().items()}\n"
+               "    return state, [p.grad.clone() for p in net.parameters()]\n"
+               "plain = run()\n"
+               "with gpuexp.checkpointed(net, ['1']):\n"
+               "    checked = run()")
+    assert kernel.value("all(torch.equal(plain[0][k], checked[0][k]) for k in plain[0])") is True
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(plain[1], checked[1]))") is True
+    assert kernel.value("[net[1][1].momentum, int(net[1][1].num_batches_tracked)]") == [0.1, 1]
+
+
+def test_a_transformers_layer_writes_no_kv_cache_twice(kernel):
+    # Its recompute would write the cache again (twice the length), as transformers' own switch avoids.
+    kernel.run("import torch, gpuexp, transformers\ntorch.manual_seed(0)\n"
+               "config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)\n"
+               "gpt = transformers.GPT2LMHeadModel(config).train()\n"
+               "tokens = torch.randint(0, 100, (2, 16))\n"
+               "def run():\n"
+               "    torch.manual_seed(1)\n"
+               "    gpt.zero_grad(set_to_none=True)\n"
+               "    out = gpt(input_ids=tokens, labels=tokens, use_cache=True)\n"
+               "    out.loss.backward()\n"
+               "    return out, [p.grad.clone() for p in gpt.parameters()]\n"
+               "plain, plain_grads = run()\n"
+               "with gpuexp.checkpointed(gpt, ['transformer.h.0', 'transformer.h.1']):\n"
+               "    checked, checked_grads = run()")
+    assert kernel.value("torch.equal(plain.loss, checked.loss)") is True
+    assert kernel.value("all(torch.equal(a, b) for a, b in zip(plain_grads, checked_grads))") is True
+    assert kernel.value("checked.past_key_values.get_seq_length()") in (0, 16)  # never 32
+
+
 def test_it_is_undone_when_the_block_raises_and_an_own_forward_comes_back(kernel):
     kernel.run(TRANSFORMER + "before = shape()\n"
                "own = lambda *a, **k: type(model[2]).forward(model[2], *a, **k)\n"
@@ -158,3 +199,19 @@ def test_without_torch_they_say_to_import_it(kernel):
         failed = kernel.run(call, expect_error=True)
         assert failed.error.startswith("RuntimeError") and "import torch" in failed.error, failed.error
     assert kernel.value("'torch' in sys.modules") is False
+
+
+def test_a_gradient_the_step_drops_is_freed_during_the_step_and_comes_back_after(kernel):
+    # verify measures the step's peak: the saved gradient must not hold its memory meanwhile.
+    kernel.run("import torch, weakref, gpuexp\nfrom gpuexp.fit_apply import capture\n"
+               "model = torch.nn.Linear(256, 256)\nmodel(torch.randn(4, 256)).sum().backward()\n"
+               "grad, value = model.weight.grad, model.weight.grad.clone()\n"
+               "storage = weakref.ref(grad.untyped_storage())\n"
+               "address = grad.data_ptr()\n"
+               "saved = capture(modules={'model': model})")
+    assert kernel.value("[model.weight.grad is not grad, model.weight.grad.data_ptr() == address, grad.numel(), "
+                        "storage() is not None]") == [True, True, 0, True]
+    kernel.run("model.zero_grad(set_to_none=True)\nimport gc; gc.collect()")
+    assert kernel.value("model.weight.grad is None and storage() is None") is True  # the step freed it
+    kernel.run("model(torch.randn(4, 256)).sum().backward()\nsaved.restore()")
+    assert kernel.value("model.weight.grad is grad and torch.equal(grad, value)") is True

@@ -46,6 +46,18 @@ def test_a_real_lightning_oom_is_named_with_its_batch(make_kernel, tmp_path):
     assert "OutOfMemoryError" in cell.error, cell
     assert "CUDA out of memory on cuda:0 · rescued" in cell.text, cell.text
     assert "raised in training at epoch 1, step 5, batch [0] (16, 8) float32, [1] (16, 1) float32" in cell.text
+    explains_itself(cell.text)
+
+
+def explains_itself(text):
+    """The rescue's diagnosis under a trainer: the failed line, what grew since the last step, what was live."""
+    diagnosis = text.split("rescued")[1]
+    failed_at = next(line for line in diagnosis.splitlines() if "failed at" in line)
+    assert TOO_MUCH in failed_at, diagnosis
+    since = diagnosis.split("since the last completed")[1].splitlines()[0]
+    assert "unknown" not in since, diagnosis
+    assert "live then" in diagnosis, diagnosis
+    assert "may fit" not in diagnosis, diagnosis
 
 
 def test_hf_trainer_logs_torch_and_nvml_peaks_and_a_real_oom_names_its_batch(make_kernel, tmp_path):
@@ -68,3 +80,4 @@ def test_hf_trainer_logs_torch_and_nvml_peaks_and_a_real_oom_names_its_batch(mak
     assert "CUDA out of memory on cuda:0 · rescued" in cell.text, cell.text
     # The callback's own hook came later than this one: the batch it read is the step before's, of the same shape.
     assert "raised in training at epoch 0, step 2, batch " in cell.text and "input_ids (8, 16) int64" in cell.text
+    explains_itself(cell.text)

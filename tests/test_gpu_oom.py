@@ -120,6 +120,30 @@ def test_an_untraced_oom_deep_in_a_forward_explains_itself_the_first_time(kernel
     assert not kernel.value("torch._C._cuda_isHistoryEnabled()")  # nothing outlives gpuexp's active state
 
 
+def test_after_a_cells_first_steps_an_oom_counts_from_the_last_steps_level(kernel):
+    kernel.run(SETUP + "exp = gpuexp.GPUExperiment('levels')")
+    kernel.run(DEEP_MODEL)
+    kernel.run("torch._C._cuda_clearCublasWorkspaces()")
+    before = allocated(kernel)
+    # Past the recorder's first steps the history is given back; each step's end reads a level.
+    failed = kernel.run(
+        "for _ in range(4):\n    step(x)\n"
+        "assert not torch._C._cuda_isHistoryEnabled(), 'the recorder still records'\n"
+        "step(x[:1].expand(1 << 24, -1))",
+        expect_error=True,
+    )
+    assert "OutOfMemoryError" in failed.error and "rescued" in failed.text, failed.error
+    text = failed.text.split("rescued")[1]
+    failed_at = next(line for line in text.splitlines() if "failed at" in line)
+    assert "`return self.down(torch.relu(self.up(x)))`" in failed_at and "blocks.0.up (Linear)" in failed_at, text
+    assert "since the last completed optimizer step" in text and "which blocks grew is not known" in text, text
+    assert "live then, by size" in text, text
+    assert "may fit" not in text, text
+    assert allocated(kernel) == before
+    kernel.run("exp.finish()")
+    assert not kernel.value("torch._C._cuda_isHistoryEnabled()")
+
+
 def test_a_users_own_recording_is_shared_and_left_running(kernel):
     kernel.run(SETUP + "torch.cuda.memory._record_memory_history(max_entries=1000)\n"
                "exp = gpuexp.GPUExperiment('shared')\nexp.finish()")

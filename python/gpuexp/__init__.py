@@ -220,7 +220,7 @@ _UNCHANGED = _Unchanged()
 
 
 def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-           live_view_after_s=_UNCHANGED, trace=None, flight_recorder=None):
+           live_view_after_s=_UNCHANGED, trace=None, flight_recorder=None, trace_sampling=None):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
@@ -242,9 +242,14 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         has CUDA initialised, keep torch's allocation history on without stacks, so that an
         out-of-memory error shows what grew since the last completed step and what was live
         (default True; see docs/oom-rescue.md). False stops it now.
+    trace_sampling: with the CUDA trace on, record Python stacks and module paths on sampled
+        training steps only (the first after an experiment's opening, then one step in N, N
+        chosen so that they cost about 1% of the run) and map the other steps' blocks to a
+        sampled step's sites (default True; the peak stays exact to the byte, the report says
+        how much was mapped). False: stacks on every step, from the next traced experiment on.
     """
     for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue),
-                       ("flight_recorder", flight_recorder)):
+                       ("flight_recorder", flight_recorder), ("trace_sampling", trace_sampling)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} is True or False, e.g. gpuexp.config({name}=True); got {flag!r}")
     if sample_interval_ms is not None and (
@@ -268,7 +273,7 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
     return _core.config(
         sample_interval_ms=sample_interval_ms, cell_log_all_gpus=cell_log_all_gpus, oom_rescue=oom_rescue,
         cell_log_min_change=cell_log_min_change, live_view_after_s=live_view_after_s, trace=trace,
-        flight_recorder=flight_recorder,
+        flight_recorder=flight_recorder, trace_sampling=trace_sampling,
     )
 
 

@@ -47,6 +47,7 @@ class _Settings(TypedDict):
     cell_log_all_gpus: bool
     oom_rescue: bool
     flight_recorder: bool
+    trace_sampling: bool
     cell_log_min_change: int
     live_view_after_s: float | None
     trace: bool | Literal["host", "all"]
@@ -512,11 +513,15 @@ def begin_cell() -> None:
     """Opens the window of a cell about to run (the `pre_run_cell` event): where the previous
     logged cell ended when nothing came in between, so that a cell reads memory once, at its end."""
 def arm_recorder() -> None:
-    """At a cell's start and an experiment's opening: joins the recording where gpuexp is active,
-    the recorder is on and torch has CUDA initialised. Cheap when held or not wanted."""
+    """At a cell's start and an experiment's opening: arms the recorder where gpuexp is active, the
+    recorder is on and torch has CUDA initialised (its first steps then run with the history)."""
+RECORDER_HISTORY_STEPS: int
+"""Completed steps after each cell's start (or experiment's opening) that the flight recorder
+records with torch's allocation history; later steps read a level at their end."""
 def mark_step(kind: Literal["optimizer step", "trainer step", "finder step", "cell"]) -> None:
     """A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
-    diagnosis counts what grew from the latest one."""
+    diagnosis counts what grew from the latest one, the recorder's schedule moves on, and a
+    traced experiment's sampled stacks may switch on or off for the next."""
 def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
     """Closes the running cell's window and records it (the `post_run_cell` event). Returns the
     record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
@@ -534,6 +539,7 @@ def config(
     live_view_after_s: float | Literal[False] | None = None,
     trace: bool | Literal["cuda", "host", "all"] | None = None,
     flight_recorder: bool | None = None,
+    trace_sampling: bool | None = None,
 ) -> _Settings:
     """Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
     kernel's peak RSS can be reset, "sampled" where the sampler thread stands in for it.
@@ -730,10 +736,9 @@ def remove_kernel_ranks_store() -> None: ...
 def host_ranks_store(address: str = "127.0.0.1", port: int = 0) -> str:
     """Hosts a TCPStore in this process, listening on `address` only (loopback by default);
     returns its address as `tcp://host:port`."""
-def before_fork() -> None:
-    """The GIL stays held: the background threads never take it, and no other Python thread
-    should run now."""
-def after_fork_in_parent() -> None: ...
+def is_forked_child() -> bool:
+    """Whether this process was forked from one that had gpuexp loaded (a rank forked from a
+    kernel): it runs no cells, and the shell is the parent's."""
 def after_fork_in_child() -> None:
     """Threads and sockets of the parent are forgotten, never joined or closed, since they don't
     exist here or aren't ours."""

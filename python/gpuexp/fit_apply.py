@@ -9,9 +9,11 @@ puts every piece of state the step changed back, bit for bit (``saved_state``).
 import contextlib
 import difflib
 import gc
+import inspect
 import time
 
 from . import _core
+from .devices import device_indices
 from .experiment import size
 from .saved_state import RestoreFailed, capture, imported_torch
 from .torch_peaks import watch_torch_peak_resets
@@ -27,8 +29,10 @@ def checkpointed(model, paths):
     paths: dotted names as ``model.named_modules()`` gives them (one string or a list). Each
         module's forward then runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``:
         what it saves for backward is dropped after its forward and recomputed in the backward
-        (RNG preserved, so dropout draws the same mask). Without grad (``torch.no_grad``, eval)
-        the forward runs as it is.
+        (RNG preserved, so dropout draws the same mask; batch norms update their running
+        statistics once, not again in the recompute). Without grad (``torch.no_grad``, eval) the
+        forward runs as it is. A transformers layer gets no KV cache while checkpointed, as with
+        its own ``gradient_checkpointing_enable()``: the recompute would write it twice.
     On exit the modules are exactly as before: the same objects, their own ``forward``, hooks
     (which run once per call, not again in the recompute) and ``state_dict`` keys. An unknown
     path raises ValueError naming it and the closest valid names; nothing is wrapped then.
@@ -40,7 +44,7 @@ def checkpointed(model, paths):
     try:
         for module in chosen:
             wrapped.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            module.forward = _checkpointing_forward(torch, checkpoint, module.forward)
+            module.forward = _checkpointing_forward(torch, checkpoint, module, module.forward)
         yield model
     finally:
         for module, had_own, own in reversed(wrapped):
@@ -91,19 +95,73 @@ def _checkpoint_function():
     return torch.utils.checkpoint.checkpoint
 
 
-def _checkpointing_forward(torch, checkpoint, forward):
+# A transformers layer's KV cache argument, by the names its layers give it.
+_CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+
+
+def _checkpointing_forward(torch, checkpoint, module, forward):
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        args, kwargs = _without_cache(module, forward, args, kwargs)
+        calls = []
+
+        def run(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 1:
+                return forward(*args, **kwargs)
+            with _recomputing(torch, module):  # the backward's replay
+                return forward(*args, **kwargs)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     checkpointed_forward.__wrapped__ = forward
     return checkpointed_forward
 
 
+def _without_cache(module, forward, args, kwargs):
+    """A transformers layer that writes its KV cache would write it again in the replay, and the
+    replay would then see other shapes: as transformers' own gradient checkpointing does, the
+    cache is not passed (nor ``use_cache``) to a checkpointed layer. Other modules run as called."""
+    if getattr(module, "_can_checkpoint_with_cache", True):
+        return args, kwargs
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    for name in _CACHE_ARGUMENTS:
+        if bound.arguments.get(name) is not None:
+            bound.arguments[name] = None
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+    return bound.args, bound.kwargs
+
+
+@contextlib.contextmanager
+def _recomputing(torch, module):
+    """While the backward replays a block's forward, its batch norms normalise as in the forward
+    (by the batch's statistics, saving the same tensors) but with a momentum of 0, and their count
+    of batches is put back after: the running statistics move once per step, as without
+    checkpointing."""
+    norms = [m for m in module.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    before = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+              for m in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, momentum, count in before:
+            norm.momentum = momentum
+            if count is not None:
+                with torch.no_grad():
+                    norm.num_batches_tracked.copy_(count)
+
+
 class Verified:
     """What one option did in a real step: ``peak`` (bytes of torch allocated above the start),
-    ``seconds`` (the step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
+    ``seconds`` (one step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
     (bytes still allocated after everything was restored: 0 expected), ``report`` (the scope's)."""
 
     def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes):
@@ -153,9 +211,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
             "on a machine with a GPU"
         )
     label, applied = _option(torch, option)
-    index = torch.device("cuda", torch.cuda.current_device() if device is None else device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = torch.cuda.current_device() if device is None else device_indices(device, argument="device")[0]
     saved = dict(modules=modules, optimizers=optimizers, scalers=scalers, objects=objects)
     state = capture(**saved)  # bad arguments fail here, before anything runs
     try:
@@ -197,6 +253,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
 
 def _run(torch, index, step, batch_size, steps, applied, peaks, times):
     """One run: the peak and the time, or the out-of-memory message (the frames it held dropped)."""
+    torch.cuda.synchronize(index)
     torch.cuda.reset_peak_memory_stats(index)
     start = torch.cuda.memory_allocated(index)
     began = time.perf_counter()
@@ -210,7 +267,7 @@ def _run(torch, index, step, batch_size, steps, applied, peaks, times):
         error.__traceback__ = None  # its frames hold the step's tensors
         peaks.append(torch.cuda.max_memory_allocated(index) - start)
         return message
-    times.append(time.perf_counter() - began)
+    times.append((time.perf_counter() - began) / steps)
     peaks.append(torch.cuda.max_memory_allocated(index) - start)
     return None
 

@@ -15,15 +15,16 @@ import threading
 import traceback
 import types
 
+from . import _core
+
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
-# In a process forked from a kernel (a rank): it runs no cells, and the shell is the parent's.
-_forked_from_shell = False
 
 
 def shell():
     """The running IPython shell, or None in plain Python. Never imports IPython."""
     module = sys.modules.get("IPython")
-    if module is None or _forked_from_shell:
+    # In a process forked from a kernel (a rank): it runs no cells, and the shell is the parent's.
+    if module is None or _core.is_forked_child():
         return None
     try:
         return module.get_ipython()
@@ -413,13 +414,6 @@ def raise_held_interrupt(result):
         return
     result.error_in_exec = error
     ip.showtraceback((type(error), error, error.__traceback__))
-
-
-def forget_shell_after_fork():
-    """In a child forked from a kernel: no shell, so no cell events and no display into the
-    parent's notebook. The parent's experiments are gone from the core's registry already."""
-    global _forked_from_shell
-    _forked_from_shell = True
 
 
 def source_line(filename, line):

@@ -62,11 +62,7 @@ def _name_the_kernel_store():
     atexit.register(_core.remove_kernel_ranks_store)
 
 
-def _after_fork_in_child():
-    _core.after_fork_in_child()
-    ipython.forget_shell_after_fork()
-
-
-os.register_at_fork(before=_core.before_fork, after_in_parent=_core.after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
+# The core's own hook sees every fork; this one forgets the bindings' state not yet kept per
+# process (the registry, the open scopes' pins) in a child.
+os.register_at_fork(after_in_child=_core.after_fork_in_child)
 _name_the_kernel_store()

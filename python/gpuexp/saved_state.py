@@ -21,7 +21,9 @@ class RestoreFailed(RuntimeError):
 
     def __init__(self, failed, saved):
         self.failed = failed
+        """Each piece not put back, with the error that stopped it."""
         self.saved = saved
+        """The value before of each piece not put back, by name."""
         listed = "; ".join(failed)
         super().__init__(
             f"verify could not put back {len(failed)} piece(s) of state as it was before the step: {listed}. "
@@ -52,8 +54,9 @@ class _Grad:
     __slots__ = ("name", "leaf", "grad", "host", "version", "pointer")
 
     def __init__(self, torch, name, leaf):
-        self.name, self.leaf, self.grad = name, leaf, leaf.grad
-        if self.grad is None:
+        self.name, self.leaf, self.grad, self.host = name, leaf, leaf.grad, None
+        # None, or a sparse gradient (replaced by a step, never updated in place): only its object is kept.
+        if self.grad is None or self.grad.layout != torch.strided:
             return
         self.host = self.grad.detach().to("cpu", copy=True)
         self.version = self.grad._version
@@ -64,8 +67,8 @@ class _Grad:
 
     def restore(self, torch):
         now = self.leaf.grad
-        if self.grad is None:
-            self.leaf.grad = None
+        if self.grad is None or self.host is None:
+            self.leaf.grad = self.grad
             return
         # Where the step kept the storage (accumulated or zeroed in place), the object shares it
         # again, at the same address; where it dropped it, the value comes back in new memory.
@@ -143,9 +146,9 @@ class SavedState:
                 kept[saved.name] = saved.host
         for grad in self._grads:
             if _attempt(failed, f"{grad.name}.grad", lambda g=grad: g.restore(torch)):
-                if grad.grad is not None:
+                if grad.host is not None:
                     versions.append((grad.grad, grad.version))
-            elif grad.grad is not None:
+            elif grad.host is not None:
                 kept[f"{grad.name}.grad"] = grad.host
         _attempt(failed, "autograd version counters", lambda: _set_versions(torch, versions))
         for name, module, flag in self._training:

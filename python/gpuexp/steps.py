@@ -1,8 +1,9 @@
-"""Step ends for the OOM diagnosis: while the flight recorder holds its share of torch's
-allocation history, torch's global optimizer step hook marks each completed ``optimizer.step()``
-in the core (a time, no memory read), and what grew since the latest one is read from the
-history after an out-of-memory error. Installed only while gpuexp is active and torch is
-already imported (never imported here)."""
+"""Step ends, for the OOM diagnosis and for a traced experiment's sampled stacks: while the
+flight recorder is on and gpuexp active, or a traced experiment is open, torch's global
+optimizer step hook marks each completed ``optimizer.step()`` in the core. What grew since the
+latest one is read after an out-of-memory error, and the sampler switches the stacks on or off
+for the next step. Installed only while one of them needs it and torch is already imported
+(never imported here)."""
 
 import sys
 
@@ -25,7 +26,7 @@ def install():
 
 
 def uninstall():
-    """Removes the hook: none outlives gpuexp's active state."""
+    """Removes the hook: none outlives gpuexp's active state or the last traced experiment."""
     global _handle
     if _handle is not None:
         _handle.remove()

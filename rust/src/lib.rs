@@ -17,7 +17,7 @@ pub mod files;
 pub mod finder;
 /// What to change so a step fits: options predicted under fake tensors, ranked, with their code.
 pub mod fit;
-/// Fork safety: a child forked mid-read starts with NVML and the samplers in a clean state.
+/// Fork safety: state kept per process, the one fork hook, and NVML kept clean across a fork.
 pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.
 pub mod grid;
@@ -25,8 +25,13 @@ pub mod grid;
 pub mod holders_walk;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
+/// Locks that outlive a panic while they were held.
+pub mod locks;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// What an experiment varied (`params=`, or `bs=64` in its name): below the reports and the
+/// trace's diffs, which both show it.
+pub mod params;
 /// The thread that raises peaks between snapshots where no peak counter exists.
 pub mod peak_sampler;
 /// Experiments across processes: each rank's report published to torch.distributed's store, gathered.
@@ -41,6 +46,8 @@ pub mod report;
 pub mod scope;
 /// One reading of host memory, NVML and torch's allocator.
 pub mod snapshot;
+/// Which training steps of a traced experiment record Python stacks (`trace=True`'s sampling).
+pub mod stack_sampling;
 /// `gpuexp status`: the driver and every device.
 pub mod status;
 /// Which names a scope deletes, and the order of teardown's steps.

@@ -6,13 +6,15 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::fork::ProcessLocal;
+use crate::locks::lock;
 use crate::snapshot::nvml::{self, Activity, ProcessUse};
 use crate::snapshot::{host, now, own_pids};
 
@@ -128,16 +130,10 @@ impl Sink {
 
 pub struct Monitor {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<()>>,
-    /// The process whose thread records: a forked child holds a copy of this monitor but
-    /// not the thread, which it must never join.
-    pid: u32,
+    /// A forked child holds a copy of this monitor but not the thread, which it must never join.
+    handle: Option<ProcessLocal<JoinHandle<()>>>,
     samples: Arc<Mutex<Vec<Sample>>>,
     failure: Arc<Mutex<Option<String>>>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Monitor {
@@ -194,7 +190,7 @@ impl Monitor {
             .name("gpuexp-monitor".into())
             .spawn(move || record(interval, sink, uuids, &thread_stop, &thread_samples, &thread_failure))
             .map_err(|e| Error::Io(format!("the monitor thread could not start: {e}")))?;
-        Ok(Monitor { stop, handle: Some(handle), pid: crate::fork::pid(), samples, failure })
+        Ok(Monitor { stop, handle: Some(ProcessLocal::new(handle)), samples, failure })
     }
 
     pub fn samples(&self) -> Vec<Sample> {
@@ -207,16 +203,12 @@ impl Monitor {
     }
 
     pub fn is_running(&self) -> bool {
-        self.pid == crate::fork::pid() && self.handle.as_ref().is_some_and(|h| !h.is_finished())
+        self.handle.as_ref().and_then(ProcessLocal::get).is_some_and(|h| !h.is_finished())
     }
 
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        let Some(handle) = self.handle.take() else { return };
-        if self.pid != crate::fork::pid() {
-            std::mem::forget(handle);
-            return;
-        }
+        let Some(handle) = self.handle.take().and_then(ProcessLocal::into_inner) else { return };
         handle.thread().unpark();
         let _ = handle.join();
     }

@@ -5,11 +5,13 @@
 //! than the interval can fall between two samples; torch's allocator peaks and VmHWM have no such gap.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::fork::{Guard, PerProcess};
+use crate::locks::lock;
 use crate::snapshot::nvml::{self, NvmlReading, ProcessUse};
 use crate::snapshot::{host, own_pids, Snapshot};
 
@@ -43,8 +45,6 @@ struct Peaks {
 }
 
 struct Running {
-    /// The process that started the thread: a forked child inherits this struct, not the thread.
-    pid: u32,
     sources: Sources,
     interval: Duration,
     stop: Arc<AtomicBool>,
@@ -52,19 +52,18 @@ struct Running {
     peaks: Arc<Peaks>,
 }
 
-static RUNNING: Mutex<Option<Running>> = Mutex::new(None);
+/// Held across forks: a child never inherits it locked by a thread starting or stopping the
+/// sampler. A forked child has none: the parent's thread does not exist there, so its handle
+/// is never joined (a join would wait forever) nor detached; the next scope starts its own.
+static RUNNING: PerProcess<Option<Running>> = PerProcess::held_across_forks(|| None);
 /// Microseconds between samples.
 static INTERVAL_US: AtomicU64 = AtomicU64::new(1000);
 
 pub const MIN_INTERVAL: Duration = Duration::from_micros(100);
 pub const MAX_INTERVAL: Duration = Duration::from_secs(60);
 
-fn running() -> MutexGuard<'static, Option<Running>> {
-    RUNNING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn current(running: &Option<Running>) -> Option<&Running> {
-    running.as_ref().filter(|r| r.pid == crate::fork::pid())
+fn running() -> Guard<'static, Option<Running>> {
+    RUNNING.lock()
 }
 
 pub fn interval() -> Duration {
@@ -82,7 +81,7 @@ pub fn set_interval(interval: Duration) -> Result<()> {
         )));
     }
     INTERVAL_US.store(interval.as_micros() as u64, Ordering::Relaxed);
-    let sources = current(&running()).map(|r| r.sources.clone());
+    let sources = running().as_ref().map(|r| r.sources.clone());
     if let Some(sources) = sources {
         ensure(sources);
     }
@@ -93,7 +92,7 @@ pub fn set_interval(interval: Duration) -> Result<()> {
 /// current interval, or not running for none), so that `ensure` would do nothing: a caller
 /// can then skip releasing the GIL for it.
 pub fn is_as_needed(sources: &Sources) -> bool {
-    unchanged(current(&running()), sources)
+    unchanged(running().as_ref(), sources)
 }
 
 fn unchanged(run: Option<&Running>, sources: &Sources) -> bool {
@@ -110,7 +109,7 @@ fn unchanged(run: Option<&Running>, sources: &Sources) -> bool {
 /// because the thread never takes it.
 pub fn ensure(sources: Sources) -> bool {
     let mut running = running();
-    if unchanged(current(&running), &sources) {
+    if unchanged(running.as_ref(), &sources) {
         return false;
     }
     stop_locked(&mut running);
@@ -143,7 +142,7 @@ pub fn ensure(sources: Sources) -> bool {
     // Without a thread, peaks fall back to what the snapshots see: worse, but no reason to fail a scope.
     let Ok(handle) = spawned else { return false };
     let _ = set_up.recv();
-    *running = Some(Running { pid: crate::fork::pid(), sources, interval, stop, handle, peaks });
+    *running = Some(Running { sources, interval, stop, handle, peaks });
     true
 }
 
@@ -164,7 +163,7 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
                     slot.process.fetch_max(bytes, Ordering::Relaxed);
                 }
                 slot.children.fetch_max(reading.children, Ordering::Relaxed);
-                *slot.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), reading));
+                *lock(&slot.latest) = Some((Instant::now(), reading));
             }
         }
         drop(fork_waits);
@@ -175,7 +174,7 @@ fn sample(sources: &Sources, peaks: &Peaks, stop: &AtomicBool, interval: Duratio
     }
 }
 
-/// Stops and joins the thread; a no-op where none runs (or it belongs to a parent process).
+/// Stops and joins the thread; a no-op where none runs.
 /// Callers from Python release the GIL first, though the thread never needs it.
 pub fn stop() {
     stop_locked(&mut running());
@@ -183,62 +182,34 @@ pub fn stop() {
 
 fn stop_locked(running: &mut Option<Running>) {
     let Some(run) = running.take() else { return };
-    if run.pid != crate::fork::pid() {
-        return;
-    }
     run.stop.store(true, Ordering::Relaxed);
     run.handle.thread().unpark();
     let _ = run.handle.join();
 }
 
-thread_local! {
-    /// The forking thread's hold on the sampler's state, from just before a fork to just after.
-    static HELD_FOR_FORK: std::cell::RefCell<Option<MutexGuard<'static, Option<Running>>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// Just before a fork: no other thread is then starting or stopping the sampler, so the
-/// child never inherits its state locked. Taken before [`crate::fork::hold`], since starting
-/// a sampler waits for its first sample, which waits for that gate.
-pub fn hold_for_fork() {
-    let guard = running();
-    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
-}
-
-/// Just after a fork. In the child, the parent's thread does not exist, so its handle is
-/// never joined (a join would wait forever) nor detached; the next scope starts its own.
-pub fn release_after_fork(in_child: bool) {
-    let Some(mut guard) = HELD_FOR_FORK.with(|held| held.borrow_mut().take()) else { return };
-    if in_child {
-        if let Some(run) = guard.take() {
-            std::mem::forget(run);
-        }
-    }
-}
-
 /// UUIDs of the GPUs being sampled.
 pub fn sampled_gpus() -> Vec<String> {
-    current(&running()).map(|r| r.sources.gpus.clone()).unwrap_or_default()
+    running().as_ref().map(|r| r.sources.gpus.clone()).unwrap_or_default()
 }
 
 pub fn is_running() -> bool {
-    current(&running()).is_some()
+    running().as_ref().is_some()
 }
 
 /// The latest sample of a GPU, if the sampler took one within the last two intervals:
 /// the per-cell log reads it instead of asking the driver again.
 pub fn latest(uuid: &str) -> Option<NvmlReading> {
     let running = running();
-    let run = current(&running)?;
+    let run = running.as_ref()?;
     let slot = run.peaks.gpus.iter().find(|s| s.uuid == uuid)?;
-    let latest = *slot.latest.lock().unwrap_or_else(|p| p.into_inner());
+    let latest = *lock(&slot.latest);
     latest.filter(|(at, _)| at.elapsed() <= run.interval * 2).map(|(_, reading)| reading)
 }
 
 /// Raises a snapshot's peaks to what the sampler saw since the last reset.
 pub fn apply(snapshot: &mut Snapshot) {
     let running = running();
-    let Some(run) = current(&running) else { return };
+    let Some(run) = running.as_ref() else { return };
     if run.sources.host {
         let host = &mut snapshot.host;
         host.peak_rss = host.peak_rss.max(run.peaks.host.load(Ordering::Relaxed));
@@ -256,7 +227,7 @@ pub fn apply(snapshot: &mut Snapshot) {
 /// Starts new windows at the snapshot's current values.
 pub fn reset(snapshot: &Snapshot) {
     let running = running();
-    let Some(run) = current(&running) else { return };
+    let Some(run) = running.as_ref() else { return };
     if run.sources.host {
         run.peaks.host.store(snapshot.host.rss, Ordering::Relaxed);
     }

@@ -6,6 +6,10 @@
 //! allocation). A recording that was already running when the first client joined is the
 //! user's (or a framework's): it is shared, never restarted in another mode and never stopped.
 //!
+//! A ceiling caps the mode whatever the clients asked for: sampled stacks run the history without
+//! stacks on the training steps that are not sampled (`stack_sampling`), and the clients keep
+//! their shares meanwhile.
+//!
 //! The lease only decides; the bindings start, switch and stop the real recording as told.
 
 /// What torch's CUDA allocation history records, weakest first. Its cost is in the stacks: about
@@ -41,63 +45,74 @@ enum Runner<M> {
     User,
 }
 
-/// The clients of one recording in one process, and who runs it.
+/// The clients of one recording in one process, and who runs it (kept in a
+/// [`crate::fork::PerProcess`]: a forked child's recording is not the parent's).
 #[derive(Debug)]
 pub struct Lease<M> {
-    pid: u32,
     /// One entry per client's share, by the mode it asked for.
     clients: Vec<M>,
     runner: Option<Runner<M>>,
+    /// The strongest mode gpuexp may run it in for now, whatever the clients asked for.
+    ceiling: Option<M>,
 }
 
 impl<M: Copy + Ord> Lease<M> {
     pub const fn new() -> Lease<M> {
-        Lease { pid: 0, clients: Vec::new(), runner: None }
-    }
-
-    /// The lease as seen from process `pid`: a forked child's recording is not the parent's,
-    /// and its clients start from none.
-    pub fn in_process(&mut self, pid: u32) -> &mut Lease<M> {
-        if self.pid != pid {
-            *self = Lease { pid, clients: Vec::new(), runner: None };
-        }
-        self
+        Lease { clients: Vec::new(), runner: None, ceiling: None }
     }
 
     fn strongest(&self) -> Option<M> {
         self.clients.iter().copied().max()
     }
 
-    /// A client joins asking for `mode`; `running` tells whether a recording runs already (asked
-    /// only when this is the first client: then it is the user's).
-    pub fn join(&mut self, mode: M, running: impl FnOnce() -> bool) -> Change<M> {
-        let before = self.strongest();
-        self.clients.push(mode);
-        match (self.runner, before) {
-            (None, _) | (_, None) => {
-                if running() {
-                    self.runner = Some(Runner::User);
-                    Change::Keep
-                } else {
-                    self.runner = Some(Runner::Gpuexp(mode));
-                    Change::Start(mode)
-                }
-            }
-            (Some(Runner::Gpuexp(current)), Some(_)) if mode > current => {
-                self.runner = Some(Runner::Gpuexp(mode));
-                Change::Switch(mode)
+    /// The mode the clients ask for, under the ceiling.
+    fn wanted(&self) -> Option<M> {
+        let strongest = self.strongest()?;
+        Some(self.ceiling.map_or(strongest, |ceiling| strongest.min(ceiling)))
+    }
+
+    /// Where gpuexp runs the recording in another mode than the one wanted now: switch to it.
+    fn follow(&mut self) -> Change<M> {
+        match (self.runner, self.wanted()) {
+            (Some(Runner::Gpuexp(current)), Some(wanted)) if wanted != current => {
+                self.runner = Some(Runner::Gpuexp(wanted));
+                Change::Switch(wanted)
             }
             _ => Change::Keep,
         }
+    }
+
+    /// A client joins asking for `mode`; `running` tells whether a recording runs already (asked
+    /// only when this is the first client: then it is the user's).
+    pub fn join(&mut self, mode: M, running: impl FnOnce() -> bool) -> Change<M> {
+        let first = self.runner.is_none() || self.clients.is_empty();
+        self.clients.push(mode);
+        if !first {
+            return self.follow();
+        }
+        if running() {
+            self.runner = Some(Runner::User);
+            return Change::Keep;
+        }
+        let wanted = self.wanted().unwrap_or(mode);
+        self.runner = Some(Runner::Gpuexp(wanted));
+        Change::Start(wanted)
+    }
+
+    /// Caps the mode gpuexp runs the recording in (None: no cap), the clients' shares kept. A
+    /// recording of the user's is never switched.
+    pub fn set_ceiling(&mut self, ceiling: Option<M>) -> Change<M> {
+        self.ceiling = ceiling;
+        self.follow()
     }
 
     /// The binding could not carry out what `join` of `mode` told it to: the client is not
     /// counted, and the recording stays as it was (stopped, or in its earlier mode).
     pub fn join_failed(&mut self, mode: M) {
         self.remove(mode);
-        self.runner = match (self.runner, self.strongest()) {
+        self.runner = match (self.runner, self.wanted()) {
             (_, None) => None,
-            (Some(Runner::Gpuexp(_)), Some(strongest)) => Some(Runner::Gpuexp(strongest)),
+            (Some(Runner::Gpuexp(_)), Some(wanted)) => Some(Runner::Gpuexp(wanted)),
             (runner, Some(_)) => runner,
         };
     }
@@ -112,26 +127,19 @@ impl<M: Copy + Ord> Lease<M> {
         }
     }
 
-    /// A client of `mode` leaves. A leave without its join changes nothing.
+    /// A client of `mode` leaves. A leave without its join changes nothing. Once the last one
+    /// left, no ceiling outlives it.
     pub fn leave(&mut self, mode: M) -> Change<M> {
         if !self.remove(mode) {
             return Change::Keep;
         }
-        match (self.runner, self.strongest()) {
-            (Some(Runner::Gpuexp(_)), None) => {
-                self.runner = None;
-                Change::Stop
-            }
-            (_, None) => {
-                self.runner = None;
-                Change::Keep
-            }
-            (Some(Runner::Gpuexp(current)), Some(strongest)) if strongest < current => {
-                self.runner = Some(Runner::Gpuexp(strongest));
-                Change::Switch(strongest)
-            }
-            _ => Change::Keep,
+        if self.clients.is_empty() {
+            self.ceiling = None;
+            let stop = matches!(self.runner, Some(Runner::Gpuexp(_)));
+            self.runner = None;
+            return if stop { Change::Stop } else { Change::Keep };
         }
+        self.follow()
     }
 
     /// The recording gpuexp started was stopped and started again by someone else (the user's
@@ -261,12 +269,34 @@ mod tests {
     }
 
     #[test]
-    fn a_forked_child_starts_from_no_clients() {
+    fn a_ceiling_steps_the_recording_down_while_the_clients_keep_their_shares() {
         let mut lease = Lease::new();
-        assert_eq!(lease.in_process(10).join((), || false), Change::Start(()));
-        assert_eq!(lease.in_process(10).clients(), 1);
-        // The child's torch records nothing of the parent's: its first client starts its own.
-        assert_eq!(lease.in_process(11).clients(), 0);
-        assert_eq!(lease.in_process(11).join((), || false), Change::Start(()));
+        assert_eq!(lease.join(Mode::Plain, || false), Change::Start(Mode::Plain));
+        assert_eq!(lease.join(Mode::Stacks, never), Change::Switch(Mode::Stacks));
+        assert_eq!(lease.set_ceiling(Some(Mode::Plain)), Change::Switch(Mode::Plain));
+        assert_eq!(lease.set_ceiling(Some(Mode::Plain)), Change::Keep);
+        // A client joining under the ceiling is capped too.
+        assert_eq!(lease.join(Mode::Stacks, never), Change::Keep);
+        assert_eq!(lease.mode(), Some(Mode::Plain));
+        assert_eq!(lease.clients_of(Mode::Stacks), 2);
+        assert_eq!(lease.set_ceiling(None), Change::Switch(Mode::Stacks));
+        assert_eq!(lease.leave(Mode::Stacks), Change::Keep);
+        assert_eq!(lease.set_ceiling(Some(Mode::Plain)), Change::Switch(Mode::Plain));
+        // The last client with stacks leaves under the ceiling: the mode is already right.
+        assert_eq!(lease.leave(Mode::Stacks), Change::Keep);
+        assert_eq!(lease.leave(Mode::Plain), Change::Stop);
+        // The ceiling went with the last client: the next traced client gets its stacks.
+        assert_eq!(lease.join(Mode::Stacks, || false), Change::Start(Mode::Stacks));
+        assert_eq!(lease.leave(Mode::Stacks), Change::Stop);
+    }
+
+    #[test]
+    fn a_ceiling_never_switches_a_users_recording() {
+        let mut lease = Lease::new();
+        assert_eq!(lease.join(Mode::Stacks, || true), Change::Keep);
+        assert_eq!(lease.set_ceiling(Some(Mode::Plain)), Change::Keep);
+        assert_eq!(lease.mode(), None);
+        assert_eq!(lease.set_ceiling(None), Change::Keep);
+        assert_eq!(lease.leave(Mode::Stacks), Change::Keep);
     }
 }

@@ -26,6 +26,27 @@ pub enum Style {
     JsonLines,
 }
 
+impl std::str::FromStr for Style {
+    type Err = Error;
+
+    /// `"live"`, `"csv"` or `"json"`, as the command's options name them.
+    fn from_str(style: &str) -> Result<Style> {
+        match style {
+            "live" => Ok(Style::Live),
+            "csv" => Ok(Style::Csv),
+            "json" => Ok(Style::JsonLines),
+            other => Err(Error::InvalidArgument(format!("style {other:?}: use \"live\", \"csv\" or \"json\""))),
+        }
+    }
+}
+
+/// The time between refreshes, refused unless it is more than 0 seconds.
+pub fn refresh_interval(seconds: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(seconds).ok().filter(|i| !i.is_zero()).ok_or_else(|| {
+        Error::InvalidArgument(format!("the interval must be more than 0 seconds, e.g. 1; got {seconds}"))
+    })
+}
+
 pub const CSV_HEADER: &str = "timestamp,index,name,utilization,memory_used,memory_total,temperature_c,power_w";
 
 /// A row of the `--csv` and `--json` logs; the field names are CSV_HEADER's.
@@ -214,6 +235,17 @@ mod tests {
     use super::*;
     use crate::snapshot::nvml::Activity;
     use crate::status::testing::device;
+
+    #[test]
+    fn a_style_and_an_interval_are_read_as_the_command_gives_them() {
+        assert_eq!("json".parse::<Style>(), Ok(Style::JsonLines));
+        let refused = "xml".parse::<Style>().unwrap_err().to_string();
+        assert_eq!(refused, "style \"xml\": use \"live\", \"csv\" or \"json\"");
+        assert_eq!(refresh_interval(0.5), Ok(Duration::from_millis(500)));
+        for bad in [0.0, -1.0, f64::NAN] {
+            assert!(refresh_interval(bad).unwrap_err().to_string().starts_with("the interval must be more than 0"));
+        }
+    }
 
     const BUSY: Activity = Activity {
         utilization: Some(97),

@@ -5,7 +5,7 @@
 //! so no recording outlives them. A cell reads the history only when its torch peak moved; with
 //! the trace off, nothing here runs but a look at the settings.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 
@@ -13,12 +13,12 @@ use super::registry::registry;
 use super::torch::PyTorch;
 use super::trace;
 use super::trace_recording;
+use crate::fork::{Guard, PerProcess};
 use crate::report::CellRecord;
 use crate::snapshot::GpuSelection;
 
 /// The cell log's share while it holds one.
 struct Share {
-    pid: u32,
     /// The ring buffer's size when gpuexp started the recording (None: the user's).
     max_entries: Option<u64>,
     /// When the running cell's window opened, in Unix microseconds (torch's `time_us` clock).
@@ -28,15 +28,11 @@ struct Share {
     last_end_us: Option<i64>,
 }
 
-static SHARE: Mutex<Option<Share>> = Mutex::new(None);
+/// A forked child holds no share of the parent's recording (trace_recording forgets it too).
+static SHARE: PerProcess<Option<Share>> = PerProcess::new(|| None);
 
-fn share() -> std::sync::MutexGuard<'static, Option<Share>> {
-    let mut guard = SHARE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    // A forked child holds no share of the parent's recording (trace_recording forgets it too).
-    if guard.as_ref().is_some_and(|s| s.pid != crate::fork::pid()) {
-        *guard = None;
-    }
-    guard
+fn share() -> Guard<'static, Option<Share>> {
+    SHARE.lock()
 }
 
 /// Whether the cell log should record: the log is on over GPUs, and the trace is on (for every
@@ -69,12 +65,7 @@ pub(super) fn begin_cell(py: Python, carried: bool) {
         // Torch without a CUDA GPU: the log stays as it is, and the next cell asks again.
         return;
     }
-    *self::share() = Some(Share {
-        pid: crate::fork::pid(),
-        max_entries: window.max_entries,
-        cell_opened_us: now,
-        last_end_us: None,
-    });
+    *self::share() = Some(Share { max_entries: window.max_entries, cell_opened_us: now, last_end_us: None });
     let mut registry = registry();
     for note in notes {
         registry.note_cell(note);

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::report::{json_to_python, ReportPy};
 use super::trace::{diff_reports, SiteDiffPy};
-use crate::compare::Comparison;
+use crate::compare::{traced_ends, Comparison};
 use crate::report::Report;
 
 /// Experiments side by side (``gpuexp.compare``): ``str()`` and ``_repr_html_`` are the table,
@@ -50,16 +50,8 @@ impl ComparisonPy {
     /// Why the last traced experiment compared peaks higher (or lower) than the first, by site:
     /// ``last.diff(first)``, each site's growth related to the params that changed.
     fn sites(&self) -> PyResult<SiteDiffPy> {
-        let traced: Vec<&Arc<Report>> = self.1.iter().filter(|report| !report.trace.is_empty()).collect();
-        match traced[..] {
-            [first, .., last] => diff_reports(last, first),
-            _ => Err(PyValueError::new_err(format!(
-                "sites() compares two traced experiments and {} of these {} were traced: open them with \
-                 GPUExperiment(..., trace=True)",
-                traced.len(),
-                self.1.len()
-            ))),
-        }
+        let (first, last) = traced_ends(&self.1).map_err(PyValueError::new_err)?;
+        diff_reports(last, first)
     }
 }
 

@@ -198,7 +198,7 @@ fn run_trial(
         .try_for_each(|_| {
             step.call1((batch,))?;
             // What grows after it counts towards an OOM that the finder does not catch.
-            crate::recorder::mark_step(crate::recorder::StepKind::FinderStep, super::trace_recording::now_us());
+            super::recorder::step_completed(py, crate::recorder::StepKind::FinderStep);
             Ok(())
         })
         .and_then(|()| {

@@ -1,37 +1,27 @@
-//! `os.register_at_fork`'s hooks: background threads are kept out of NVML across a fork, and a
-//! forked child starts clean: no open scope, no cell log, no history, no reference into the
-//! parent's namespace, no sampler thread it would wait for, no store of the parent's.
+//! Forks, as Python sees them. The core's hook (`crate::fork`) sees every fork and keeps NVML
+//! and the sampler clean across it; state kept in a `PerProcess` is fresh in a child by itself.
+//! What is left here is the bindings' state that is not yet kept so, which
+//! `os.register_at_fork` forgets in a child: no open scope, no cell log, no history, no
+//! reference into the parent's namespace.
 
 use pyo3::prelude::*;
 
-use super::ranks;
 use super::registry::registry;
 use super::scope;
 use crate::fork;
-use crate::peak_sampler;
 use crate::scope::Registry;
 
-/// The GIL stays held: the background threads never take it, and no other Python thread
-/// should run now.
+/// Whether this process was forked from one that had gpuexp loaded (a rank forked from a
+/// kernel): it runs no cells, and the shell is the parent's.
 #[pyfunction]
-pub(super) fn before_fork() {
-    peak_sampler::hold_for_fork();
-    fork::hold();
-}
-
-#[pyfunction]
-pub(super) fn after_fork_in_parent() {
-    fork::release();
-    peak_sampler::release_after_fork(false);
+pub(super) fn is_forked_child() -> bool {
+    fork::is_forked_child()
 }
 
 /// Threads and sockets of the parent are forgotten, never joined or closed, since they don't
 /// exist here or aren't ours.
 #[pyfunction]
 pub(super) fn after_fork_in_child() {
-    fork::release();
-    peak_sampler::release_after_fork(true);
     *registry() = Registry::default();
     scope::forget_in_child();
-    ranks::forget_in_child();
 }

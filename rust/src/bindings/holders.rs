@@ -1,8 +1,8 @@
 //! What holds memory (`gpuexp.holders()`, and the names a finished experiment's report gives for
-//! memory that did not come back). The walk's rules are the core's (`holders_walk`); here are
-//! its Python sides: the roots (`hunt_roots`), the objects (`python_heap`), the live tensors
-//! the collector knows, and what the found tensors are to training. Nothing found is kept: the
-//! result is paths and sizes.
+//! memory that did not come back). The walk's rules, the tables it makes and which memories a
+//! finished experiment hunts are the core's (`holders_walk`); here are its Python sides: the
+//! roots (`hunt_roots`), the objects (`python_heap`), the live tensors the collector knows, and
+//! which tensors modules and optimizers hold. Nothing found is kept: the result is paths and sizes.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -16,42 +16,14 @@ use super::python_heap::{tensor_piece, Collected, PythonHeap};
 use super::report::HoldersPy;
 use super::snapshot::take_snapshot;
 use super::torch::PyTorch;
-use crate::explain::{Role, TensorRoles};
-use crate::holders_walk::{self, Root, RootKind, BOUNDS};
-pub(super) use crate::holders_walk::{Buffer, Memory};
-use crate::report::{self, Holder, Holders, Report};
+use crate::holders_walk::{
+    self, add_torch_figures, no_such_gpu, Leaks, Root, RootKind, Survey, BOUNDS, LEAK_MIN_BYTES,
+};
+pub(super) use crate::holders_walk::{sum_roles, Buffer, Memory};
+use crate::report::{Holders, Report, Role, TensorRoles};
 use crate::snapshot::GpuSelection;
 use crate::trace::HolderStorages;
 use crate::uninspectable::Uninspectable;
-
-/// What a walk from every root reached in `memory`.
-pub struct Survey<'py> {
-    /// Every buffer found outside `exclude`, with what holds it, largest first.
-    pub held: Vec<(Buffer, Holder)>,
-    /// Every buffer reached, through a path or an autograd graph.
-    pub found: HashMap<Buffer, u64>,
-    /// Every live tensor storage in `memory` that Python can see, reachable or not.
-    pub live: HashMap<Buffer, u64>,
-    /// Modules and optimizers reached on the way.
-    pub owners: Vec<Bound<'py, PyAny>>,
-    pub objects_visited: u64,
-    pub skipped: u64,
-    pub truncated: bool,
-}
-
-impl Survey<'_> {
-    /// Bytes of live tensors outside `exclude` that no root reaches.
-    pub fn unreachable(&self, exclude: &HashSet<Buffer>) -> u64 {
-        self.live.iter().filter(|(b, _)| !exclude.contains(b) && !self.found.contains_key(b)).map(|(_, n)| n).sum()
-    }
-
-    /// Bytes of every tensor in the memory that has a Python object: the live ones, and those
-    /// an autograd graph saved, which the walk gave one.
-    fn python_bytes(&self) -> u64 {
-        let saved: u64 = self.found.iter().filter(|(b, _)| !self.live.contains_key(b)).map(|(_, n)| n).sum();
-        self.live.values().sum::<u64>() + saved
-    }
-}
 
 /// What the collector knows: every live tensor storage in a memory, and every generator and
 /// coroutine paused at a `yield` or an `await` (their frames are roots).
@@ -97,45 +69,13 @@ pub fn survey<'py>(
     memory: &Memory,
     mut roots: Vec<PyRoot<'py>>,
     exclude: &HashSet<Buffer>,
-) -> PyResult<Survey<'py>> {
+) -> PyResult<Survey<Bound<'py, PyAny>>> {
     quietly(py, || {
         let mut heap = PythonHeap::new(py, memory.clone())?;
         let CollectorView { live, suspended } = collector_view(py, &mut heap, memory)?;
         roots.extend(world_roots(py, suspended)?);
-        // Arrays are not known in advance, so a host hunt walks everything it can reach.
-        let wanted: HashSet<Buffer> = live.keys().copied().filter(|b| !exclude.contains(b)).collect();
-        let until = (*memory != Memory::Host).then_some(&wanted);
-        let walked = holders_walk::walk(&mut heap, roots, until, exclude, BOUNDS);
-        Ok(Survey {
-            held: walked.held,
-            found: walked.found,
-            live,
-            owners: walked.owners,
-            objects_visited: walked.objects_visited,
-            skipped: walked.skipped,
-            truncated: walked.truncated,
-        })
+        Ok(holders_walk::survey(&mut heap, memory, roots, live, exclude, BOUNDS))
     })
-}
-
-/// The storages each holder in `named` keeps on a GPU (by data pointer), for the trace to say
-/// where they were allocated.
-fn storages_of(survey: &Survey, memory: &Memory, named: &Holders) -> Vec<HolderStorages> {
-    let Memory::Cuda(torch_index) = *memory else { return Vec::new() };
-    let mut by_path: Vec<HolderStorages> = Vec::new();
-    for (buffer, holder) in &survey.held {
-        // An autograd graph charged to its tensor has no storage of its own (pointer 0).
-        let Buffer::Storage(pointer) = *buffer else { continue };
-        if pointer == 0 || !named.holders.iter().any(|h| h.path == holder.path) {
-            continue;
-        }
-        let storage = (pointer as u64, holder.bytes);
-        match by_path.iter_mut().find(|h| h.path == holder.path) {
-            Some(known) => known.storages.push(storage),
-            None => by_path.push(HolderStorages { torch_index, path: holder.path.clone(), storages: vec![storage] }),
-        }
-    }
-    by_path
 }
 
 /// Finds what holds the memory of `memory`, largest first; `exclude` are buffers that existed
@@ -152,30 +92,13 @@ pub fn hunt<'py>(
     let started = Instant::now();
     let survey = survey(py, &memory, roots, exclude)?;
     let roles = tensor_roles(&survey, &memory, exclude)?;
-    let holders = Holders {
-        device: memory.label(),
-        unreachable: survey.unreachable(exclude),
-        no_python_tensor: None,
-        cached: None,
-        roles: (roles.total() > 0).then_some(roles),
-        objects_visited: survey.objects_visited,
-        skipped: survey.skipped,
-        truncated: survey.truncated,
-        seconds: started.elapsed().as_secs_f64(),
-        min_bytes,
-        holders: survey
-            .held
-            .iter()
-            .map(|(_, holder)| holder.clone())
-            .filter(|h| h.bytes + h.saved_for_backward >= min_bytes)
-            .collect(),
-    };
-    let storages = storages_of(&survey, &memory, &holders);
+    let holders = survey.holders(&memory, roles, min_bytes, exclude, started.elapsed().as_secs_f64());
+    let storages = survey.holder_storages(&memory, &holders);
     Ok((holders, survey.python_bytes(), storages))
 }
 
 /// Walks from `roots` only (no modules, threads or hooks), to every buffer on any device.
-fn walk_from<'py>(py: Python<'py>, roots: Vec<PyRoot<'py>>) -> PyResult<holders_walk::Survey<Bound<'py, PyAny>>> {
+fn walk_from<'py>(py: Python<'py>, roots: Vec<PyRoot<'py>>) -> PyResult<Survey<Bound<'py, PyAny>>> {
     quietly(py, || {
         let mut heap = PythonHeap::new(py, Memory::Any)?;
         Ok(holders_walk::walk(&mut heap, roots, None, &HashSet::new(), BOUNDS))
@@ -209,9 +132,6 @@ pub(super) fn tensors_or_arrays_imported(py: Python) -> bool {
     ["torch", "numpy"].iter().any(|name| modules.contains(*name).unwrap_or(false))
 }
 
-/// What a leak hunt found: the holders on each memory, and the storages each keeps on a GPU.
-pub(super) type Leaks = (Vec<Holders>, Vec<HolderStorages>);
-
 /// Names what still holds memory the scope created, where its end shows memory not back.
 pub(super) fn hunt_leaks(
     py: Python,
@@ -219,32 +139,14 @@ pub(super) fn hunt_leaks(
     adapter: Option<&Bound<PyAny>>,
     before: &HashSet<Buffer>,
 ) -> PyResult<Leaks> {
-    const GPU_SLACK: i64 = 1 << 20;
-    const HOST_SLACK: i64 = 64 << 20;
     let Some(adapter) = adapter else { return Ok(Leaks::default()) };
     if !tensors_or_arrays_imported(py) {
         return Ok(Leaks::default());
     }
-    let kept_above_start =
-        |m: &report::Metric, slack: i64| m.end.is_some_and(|end| end as i64 - m.start as i64 >= slack);
-    let mut memories: Vec<Memory> = report
-        .gpus
-        .iter()
-        .filter(|gpu| gpu.torch_allocated.as_ref().is_some_and(|m| kept_above_start(m, GPU_SLACK)))
-        .map(|gpu| Memory::Cuda(gpu.torch_index))
-        .collect();
-    if kept_above_start(&report.host.rss, HOST_SLACK) {
-        memories.push(Memory::Host);
-    }
-    let (mut found, mut storages) = Leaks::default();
-    for memory in memories {
-        let (holders, _, kept) = hunt(py, memory, hunt_roots(adapter)?, 1 << 20, before)?;
-        if !holders.holders.is_empty() || holders.unreachable > 0 {
-            found.push(holders);
-            storages.extend(kept);
-        }
-    }
-    Ok((found, storages))
+    holders_walk::hunt_leaks(report, |memory| {
+        let (holders, _, kept) = hunt(py, memory, hunt_roots(adapter)?, LEAK_MIN_BYTES, before)?;
+        Ok((holders, kept))
+    })
 }
 
 /// What holds memory on a GPU (by torch index) or the host, largest first.
@@ -261,16 +163,10 @@ pub(super) fn holders(
         None => Memory::Host,
     };
     if let Memory::Cuda(index) = memory {
-        // An empty table for a GPU that isn't there would read as "nothing holds memory".
         let visible: Vec<u32> =
             take_snapshot(py, &GpuSelection::AllVisible).0.gpus.iter().map(|g| g.torch_index).collect();
-        if !visible.contains(&index) {
-            let fix = if visible.is_empty() {
-                "This machine has no GPU that NVML can see: use device='cpu' for host memory.".to_string()
-            } else {
-                format!("Visible GPUs (torch indices): {visible:?}; name one of them, or device='cpu'.")
-            };
-            return Err(PyValueError::new_err(format!("holders(device='cuda:{index}'): no such GPU. {fix}")));
+        if let Some(refused) = no_such_gpu(index, &visible) {
+            return Err(PyValueError::new_err(refused));
         }
     }
     let roots = match &adapter {
@@ -282,8 +178,7 @@ pub(super) fn holders(
         let torch = PyTorch::find(py);
         if torch.cuda().is_some() {
             if let Ok(stats) = torch.read_stats(index) {
-                found.no_python_tensor = Some(stats.allocated.saturating_sub(python_bytes));
-                found.cached = Some(stats.reserved.saturating_sub(stats.allocated));
+                add_torch_figures(&mut found, stats.allocated, stats.reserved, python_bytes);
             }
         }
     }
@@ -340,36 +235,8 @@ pub(super) fn roles_of(py: Python, owners: &[Bound<PyAny>], memory: &Memory) -> 
     Ok(roles)
 }
 
-/// Bytes by role of every tensor (and array) the survey saw outside `exclude`: each storage once.
-pub(super) fn sum_roles(
-    survey: &Survey,
-    roles: &HashMap<Buffer, (Role, u64)>,
-    exclude: &HashSet<Buffer>,
-) -> TensorRoles {
-    let mut sums = TensorRoles::default();
-    let mut counted = HashSet::new();
-    for (buffer, (role, bytes)) in roles {
-        if !exclude.contains(buffer) && counted.insert(*buffer) {
-            sums.add(Some(*role), *bytes);
-        }
-    }
-    // Named holders and live tensors only: what a graph saved without a Python tensor of its
-    // own stays in explain's "no Python tensor", as torch's figures see it.
-    for (buffer, holder) in &survey.held {
-        if counted.insert(*buffer) {
-            sums.add(None, holder.bytes);
-        }
-    }
-    for (buffer, bytes) in &survey.live {
-        if !exclude.contains(buffer) && counted.insert(*buffer) {
-            sums.add(None, *bytes);
-        }
-    }
-    sums
-}
-
 /// What the tensors a survey found are to training: the breakdown a leak report shows.
-pub(super) fn tensor_roles(survey: &Survey, memory: &Memory, exclude: &HashSet<Buffer>) -> PyResult<TensorRoles> {
+fn tensor_roles(survey: &Survey<Bound<PyAny>>, memory: &Memory, exclude: &HashSet<Buffer>) -> PyResult<TensorRoles> {
     let py = match survey.owners.first() {
         Some(owner) => owner.py(),
         None => return Ok(sum_roles(survey, &HashMap::new(), exclude)),

@@ -6,7 +6,6 @@
 //! shared and left running (`crate::recording_lease` decides, as for torch's history).
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
 
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
@@ -14,6 +13,7 @@ use pyo3::types::{PyBool, PyByteArray, PyList, PyString};
 
 use super::interrupts::Held;
 use super::trace::PyNamer;
+use crate::fork::{Guard, PerProcess};
 use crate::recording_lease::{Change, Lease};
 use crate::report::Report;
 use crate::trace::{self, HostGrowth, HostTrace, SiteRule, TraceKinds, HOST_FRAMES, TOP_SITES};
@@ -31,12 +31,10 @@ pub(super) fn trace_kinds(value: &Bound<PyAny>) -> PyResult<TraceKinds> {
 }
 
 /// The experiments that trace the host share tracemalloc (it has one mode).
-static TRACING: Mutex<Lease<()>> = Mutex::new(Lease::new());
+static TRACING: PerProcess<Lease<()>> = PerProcess::new(Lease::new);
 
-fn tracing() -> MutexGuard<'static, Lease<()>> {
-    let mut guard = TRACING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    guard.in_process(crate::fork::pid());
-    guard
+fn tracing() -> Guard<'static, Lease<()>> {
+    TRACING.lock()
 }
 
 /// One experiment's share of the host tracing: what was live at its opening, counted negative,

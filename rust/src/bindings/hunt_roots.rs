@@ -1,5 +1,6 @@
 //! Where a leak hunt starts: every place a user's objects live, each labelled as a person
-//! would say it. The core decides the order ([`RootKind`]); this file only finds them.
+//! would say it. The core decides the order ([`RootKind`]) and which kind each is
+//! ([`InstalledCode`]); this file only finds them.
 
 use std::collections::{HashMap, HashSet};
 
@@ -8,7 +9,7 @@ use pyo3::types::{PyDict, PyModule, PyString};
 
 use super::namespace::{hidden_refs, user_names};
 use super::python_heap::frame_label;
-use crate::holders_walk::{Root, RootKind};
+use crate::holders_walk::{thread_order, InstalledCode, Root, RootKind};
 use crate::teardown::is_system_name;
 
 pub(super) type PyRoot<'py> = Root<Bound<'py, PyAny>>;
@@ -29,7 +30,7 @@ pub(super) fn namespace_roots<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<
 /// Everything outside the notebook's namespace: threads, modules, suspended frames, hooks.
 /// `suspended` are the generators and coroutines the collector knows, paused at a `yield`.
 pub(super) fn world_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<PyRoot<'py>>> {
-    let library = Library::new(py)?;
+    let library = installed(py)?;
     let mut roots = thread_roots(py, &library)?;
     roots.extend(module_roots(py, &library)?);
     roots.extend(suspended_roots(py, suspended, &library)?);
@@ -37,32 +38,19 @@ pub(super) fn world_roots<'py>(py: Python<'py>, suspended: Vec<Bound<'py, PyAny>
     Ok(roots)
 }
 
-/// Tells installed code (the standard library, site-packages) from code the user wrote.
-struct Library {
-    prefixes: Vec<String>,
-}
-
-impl Library {
-    fn new(py: Python) -> PyResult<Library> {
-        let sys = py.import("sys")?;
-        let prefixes = ["prefix", "base_prefix", "exec_prefix"]
-            .iter()
-            .filter_map(|name| sys.getattr(*name).ok()?.extract().ok())
-            .collect();
-        Ok(Library { prefixes })
-    }
-
-    fn holds(&self, file: Option<&str>) -> bool {
-        match file {
-            Some(file) => self.prefixes.iter().any(|p| file.starts_with(p.as_str())) || file.contains("-packages"),
-            None => true,
-        }
-    }
+/// The interpreter's install prefixes, for the core to tell installed code from the user's.
+fn installed(py: Python) -> PyResult<InstalledCode> {
+    let sys = py.import("sys")?;
+    let prefixes = ["prefix", "base_prefix", "exec_prefix"]
+        .iter()
+        .filter_map(|name| sys.getattr(*name).ok()?.extract().ok())
+        .collect();
+    Ok(InstalledCode { prefixes })
 }
 
 /// Every frame of every thread: user code first; library frames of other threads later; the
 /// hunter's own library frames (IPython running this cell) are left out.
-fn thread_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<'py>>> {
+fn thread_roots<'py>(py: Python<'py>, library: &InstalledCode) -> PyResult<Vec<PyRoot<'py>>> {
     let sys = py.import("sys")?;
     let threading = py.import("threading")?;
     let current: u64 = threading.call_method0("get_ident")?.extract()?;
@@ -79,7 +67,7 @@ fn thread_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
         .iter()
         .map(|(k, v)| Ok((k.extract()?, v)))
         .collect::<PyResult<_>>()?;
-    frames.sort_by_key(|(ident, _)| (*ident == current, *ident));
+    frames.sort_by_key(|(ident, _)| thread_order(*ident, current));
     let mut roots = Vec::new();
     for (ident, top) in frames {
         let thread = names.get(&ident).cloned().unwrap_or_else(|| format!("{ident}"));
@@ -89,12 +77,7 @@ fn thread_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
             let line = current_frame.getattr("f_lineno")?.extract::<u32>().unwrap_or(0);
             let label = format!("thread \"{thread}\": {}", frame_label(&current_frame, line));
             let next = current_frame.getattr("f_back").ok();
-            let kind = match (library.holds(file.as_deref()), ident == current) {
-                (false, _) => Some(RootKind::Thread),
-                (true, false) => Some(RootKind::LibraryModule),
-                (true, true) => None,
-            };
-            if let Some(kind) = kind {
+            if let Some(kind) = library.thread_frame(file.as_deref(), ident == current) {
                 roots.push(root(kind, label, current_frame));
             }
             frame = next;
@@ -108,7 +91,7 @@ fn thread_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
 /// module is walked once, as `__main__`, under whichever names `sys.modules` gives it (torch's
 /// multiprocessing adds `__mp_main__`): a script's globals, when `holders()` is called from one
 /// of its functions. Where they are the namespace's own names they were walked first, as names.
-fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<'py>>> {
+fn module_roots<'py>(py: Python<'py>, library: &InstalledCode) -> PyResult<Vec<PyRoot<'py>>> {
     let modules = py.import("sys")?.getattr("modules")?.call_method0("copy")?.cast_into::<PyDict>()?;
     let main = modules.get_item("__main__")?;
     let mut roots = Vec::new();
@@ -122,7 +105,7 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
         }
         let globals = module.dict();
         let file: Option<String> = globals.get_item("__file__").ok().flatten().and_then(|f| f.extract().ok());
-        let kind = if library.holds(file.as_deref()) { RootKind::LibraryModule } else { RootKind::UserModule };
+        let kind = library.module(file.as_deref());
         for (key, value) in globals.iter() {
             let Ok(key) = key.cast_into::<PyString>() else { continue };
             let key = key.to_string();
@@ -143,7 +126,7 @@ fn module_roots<'py>(py: Python<'py>, library: &Library) -> PyResult<Vec<PyRoot<
 fn suspended_roots<'py>(
     py: Python<'py>,
     suspended: Vec<Bound<'py, PyAny>>,
-    library: &Library,
+    library: &InstalledCode,
 ) -> PyResult<Vec<PyRoot<'py>>> {
     let mut tasks: HashMap<usize, String> = HashMap::new();
     if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("asyncio.tasks") {
@@ -171,7 +154,7 @@ fn suspended_roots<'py>(
             continue;
         }
         let file: Option<String> = frame.getattr("f_code")?.getattr("co_filename")?.extract().ok();
-        let kind = if library.holds(file.as_deref()) { RootKind::LibraryModule } else { RootKind::Suspended };
+        let kind = library.suspended(file.as_deref());
         let line = frame.getattr("f_lineno")?.extract::<u32>().unwrap_or(0);
         let at = frame_label(&frame, line);
         let label = match tasks.get(&(object.as_ptr() as usize)) {

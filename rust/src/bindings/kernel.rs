@@ -20,7 +20,7 @@ use crate::snapshot::host;
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // one per keyword of gpuexp.config
 #[pyo3(signature = (sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-                    live_view_after_s=None, trace=None, flight_recorder=None))]
+                    live_view_after_s=None, trace=None, flight_recorder=None, trace_sampling=None))]
 pub(super) fn config<'py>(
     py: Python<'py>,
     sample_interval_ms: Option<f64>,
@@ -30,6 +30,7 @@ pub(super) fn config<'py>(
     live_view_after_s: Option<Bound<'py, PyAny>>,
     trace: Option<Bound<'py, PyAny>>,
     flight_recorder: Option<bool>,
+    trace_sampling: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
     if let Some(after) = live_view_after_s {
@@ -42,6 +43,9 @@ pub(super) fn config<'py>(
             ))
         })?;
         py.detach(|| peak_sampler::set_interval(interval))?;
+    }
+    if let Some(sampled) = trace_sampling {
+        super::trace_sampling::set_enabled(sampled);
     }
     let mut registry = registry();
     if let Some(all) = cell_log_all_gpus {
@@ -69,6 +73,7 @@ pub(super) fn config<'py>(
         None => settings.set_item("trace", registry.trace_by_default.cuda())?,
     }
     settings.set_item("flight_recorder", registry.flight_recorder)?;
+    settings.set_item("trace_sampling", super::trace_sampling::enabled())?;
     settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     drop(registry);

@@ -12,6 +12,7 @@ use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
 use crate::estimate::{Category, Entry, Ledger, Peak, Phase, Rounding};
+use crate::locks::lock;
 
 /// Runs `body` with the ledger's dispatch mode inside the fake mode of `fakes`; the peak it found.
 pub(super) fn run<'py, T>(
@@ -57,7 +58,7 @@ type Shared = Arc<Mutex<Books>>;
 
 /// The books, locked. Never held across a call into Python: a storage freed there calls back.
 fn books(shared: &Shared) -> MutexGuard<'_, Books> {
-    shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(shared)
 }
 
 /// What the dispatch closure needs of Python, kept as it is called on torch's threads too.

@@ -38,6 +38,7 @@ mod torch;
 mod trace;
 mod trace_opening;
 mod trace_recording;
+mod trace_sampling;
 mod training;
 mod units;
 mod unreachable;
@@ -62,7 +63,7 @@ mod core_module {
     #[pymodule_export]
     use super::fit::{fit_accumulation, fit_checkpoint_plan, fit_report, FitPy};
     #[pymodule_export]
-    use super::fork::{after_fork_in_child, after_fork_in_parent, before_fork};
+    use super::fork::{after_fork_in_child, is_forked_child};
     #[pymodule_export]
     use super::holders::holders;
     #[pymodule_export]
@@ -82,6 +83,10 @@ mod core_module {
     };
     #[pymodule_export]
     use super::recorder::{arm_recorder, mark_step};
+    /// Completed steps after each cell's start (or experiment's opening) that the flight recorder
+    /// records with torch's allocation history; later steps read a level at their end.
+    #[pymodule_export]
+    const RECORDER_HISTORY_STEPS: u32 = crate::recorder::HISTORY_STEPS;
     #[pymodule_export]
     use super::report::{
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,
@@ -100,4 +105,11 @@ mod core_module {
     use super::units::{parse_interval, parse_size};
     #[pymodule_export]
     use super::unreachable::{cell_ended_for_scopes, dropped, finish_unreachable, unreachable_waiting};
+
+    /// The fork hook is registered at import, so that every later fork is known.
+    #[pymodule_init]
+    fn init(_module: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        crate::fork::install();
+        Ok(())
+    }
 }

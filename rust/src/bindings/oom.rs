@@ -50,17 +50,24 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
     // The traceback is read before the adapter clears its frames.
     let failed_line = failed_line(py, &error);
     let step = crate::recorder::last_step();
-    let recorded = before
-        .gpus
-        .iter()
+    let recorded = (before.gpus.iter())
         .find(|g| device.is_none_or(|index| g.torch_index == index))
         .and_then(|g| trace::last_oom(py, g.torch_index, requested, step));
-    let since_step = match (&recorded, step) {
-        (Some(recorded), _) => recorded.since_step.clone(),
-        (None, None) => SinceStep::NoStep,
-        (None, Some(step)) => SinceStep::Unknown { step, why: no_record_why(py) },
+    let failing_gpu = before.gpus.iter().find(|g| device.is_none_or(|index| g.torch_index == index));
+    let (since_step, sites, live_blocks) = match (recorded, step) {
+        (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
+        (None, None) => (SinceStep::NoStep, None, None),
+        // The history was given back after the cell's first steps: levels and the allocator's state.
+        (None, Some(step)) if step.level.is_some() => match failing_gpu.and_then(|g| Some((g.torch_index, g.torch?))) {
+            Some((index, torch)) => (
+                crate::recorder::since_level(Some(step), index, trace_recording::now_us(), torch.allocated),
+                None,
+                trace::live_in_state(py, index),
+            ),
+            None => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
+        },
+        (None, Some(step)) => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
     };
-    let (sites, live_blocks) = recorded.map(|r| (r.sites, r.live)).unwrap_or_default();
     let cleared = match &adapter {
         Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
         None => Vec::new(),

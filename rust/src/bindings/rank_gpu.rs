@@ -2,18 +2,16 @@
 //! torch.distributed and torch.cuda (looked up, never imported; no CUDA context is created:
 //! torch's current device is asked only once CUDA is initialised).
 
-use std::sync::Mutex;
-
 use pyo3::prelude::*;
 
 use super::ranks::{identity, process_group};
 use super::torch::PyTorch;
+use crate::fork::PerProcess;
 use crate::ranks::{rank_device, Because, DeviceClues, NcclShare};
 use crate::snapshot::{nvml, Snapshot};
 
-/// The NCCL share this process measured, with the pid that measured it: a forked child's
-/// communicators are its own.
-static NCCL: Mutex<Option<(u32, NcclShare)>> = Mutex::new(None);
+/// The NCCL share this process measured: a forked child's communicators are its own.
+static NCCL: PerProcess<NcclShare> = PerProcess::new(NcclShare::default);
 
 fn index_of(device: &Bound<PyAny>) -> Option<u32> {
     device.getattr("index").ok()?.extract().ok()
@@ -64,19 +62,10 @@ pub(super) fn observe_nccl(py: Python, snapshot: &Snapshot) {
     let Some((index, _)) = own_gpu(py) else { return };
     let Some(gpu) = snapshot.gpus.iter().find(|g| g.torch_index == index) else { return };
     let (Some(process), Some(torch)) = (gpu.process_used, gpu.torch) else { return };
-    let pid = crate::fork::pid();
-    let mut watched = NCCL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if watched.as_ref().is_none_or(|(owner, _)| *owner != pid) {
-        *watched = Some((pid, NcclShare::default()));
-    }
-    if let Some((_, share)) = watched.as_mut() {
-        share.observe(index, process.saturating_sub(torch.reserved), communicator);
-    }
+    NCCL.lock().observe(index, process.saturating_sub(torch.reserved), communicator);
 }
 
 /// NCCL's share of the residual on `index`, where this process measured it.
 pub(super) fn nccl_share(index: u32) -> Option<u64> {
-    let pid = crate::fork::pid();
-    let watched = NCCL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    watched.as_ref().filter(|(owner, _)| *owner == pid).and_then(|(_, share)| share.on(index))
+    NCCL.lock().on(index)
 }

@@ -1,10 +1,12 @@
 //! Across ranks, through torch.distributed's Python API: the only code that calls it. Torch is
 //! looked up in `sys.modules`, never imported; its stores are reached only through calls that
-//! return at once (`check`, `get` of a present key, `multi_set`, `compare_set`).
+//! return at once (`check`, `get` of a present key, `multi_set`, `compare_set`). Which store a
+//! rank uses, when it is opened and what a failure costs are the core's (`ranks::publishing`).
 
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::fork::PerProcess;
+use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -12,7 +14,9 @@ use pyo3::types::PyDict;
 
 use super::report::{json_to_python, ReportPy};
 use crate::finder::Search;
-use crate::ranks::{self, GatherError, Gathered, RankIdentity, RankStore, StoreAddress, STORE_ENV};
+use crate::ranks::{
+    self, Distributed, GatherError, Gathered, ProcessStores, RankIdentity, RankStore, RankStores, StoreAddress,
+};
 use crate::report::Report;
 use crate::scope::ScopeId;
 use crate::snapshot::nvml;
@@ -58,36 +62,44 @@ fn timedelta(py: Python, duration: Duration) -> PyResult<Bound<PyAny>> {
     py.import("datetime")?.getattr("timedelta")?.call((), Some(&kwargs))
 }
 
-/// A torch.distributed store as [`RankStore`].
-struct PyStore<'py>(Bound<'py, PyAny>);
+/// A torch.distributed store as [`RankStore`]; a clone reaches the same store.
+struct PyStore(Py<PyAny>);
 
-impl RankStore for PyStore<'_> {
+impl Clone for PyStore {
+    fn clone(&self) -> Self {
+        Python::attach(|py| PyStore(self.0.clone_ref(py)))
+    }
+}
+
+impl RankStore for PyStore {
     type Error = PyErr;
 
     fn set_many(&mut self, entries: &[(String, String)]) -> PyResult<()> {
         let (keys, values): (Vec<&str>, Vec<&str>) = entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).unzip();
-        self.0.call_method1("multi_set", (keys, values)).map(drop)
+        Python::attach(|py| self.0.bind(py).call_method1("multi_set", (keys, values)).map(drop))
     }
     fn present(&mut self, key: &str) -> PyResult<bool> {
-        self.0.call_method1("check", (vec![key],))?.extract()
+        Python::attach(|py| self.0.bind(py).call_method1("check", (vec![key],))?.extract())
     }
     fn present_all(&mut self, keys: &[String]) -> PyResult<bool> {
-        self.0.call_method1("check", (keys.to_vec(),))?.extract()
+        Python::attach(|py| self.0.bind(py).call_method1("check", (keys.to_vec(),))?.extract())
     }
     fn get(&mut self, key: &str) -> PyResult<String> {
-        let raw: Vec<u8> = self.0.call_method1("get", (key,))?.extract()?;
+        let raw: Vec<u8> = Python::attach(|py| self.0.bind(py).call_method1("get", (key,))?.extract())?;
         Ok(String::from_utf8_lossy(&raw).into_owned())
     }
     fn get_many(&mut self, keys: &[String]) -> PyResult<Vec<String>> {
-        let raw: Vec<Vec<u8>> = self.0.call_method1("multi_get", (keys.to_vec(),))?.extract()?;
+        let raw: Vec<Vec<u8>> =
+            Python::attach(|py| self.0.bind(py).call_method1("multi_get", (keys.to_vec(),))?.extract())?;
         Ok(raw.into_iter().map(|v| String::from_utf8_lossy(&v).into_owned()).collect())
     }
     fn claim(&mut self, key: &str, value: &str) -> PyResult<String> {
-        let raw: Vec<u8> = self.0.call_method1("compare_set", (key, "", value))?.extract()?;
+        let raw: Vec<u8> =
+            Python::attach(|py| self.0.bind(py).call_method1("compare_set", (key, "", value))?.extract())?;
         Ok(String::from_utf8_lossy(&raw).into_owned())
     }
     fn names(&mut self) -> Vec<String> {
-        let listed = self.0.call_method0("list_keys").and_then(|k| k.extract::<Vec<String>>());
+        let listed = Python::attach(|py| self.0.bind(py).call_method0("list_keys")?.extract::<Vec<String>>());
         listed
             .unwrap_or_default()
             .into_iter()
@@ -95,89 +107,78 @@ impl RankStore for PyStore<'_> {
             .collect()
     }
     fn pause(&mut self, wait: Duration) -> PyResult<()> {
-        let py = self.0.py();
-        py.detach(|| std::thread::sleep(wait));
-        // Ctrl-C ends a long wait.
-        py.check_signals()
+        Python::attach(|py| {
+            py.detach(|| std::thread::sleep(wait));
+            // Ctrl-C ends a long wait.
+            py.check_signals()
+        })
     }
 }
 
-// ---- stores this process opened ----------------------------------------------------------
+/// This process's torch.distributed as the core's [`Distributed`].
+struct PyDistributed<'py>(Python<'py>);
 
-/// A store this process opened or hosts, by the address it was opened for. A forked child
-/// inherits the handle but not the connection or the server thread: it forgets it.
-struct Opened {
-    pid: u32,
-    address: String,
-    store: Py<PyAny>,
-}
+impl Distributed for PyDistributed<'_> {
+    type Store = PyStore;
+    type Error = PyErr;
 
-/// The store `GPUEXP_RANKS_STORE` names, once opened.
-static NAMED: Mutex<Option<Opened>> = Mutex::new(None);
-/// The store that could not be opened, by process and address, and why.
-static UNREACHABLE: Mutex<Option<(u32, String, String)>> = Mutex::new(None);
-/// The TCPStore this kernel hosts (`gpuexp.host_ranks_store()`).
-static HOSTED: Mutex<Option<Opened>> = Mutex::new(None);
-/// The run token of the process group, with the group's store it was claimed in.
-static RUN: Mutex<Option<(u32, Py<PyAny>, String)>> = Mutex::new(None);
-/// The searches of `find_batch_size` agreed so far in this run (each call has its keys).
-static AGREEMENTS: Mutex<u64> = Mutex::new(0);
-/// What the last publish cost, for the bench: wall seconds and this thread's CPU seconds.
-static LAST_PUBLISH: Mutex<Option<(f64, f64)>> = Mutex::new(None);
-
-/// This thread's CPU time: with many ranks on few cores, wall time is mostly waiting for a core.
-fn thread_cpu_s() -> f64 {
-    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid clock id and a valid pointer to a timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn current<'py>(py: Python<'py>, opened: &'static Mutex<Option<Opened>>, address: &str) -> Option<Bound<'py, PyAny>> {
-    let pid = crate::fork::pid();
-    let opened = lock(opened);
-    opened.as_ref().filter(|o| o.pid == pid && o.address == address).map(|o| o.store.bind(py).clone())
-}
-
-/// The store `GPUEXP_RANKS_STORE` names, opened once per process; None where it is not set.
-fn named_store(py: Python) -> PyResult<Option<(Bound<PyAny>, String)>> {
-    let Ok(value) = std::env::var(STORE_ENV) else { return Ok(None) };
-    let address = StoreAddress::parse(&value)?;
-    let label = address.to_string();
-    if let Some(store) = current(py, &HOSTED, &label).or_else(|| current(py, &NAMED, &label)) {
-        return Ok(Some((store, label)));
+    fn group(&self) -> Option<(u32, u32)> {
+        process_group(self.0).map(|(_, rank, world_size)| (rank, world_size))
     }
-    let Some(dist) = distributed(py) else {
-        return Err(PyRuntimeError::new_err(format!(
-            "{STORE_ENV} names {label}: gathering across ranks needs torch.distributed (import torch first)"
-        )));
-    };
-    let pid = crate::fork::pid();
-    if let Some((_, _, why)) = lock(&UNREACHABLE).as_ref().filter(|(p, a, _)| *p == pid && *a == label) {
-        return Err(PyRuntimeError::new_err(format!("{why} (not tried again in this process)")));
+    fn group_store(&mut self) -> PyResult<PyStore> {
+        let (dist, _, _) = process_group(self.0).ok_or_else(|| PyRuntimeError::new_err("the process group is gone"))?;
+        Ok(PyStore(group_store(&dist)?.unbind()))
     }
-    let opened = open_named(&dist, &address);
-    match &opened {
-        // Ctrl-C during the checks says nothing about the store: it is tried again next time.
-        Err(e) if is_interrupt(py, e) => {}
-        Err(e) => *lock(&UNREACHABLE) = Some((pid, label.clone(), said(py, e))),
-        Ok(_) => {}
+    fn available(&self) -> bool {
+        distributed(self.0).is_some()
     }
-    let store = opened?;
-    // Not locked while opening: torch may release the GIL to connect, and another thread could
-    // then wait for the lock with the GIL held. Two threads opening at once keep the first.
-    let mut named = lock(&NAMED);
-    match named.as_ref().filter(|o| o.pid == pid && o.address == label) {
-        Some(first) => Ok(Some((first.store.bind(py).clone(), label))),
-        None => {
-            *named = Some(Opened { pid, address: label.clone(), store: store.clone().unbind() });
-            Ok(Some((store, label)))
+    fn open(&mut self, address: &StoreAddress) -> PyResult<PyStore> {
+        let dist = distributed(self.0).ok_or_else(|| PyRuntimeError::new_err("torch.distributed is not imported"))?;
+        Ok(PyStore(open_named(&dist, address)?.unbind()))
+    }
+    fn host(&mut self, listener: std::net::TcpListener, connect: &str, port: u16) -> PyResult<PyStore> {
+        let py = self.0;
+        let dist = distributed(py).ok_or_else(|| PyRuntimeError::new_err("torch.distributed is not imported"))?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("wait_for_workers", false)?;
+        kwargs.set_item("timeout", timedelta(py, STORE_TIMEOUT)?)?;
+        // torch's server would listen on every interface; given a socket, it listens where that one does.
+        kwargs.set_item("master_listen_fd", std::os::fd::IntoRawFd::into_raw_fd(listener))?;
+        let store = dist.getattr("TCPStore")?.call((connect, port, py.None(), true), Some(&kwargs))?;
+        Ok(PyStore(store.unbind()))
+    }
+    fn same_store(&self, a: &PyStore, b: &PyStore) -> bool {
+        a.0.is(&b.0)
+    }
+    /// Ctrl-C (or another exception that is no `Exception`): never swallowed with a store's errors.
+    fn is_interrupt(&self, error: &PyErr) -> bool {
+        !error.is_instance_of::<pyo3::exceptions::PyException>(self.0)
+    }
+    /// A store's error as a note quotes it: its message, after its class where that says more
+    /// than RuntimeError (which our own errors about the store are too, so a note would read
+    /// "RuntimeError: RuntimeError: ...").
+    fn said(&self, error: &PyErr) -> String {
+        let py = self.0;
+        let message = error.value(py).str().map(|m| m.to_string()).unwrap_or_default();
+        if error.get_type(py).is(py.get_type::<PyRuntimeError>()) {
+            return message;
         }
+        let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+        format!("{kind}: {message}")
     }
+    fn failure(&self, message: String) -> PyErr {
+        PyRuntimeError::new_err(message)
+    }
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+/// The stores this process opened or hosts, its run token and its searches agreed.
+static STORES: PerProcess<ProcessStores<PyStore>> = PerProcess::new(ProcessStores::new);
+
+fn rank_stores(py: Python<'_>) -> RankStores<'static, PyDistributed<'_>> {
+    RankStores { world: PyDistributed(py), stores: &STORES }
 }
 
 fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult<Bound<'py, PyAny>> {
@@ -223,7 +224,7 @@ fn interruptible<T: Send + 'static>(py: Python, check: impl FnOnce() -> T + Send
     // In a mutex only so that the detached closure may borrow it: one thread ever receives.
     let answered = Mutex::new(answered);
     loop {
-        match py.detach(|| lock(&answered).recv_timeout(Duration::from_millis(50))) {
+        match py.detach(|| answered.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(Duration::from_millis(50))) {
             Ok(value) => return Ok(value),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
@@ -233,71 +234,15 @@ fn interruptible<T: Send + 'static>(py: Python, check: impl FnOnce() -> T + Send
     }
 }
 
-/// Ctrl-C (or another exception that is no `Exception`): never swallowed with a store's errors.
-fn is_interrupt(py: Python, error: &PyErr) -> bool {
-    !error.is_instance_of::<pyo3::exceptions::PyException>(py)
-}
-
-/// Tells the runs of a process group apart: one token per group, claimed in its store by
-/// whichever rank comes first. Without a group, torchrun's run id where it names one.
-fn run_token(py: Python, group: Option<&(Bound<PyAny>, u32, u32)>) -> PyResult<Option<String>> {
-    let Some((dist, _, _)) = group else {
-        let run = std::env::var("TORCHELASTIC_RUN_ID").ok().filter(|r| !r.is_empty() && r != "none");
-        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
-        return Ok(run.map(|r| format!("{r}.{restart}")));
-    };
-    let store = group_store(dist)?;
-    let pid = crate::fork::pid();
-    let mut cached = lock(&RUN);
-    if let Some((owner, claimed_in, token)) = cached.as_ref() {
-        if *owner == pid && claimed_in.bind(py).is(&store) {
-            return Ok(Some(token.clone()));
-        }
-    }
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    let mine = format!("{nanos:x}-{pid:x}-{}", ranks::hostname());
-    let token = PyStore(store.clone()).claim(ranks::keys::RUN, &mine)?;
-    *cached = Some((pid, store.unbind(), token.clone()));
-    Ok(Some(token))
-}
-
-/// Where this process publishes and gathers: the store `GPUEXP_RANKS_STORE` names (the
-/// kernel's, which every rank it launched reaches), or else the process group's. One store,
-/// not both: a group's store lives in rank 0, which may have exited by the time a slower rank
-/// finishes, and torch prints a stack trace for every call that then fails.
-fn rank_store<'py>(
-    py: Python<'py>,
-    group: Option<&(Bound<'py, PyAny>, u32, u32)>,
-) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
-    match named_store(py)? {
-        Some(named) => Ok(Some(named)),
-        None => group_target(group),
-    }
-}
-
-fn group_target<'py>(group: Option<&(Bound<'py, PyAny>, u32, u32)>) -> PyResult<Option<(Bound<'py, PyAny>, String)>> {
-    group.map(|(dist, _, _)| Ok((group_store(dist)?, "the process group's store".to_string()))).transpose()
-}
-
 pub(super) fn identity(group: Option<&(Bound<PyAny>, u32, u32)>) -> RankIdentity {
     RankIdentity::detect(group.map(|(_, r, w)| (*r, *w)), |name| std::env::var(name).ok())
 }
 
 /// When a rank opens a scope: the run token is claimed and the store opened now, while every
-/// rank is up, so that finishing costs one write. Called before the opening holds interrupts:
-/// a store may wait, and Ctrl-C must reach it. A store's failure waits for the finish to say
-/// it in a note; only Ctrl-C is raised.
+/// rank is up. Called before the opening holds interrupts: a store may wait, and Ctrl-C must
+/// reach it. Only Ctrl-C is raised.
 pub(super) fn prepare_publishing(py: Python) -> PyResult<()> {
-    let group = process_group(py);
-    if identity(group.as_ref()).position().is_some() {
-        let interrupt_only = |prepared: PyResult<()>| match prepared {
-            Err(e) if is_interrupt(py, &e) => Err(e),
-            _ => Ok(()),
-        };
-        interrupt_only(run_token(py, group.as_ref()).map(drop))?;
-        interrupt_only(named_store(py).map(drop))?;
-    }
-    Ok(())
+    rank_stores(py).prepare()
 }
 
 /// At finish, inside the teardown: names the descendants still holding GPU memory and, in a
@@ -307,69 +252,25 @@ pub(super) fn complete_report(py: Python, report: &mut Report) {
     report.rank = identity(process_group(py).as_ref());
 }
 
-/// A store's error as a note quotes it: its message, after its class where that says more than
-/// RuntimeError (which our own errors about the store are too, so a note would read
-/// "RuntimeError: RuntimeError: ...").
-fn said(py: Python, error: &PyErr) -> String {
-    let message = error.value(py).str().map(|m| m.to_string()).unwrap_or_default();
-    if error.get_type(py).is(py.get_type::<PyRuntimeError>()) {
-        return message;
-    }
-    let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
-    format!("{kind}: {message}")
-}
-
 /// Once the teardown is done and the held interrupt given back: publishes a rank's finished
-/// report. A store that fails costs a note, returned for the report, never the report; where
-/// the named store can't be reached, the group's takes the report.
+/// report; the notes of what failed are returned for the report.
 pub(super) fn publish_report(py: Python, scope: ScopeId, report: &Report) -> Vec<String> {
     let error = ranks::take_error(scope);
-    let mut notes = Vec::new();
-    if report.rank.position().is_none() {
-        return notes;
-    }
-    let (started, cpu_started) = (Instant::now(), thread_cpu_s());
-    let group = process_group(py);
-    let run = match run_token(py, group.as_ref()) {
-        Ok(run) => run,
-        Err(e) => {
-            notes.push(format!("the process group's store did not answer ({}): runs are not told apart", said(py, &e)));
-            None
-        }
-    };
-    let store = rank_store(py, group.as_ref()).or_else(|unreachable| {
-        notes.push(format!("publishing for gpuexp.ranks() failed: {}", said(py, &unreachable)));
-        group_target(group.as_ref())
-    });
-    let published = match store {
-        Ok(Some((store, label))) => {
-            ranks::publish(&mut PyStore(store), report, run, error).map_err(|e| format!("{label}: {}", said(py, &e)))
-        }
-        Ok(None) => Ok(()),
-        Err(e) => Err(said(py, &e)),
-    };
-    if let Err(failure) = published {
-        notes.push(format!("publishing for gpuexp.ranks() failed: {failure}"));
-    }
-    *lock(&LAST_PUBLISH) = Some((started.elapsed().as_secs_f64(), thread_cpu_s() - cpu_started));
-    notes
+    rank_stores(py).publish(report, error)
 }
 
 /// The exception that ended an experiment's `with` block: it goes into the published record.
 #[pyfunction]
 pub(super) fn note_scope_error(id: ScopeId, error: &Bound<PyAny>) -> PyResult<()> {
-    let kind = error.get_type().name()?.to_string();
-    let message = error.str()?.to_string();
-    let first_line = message.lines().next().unwrap_or("").chars().take(500).collect::<String>();
-    ranks::note_error(id, format!("{kind}: {first_line}"));
+    ranks::note_error(id, &error.get_type().name()?.to_string(), &error.str()?.to_string());
     Ok(())
 }
 
 /// What the last publish took (identity, run token, both stores), for the bench: wall and
 /// CPU seconds.
 #[pyfunction]
-pub(super) fn last_publish_s() -> Option<(f64, f64)> {
-    *lock(&LAST_PUBLISH)
+pub(super) fn last_publish_s(py: Python) -> Option<(f64, f64)> {
+    rank_stores(py).last_publish()
 }
 
 /// `gpuexp.ranks()`: every rank's latest report of an experiment, from the store
@@ -380,13 +281,7 @@ pub(super) fn gather_ranks(py: Python, name: Option<String>, timeout: f64) -> Py
     let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
         PyValueError::new_err(format!("timeout must be a number of seconds, e.g. timeout=10; got {timeout}"))
     })?;
-    let (store, label) = rank_store(py, process_group(py).as_ref())?.ok_or_else(|| {
-        PyRuntimeError::new_err(format!(
-            "no store to gather from: call gpuexp.ranks() in a rank of an initialised process group, or in the \
-             notebook that launched the ranks, or set {STORE_ENV} to the store the ranks publish to"
-        ))
-    })?;
-    match ranks::gather(&mut PyStore(store), name.as_deref(), timeout, &label) {
+    match rank_stores(py).gather(name.as_deref(), timeout) {
         Ok(gathered) => Ok(RanksPy(gathered)),
         Err(GatherError::Store(e)) => Err(e),
         Err(GatherError::NothingPublished(why)) => Err(PyTimeoutError::new_err(why)),
@@ -410,72 +305,16 @@ pub(super) fn remove_kernel_ranks_store() {
 #[pyfunction]
 #[pyo3(signature = (address="127.0.0.1", port=0))]
 pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult<String> {
-    let mut hosted = lock(&HOSTED);
-    if let Some(opened) = hosted.as_ref().filter(|o| o.pid == crate::fork::pid()) {
-        return Ok(opened.address.clone());
-    }
-    let dist = distributed(py).ok_or_else(|| {
-        PyRuntimeError::new_err("hosting a store for ranks needs torch.distributed: import torch first")
-    })?;
-    let listener = std::net::TcpListener::bind((address, port))
-        .map_err(|e| PyValueError::new_err(format!("could not listen on {address}:{port}: {e}")))?;
-    let local = listener.local_addr().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    // Ranks on this host reach an unspecified address through loopback; others by this host's name.
-    let (connect, advertised) = if local.ip().is_unspecified() {
-        ("127.0.0.1".to_string(), ranks::hostname())
-    } else {
-        (local.ip().to_string(), local.ip().to_string())
-    };
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("wait_for_workers", false)?;
-    kwargs.set_item("timeout", timedelta(py, STORE_TIMEOUT)?)?;
-    // torch's server would listen on every interface; given a socket, it listens where that one does.
-    kwargs.set_item("master_listen_fd", std::os::fd::IntoRawFd::into_raw_fd(listener))?;
-    let store = dist.getattr("TCPStore")?.call((connect.as_str(), local.port(), py.None(), true), Some(&kwargs))?;
-    let url = StoreAddress::Tcp { host: advertised, port: local.port() }.to_string();
-    *hosted = Some(Opened { pid: crate::fork::pid(), address: url.clone(), store: store.unbind() });
-    Ok(url)
+    rank_stores(py).host(address, port)
 }
-
-// ---- fork ------------------------------------------------------------------------------------
-
-/// In a forked child: the stores, the run token and the agreements are the parent's; they are
-/// forgotten, never closed, since their sockets aren't this process's.
-pub(super) fn forget_in_child() {
-    lock(&UNREACHABLE).take();
-    for opened in [lock(&NAMED).take(), lock(&HOSTED).take()].into_iter().flatten() {
-        std::mem::forget(opened.store);
-    }
-    if let Some((_, store, _)) = lock(&RUN).take() {
-        std::mem::forget(store);
-    }
-    *lock(&AGREEMENTS) = 0;
-    ranks::forget_errors();
-}
-
-// ---- the finder across ranks -----------------------------------------------------------------
 
 /// In a rank of an initialised process group: waits for every rank's answer and takes the
 /// largest size that fits on every rank. Returns whether there was a group to agree with.
 pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) -> PyResult<bool> {
-    let Some(group) = process_group(py) else { return Ok(false) };
-    let timeout = Duration::try_from_secs_f64(timeout)
-        .map_err(|_| PyValueError::new_err(format!("ranks_timeout must be a number of seconds; got {timeout}")))?;
-    let run = run_token(py, Some(&group))?.expect("a group has a run");
-    let call = {
-        let mut calls = lock(&AGREEMENTS);
-        *calls += 1;
-        *calls
-    };
-    let (dist, rank, world_size) = group;
     let answer = search.batch_size;
-    let agreed = ranks::agree(&mut PyStore(group_store(&dist)?), &run, call, (rank, world_size), answer, timeout)?;
-    let agreement = agreed.map_err(PyRuntimeError::new_err)?;
-    if agreement.agreed != answer {
-        search.verdict.push_str(&format!(
-            "; this rank alone would run {}, but every rank must run one size",
-            answer.map(|a| a.to_string()).unwrap_or_else(|| "none".into())
-        ));
+    let Some(agreement) = rank_stores(py).agree(answer, timeout)? else { return Ok(false) };
+    if let Some(overruled) = agreement.overrules(answer) {
+        search.verdict.push_str(&overruled);
     }
     search.batch_size = agreement.agreed;
     search.ranks = Some(agreement);

@@ -1,13 +1,12 @@
 //! The flight recorder, on by default (`gpuexp.config(flight_recorder=False)` turns it off):
-//! while gpuexp is active (an experiment open, or the cell log on), torch's allocation history
-//! runs without stacks, so that an out-of-memory error that nobody traced still shows what grew
-//! since the last completed step and what was live (`crate::recorder`). It joins at a cell's
-//! start or an experiment's opening once torch is imported with CUDA initialised (it never
-//! imports torch or creates a context), as one client of the recording's lease, and leaves as
-//! soon as gpuexp is no longer active. While it holds its share, torch's global optimizer step
-//! hook marks each completed step (python/gpuexp/steps.py).
-
-use std::sync::Mutex;
+//! while gpuexp is active (an experiment open, or the cell log on), an out-of-memory error that
+//! nobody traced still shows what grew since the last completed step and what was live
+//! (`crate::recorder`). It arms at a cell's start or an experiment's opening once torch is
+//! imported with CUDA initialised (it never imports torch or creates a context): torch's
+//! allocation history then runs without stacks, as one client of the recording's lease, for the
+//! first steps the core's schedule names, and each later step's end reads one level. Torch's
+//! global optimizer step hook marks each completed step (python/gpuexp/steps.py); the recorder
+//! leaves as soon as gpuexp is no longer active.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -15,22 +14,22 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::torch::PyTorch;
 use super::trace_recording;
-use crate::recorder::{self, StepKind};
+use crate::fork::PerProcess;
+use crate::recorder::{self, HistoryChange, Level, StepKind};
 use crate::recording_lease::HistoryMode;
 
-/// The process that holds the recorder's share (a forked child holds none of its parent's).
-static HELD: Mutex<Option<u32>> = Mutex::new(None);
+/// Whether this process holds the recorder's share (a forked child holds none of its parent's).
+static HELD: PerProcess<bool> = PerProcess::new(|| false);
 
 fn held() -> bool {
-    let held = HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    *held == Some(crate::fork::pid())
+    *HELD.lock()
 }
 
 fn set_held(on: bool) {
-    *HELD.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = on.then(crate::fork::pid);
+    *HELD.lock() = on;
 }
 
-fn wanted() -> bool {
+pub(super) fn wanted() -> bool {
     let registry = registry();
     registry.flight_recorder && registry.gpuexp_active()
 }
@@ -40,42 +39,71 @@ fn step_hook(py: Python, method: &str) {
     let _ = py.import("gpuexp.steps").and_then(|steps| steps.call_method0(method));
 }
 
-/// At a cell's start and an experiment's opening: joins the recording where gpuexp is active,
-/// the recorder is on and torch has CUDA initialised. Cheap when held or not wanted.
+/// Carries out the schedule's change to the recorder's share of torch's history.
+fn change_history(py: Python, change: HistoryChange) {
+    match change {
+        HistoryChange::Join if !held() && trace_recording::join(py, HistoryMode::Events).is_ok() => set_held(true),
+        HistoryChange::Leave if held() => {
+            set_held(false);
+            if let Some(note) = trace_recording::leave(py, HistoryMode::Events) {
+                let _ = py.import("gpuexp.ipython").and_then(|m| m.call_method1("warn", (note,)));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// At a cell's start and an experiment's opening: arms the recorder where gpuexp is active, the
+/// recorder is on and torch has CUDA initialised (its first steps then run with the history).
 #[pyfunction]
 pub(super) fn arm_recorder(py: Python) {
-    if held() || !wanted() || PyTorch::find(py).cuda().is_none() {
+    super::trace_sampling::arm(py);
+    if !wanted() || PyTorch::find(py).cuda().is_none() {
         return;
     }
-    if trace_recording::join(py, HistoryMode::Events).is_ok() {
-        set_held(true);
-        step_hook(py, "install");
-    }
+    change_history(py, recorder::arm());
+    step_hook(py, "install");
 }
 
 /// Where gpuexp may have stopped being active (an experiment finished, the log turned off) or
 /// the recorder was turned off: its share is given back, and the recording stops where gpuexp
 /// started it and no traced experiment or cell log still needs it.
 pub(super) fn settle(py: Python) {
-    if !held() || wanted() {
+    if wanted() {
         return;
     }
-    set_held(false);
-    step_hook(py, "uninstall");
-    if let Some(note) = trace_recording::leave(py, HistoryMode::Events) {
-        let _ = py.import("gpuexp.ipython").and_then(|m| m.call_method1("warn", (note,)));
+    change_history(py, recorder::disarm());
+    if !super::trace_sampling::active() {
+        step_hook(py, "uninstall");
     }
 }
 
+/// Torch's allocated bytes on the current device: one allocator stats call, no context made.
+fn level(py: Python) -> Option<Level> {
+    let torch = PyTorch::find(py);
+    let torch_index = torch.cuda()?.call_method0("current_device").ok()?.extract().ok()?;
+    let allocated = torch.read_stats(torch_index).ok()?.allocated;
+    Some(Level { torch_index, allocated })
+}
+
 /// A step completed ("optimizer step", "trainer step", "finder step" or "cell"): the OOM
-/// diagnosis counts what grew from the latest one.
+/// diagnosis counts what grew from the latest one, the recorder's schedule moves on, and a
+/// traced experiment's sampled stacks may switch on or off for the next.
 #[pyfunction]
-pub(super) fn mark_step(kind: &str) -> PyResult<()> {
+pub(super) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
     let kind = StepKind::parse(kind).ok_or_else(|| {
         PyValueError::new_err(format!(
             "mark_step: {kind:?} is not \"optimizer step\", \"trainer step\", \"finder step\" or \"cell\""
         ))
     })?;
-    recorder::mark_step(kind, trace_recording::now_us());
+    step_completed(py, kind);
     Ok(())
+}
+
+/// A step of `kind` completed (the optimizer hook's, a trainer's, the finder's or a cell's): its
+/// end, with a level where the schedule wants one, and the schedule's change to the history.
+pub(super) fn step_completed(py: Python, kind: StepKind) {
+    let level = if recorder::wants_level() { level(py) } else { None };
+    change_history(py, recorder::step_ended(kind, trace_recording::now_us(), level));
+    super::trace_sampling::step_ended(py, kind);
 }

@@ -147,7 +147,7 @@ pub(super) fn open_scope(
             check_devices(py, wanted)?;
         }
         // Before the start snapshot: a trace may initialise CUDA, whose context is no scope's doing.
-        let trace = kinds.cuda().then(|| trace_recording::open(py));
+        let trace = kinds.cuda().then(|| trace_recording::open_experiment(py));
         let (trace, mut trace_notes) = match trace {
             Some((window, notes)) => (Some(window), notes),
             None => (None, Vec::new()),

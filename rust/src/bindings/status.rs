@@ -1,6 +1,5 @@
 //! The `gpuexp` command's `status` and `watch`, rendered in Rust.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::status;
@@ -48,16 +47,7 @@ pub(super) struct WatchPy(watch::Watch);
 impl WatchPy {
     #[new]
     fn new(cuda_order: bool, style: &str, interval_s: f64) -> PyResult<Self> {
-        let style = match style {
-            "live" => watch::Style::Live,
-            "csv" => watch::Style::Csv,
-            "json" => watch::Style::JsonLines,
-            other => return Err(PyValueError::new_err(format!("style {other:?}: use \"live\", \"csv\" or \"json\""))),
-        };
-        let interval =
-            std::time::Duration::try_from_secs_f64(interval_s).ok().filter(|i| !i.is_zero()).ok_or_else(|| {
-                PyValueError::new_err(format!("the interval must be more than 0 seconds, e.g. 1; got {interval_s}"))
-            })?;
+        let (style, interval) = (style.parse()?, watch::refresh_interval(interval_s)?);
         Ok(WatchPy(watch::Watch::open(cuda_order, style, interval)?))
     }
 

@@ -1,14 +1,13 @@
 //! Torch through its Python API: looked up in `sys.modules`, never imported. Its allocator
 //! statistics, the per-process memory cap behind `limit=`, and the steps that give memory back.
 
-use std::sync::Mutex;
-
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyString};
 
+use crate::fork::PerProcess;
 use crate::snapshot::{GpuSelection, Snapshot, TorchProbe, TorchStats};
 use crate::teardown::Step;
 use crate::units;
@@ -106,14 +105,11 @@ impl TorchProbe for PyTorch<'_> {
 
     fn device_uuids(&self) -> Option<Vec<String>> {
         // Torch's devices are fixed once CUDA is initialised, so they are read once per process.
-        static UUIDS: Mutex<Option<(u32, Vec<String>)>> = Mutex::new(None);
+        static UUIDS: PerProcess<Option<Vec<String>>> = PerProcess::new(|| None);
         let cuda = self.cuda()?;
-        let pid = crate::fork::pid();
-        let mut cached = UUIDS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((owner, uuids)) = cached.as_ref() {
-            if *owner == pid {
-                return Some(uuids.clone());
-            }
+        let mut cached = UUIDS.lock();
+        if let Some(uuids) = cached.as_ref() {
+            return Some(uuids.clone());
         }
         let count: u32 = cuda.call_method0("device_count").ok()?.extract().ok()?;
         let uuids = (0..count)
@@ -122,7 +118,7 @@ impl TorchProbe for PyTorch<'_> {
                 props.getattr("uuid").ok()?.str().ok().map(|s| s.to_string())
             })
             .collect::<Option<Vec<String>>>()?;
-        *cached = Some((pid, uuids.clone()));
+        *cached = Some(uuids.clone());
         Some(uuids)
     }
 

@@ -16,6 +16,7 @@ use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
 use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
+use crate::locks::lock;
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
 
@@ -91,7 +92,7 @@ static KEPT: Mutex<VecDeque<(String, Arc<Vec<u8>>)>> = Mutex::new(VecDeque::new(
 const KEPT_SNAPSHOTS: usize = 4;
 
 fn kept() -> std::sync::MutexGuard<'static, VecDeque<(String, Arc<Vec<u8>>)>> {
-    KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(&KEPT)
 }
 
 fn report_key(report: &Report) -> String {
@@ -190,6 +191,14 @@ pub(super) fn last_oom(
     .flatten()
 }
 
+/// The blocks torch's allocator holds on `torch_index` now, from a snapshot of its state (the
+/// recorder's view once it has given the history back).
+pub(super) fn live_in_state(py: Python, torch_index: u32) -> Option<crate::recorder::LiveBlocks> {
+    let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
+    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
+    Some(crate::recorder::live_in_state(&snapshot, torch_index as usize))
+}
+
 /// Reads the trace of a finishing scope into its report, each block still held matched to the
 /// leak hunter's holder of it (`storages`); the recording then ends where this was its last
 /// traced scope.
@@ -224,6 +233,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         }
         Err(e) => report.notes.push(format!("trace: reading torch's allocation history failed: {e}")),
     }
+    super::trace_sampling::end(py);
     if let Some(note) = trace_recording::close(py) {
         report.notes.push(note);
     }

@@ -3,40 +3,30 @@
 //! blocks from before the recording that it sees freed then have their exact sizes. Taken with
 //! the history still off, the snapshot holds only the segments and costs about 0.2 ms.
 
-use std::sync::Mutex;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-/// (process id, the state's `segments` list, when it was taken, the recording's cap).
+use crate::fork::{Guard, PerProcess};
+
+/// (the state's `segments` list, when it was taken, the recording's cap).
 struct State {
-    pid: u32,
     segments: Py<PyAny>,
     time_us: i64,
     max_entries: u64,
 }
 
-static OPENING: Mutex<Option<State>> = Mutex::new(None);
+/// A forked child's torch has none of the parent's recording.
+static OPENING: PerProcess<Option<State>> = PerProcess::new(|| None);
 
-fn opening() -> std::sync::MutexGuard<'static, Option<State>> {
-    let mut guard = OPENING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    // A forked child's torch has none of the parent's recording.
-    if guard.as_ref().is_some_and(|state| state.pid != crate::fork::pid()) {
-        *guard = None;
-    }
-    guard
+fn opening() -> Guard<'static, Option<State>> {
+    OPENING.lock()
 }
 
 /// Takes the state at `time_us`, just before gpuexp starts a recording capped at `max_entries`
 /// (`memory` is `torch.cuda.memory`). A failure only leaves the sizes of older blocks to be inferred.
 pub(super) fn take(memory: &Bound<PyAny>, max_entries: u64, time_us: i64) {
     let segments = memory.call_method0("_snapshot").and_then(|state| state.get_item("segments"));
-    *opening() = segments.ok().map(|segments| State {
-        pid: crate::fork::pid(),
-        segments: segments.unbind(),
-        time_us,
-        max_entries,
-    });
+    *opening() = segments.ok().map(|segments| State { segments: segments.unbind(), time_us, max_entries });
 }
 
 /// The recording gpuexp started has stopped: its state no longer describes any history.
@@ -53,7 +43,7 @@ pub(super) struct WindowKey {
 }
 
 /// Adds the `gpuexp` key to torch's snapshot dict: the opening state where gpuexp started this
-/// recording, and the experiment's window where one is given.
+/// recording, the experiment's window where one is given, and the step marks of sampled stacks.
 pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&WindowKey>) -> PyResult<()> {
     let key = PyDict::new(py);
     if let Some(state) = opening().as_ref() {
@@ -76,6 +66,9 @@ pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&Wind
         }
         entry.set_item("peaks", peaks)?;
         key.set_item("window", entry)?;
+    }
+    if let Some(steps) = super::trace_sampling::steps_key(py)? {
+        key.set_item("steps", steps)?;
     }
     if !key.is_empty() {
         snapshot.set_item("gpuexp", key)?;

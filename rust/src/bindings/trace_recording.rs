@@ -7,13 +7,12 @@
 //! started is shared and left exactly as it was. While any client with stacks holds a share,
 //! module hooks mark allocations with their `nn.Module` path.
 
-use std::sync::{Mutex, MutexGuard};
-
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::torch::PyTorch;
 use super::trace_opening::WindowKey;
+use crate::fork::{Guard, PerProcess};
 use crate::recording_lease::{Change, HistoryMode, Lease};
 
 /// Entries the ring buffer keeps, in either mode (torch would scramble a ring buffer that a
@@ -22,12 +21,11 @@ use crate::recording_lease::{Change, HistoryMode, Lease};
 /// memory is stated in docs/trace.md.
 pub(super) const MAX_ENTRIES: u64 = 200_000;
 
-static HISTORY: Mutex<Lease<HistoryMode>> = Mutex::new(Lease::new());
+/// A forked child's torch records nothing of the parent's: its first client starts its own.
+static HISTORY: PerProcess<Lease<HistoryMode>> = PerProcess::new(Lease::new);
 
-fn lease() -> MutexGuard<'static, Lease<HistoryMode>> {
-    let mut guard = HISTORY.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    guard.in_process(crate::fork::pid());
-    guard
+fn lease() -> Guard<'static, Lease<HistoryMode>> {
+    HISTORY.lock()
 }
 
 /// One traced experiment's share of the recording.
@@ -187,6 +185,43 @@ pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
         }
         Err(why) => (unavailable(format!("trace=True: {why}")), notes),
     }
+}
+
+/// Opens a traced experiment's share (`open`) and its place in the sampled stacks: its first
+/// step records stacks, later ones as the sampler decides (`trace_sampling`).
+pub(super) fn open_experiment(py: Python) -> (TraceWindow, Vec<String>) {
+    let (window, notes) = open(py);
+    if window.unavailable.is_none() {
+        super::trace_sampling::begin(py, window.opened_us);
+    }
+    (window, notes)
+}
+
+/// Sampled stacks: on the steps not sampled the recording runs without stacks (the lease's
+/// ceiling; every client keeps its share) and the module hooks come off; on a sampled step both
+/// come back. Returns whether the recording records stacks then: also where it is the user's
+/// (never switched), or where the switch failed and it still does.
+pub(super) fn set_stacks(py: Python, on: bool) -> bool {
+    let change = lease().set_ceiling((!on).then_some(HistoryMode::Events));
+    if change != Change::Keep {
+        let applied = memory_module(py).and_then(|(_, memory)| apply(py, &memory, change).map_err(|e| e.to_string()));
+        if applied.is_err() {
+            // Torch kept the mode it had: so does the lease.
+            lease().set_ceiling(on.then_some(HistoryMode::Events));
+        }
+    }
+    let (with_stacks, hooked) = {
+        let lease = lease();
+        (
+            lease.mode() != Some(HistoryMode::Events),
+            lease.started_by_gpuexp() && lease.clients_of(HistoryMode::Stacks) > 0,
+        )
+    };
+    if hooked && change != Change::Keep {
+        // A hook's failure note is the report's at its finish; here it only stops the marking.
+        let _ = module_paths(py, if with_stacks { "install" } else { "uninstall" });
+    }
+    with_stacks
 }
 
 /// How many clients with stacks share the recording: open traced experiments and the cell log.

@@ -36,9 +36,9 @@ pub(super) fn begin_run(py: Python, id: ScopeId) -> PyResult<()> {
 
 /// The run is at `step` (the optimizer steps completed) of `epoch`.
 #[pyfunction]
-pub(super) fn run_step(id: ScopeId, epoch: u64, step: u64) {
+pub(super) fn run_step(py: Python, id: ScopeId, epoch: u64, step: u64) {
     registry().runs.step(id, epoch, step);
-    crate::recorder::mark_step(crate::recorder::StepKind::TrainerStep, super::trace_recording::now_us());
+    super::recorder::step_completed(py, crate::recorder::StepKind::TrainerStep);
 }
 
 /// The batch the run is about to take: its shapes are read now, and no reference is kept.

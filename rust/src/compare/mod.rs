@@ -6,6 +6,7 @@
 mod plot;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -224,6 +225,21 @@ impl Comparison {
             })
             .collect();
         Columns { columns, rows }
+    }
+}
+
+/// The first and the last traced of `reports`, for `sites()`: why the last peaked higher (or
+/// lower) than the first. Fewer than two traced is refused, saying how to trace them.
+pub fn traced_ends(reports: &[Arc<Report>]) -> Result<(&Report, &Report), String> {
+    let traced: Vec<&Report> = reports.iter().map(|r| r.as_ref()).filter(|r| !r.trace.is_empty()).collect();
+    match traced[..] {
+        [first, .., last] => Ok((first, last)),
+        _ => Err(format!(
+            "sites() compares two traced experiments and {} of these {} were traced: open them with \
+             GPUExperiment(..., trace=True)",
+            traced.len(),
+            reports.len()
+        )),
     }
 }
 

@@ -163,3 +163,14 @@ fn experiments_without_the_param_are_left_out_and_say_so() {
     let fit = plot.fit.unwrap();
     assert_eq!((fit.layer.as_str(), fit.slope), ("host RSS", (GIB / 8) as f64));
 }
+
+#[test]
+fn sites_need_two_traced_experiments_and_say_how_to_trace_them() {
+    let reports = vec![std::sync::Arc::new(cpu_report("a", 2 * GIB)), std::sync::Arc::new(cpu_report("b", 3 * GIB))];
+    let refused = traced_ends(&reports).unwrap_err();
+    assert_eq!(
+        refused,
+        "sites() compares two traced experiments and 0 of these 2 were traced: open them with \
+         GPUExperiment(..., trace=True)"
+    );
+}

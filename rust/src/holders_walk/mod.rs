@@ -9,6 +9,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::report::{render_path, Holder, PathEdge};
 
+mod hunt;
+mod installed;
+
+pub use hunt::{add_torch_figures, hunt_leaks, leaked_memories, no_such_gpu, sum_roles, survey, Leaks, LEAK_MIN_BYTES};
+pub use installed::{thread_order, InstalledCode};
+
 /// Which memory to hunt.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Memory {
@@ -160,6 +166,9 @@ pub struct Survey<O> {
     pub held: Vec<(Buffer, Holder)>,
     /// Every buffer reached, through a path or an autograd graph, exclusions included.
     pub found: HashMap<Buffer, u64>,
+    /// Every live buffer of the memory hunted that the collector knows, reachable or not
+    /// (empty where the walk was not given them: [`survey`] gives them).
+    pub live: HashMap<Buffer, u64>,
     /// Models and optimizers reached on the way.
     pub owners: Vec<O>,
     pub objects_visited: u64,
@@ -356,6 +365,7 @@ impl<H: Heap> Walk<'_, H> {
         Survey {
             held,
             found: self.found.iter().map(|(buffer, found)| (*buffer, found.piece.bytes)).collect(),
+            live: HashMap::new(),
             owners: self.owners,
             objects_visited: self.nodes.len() as u64,
             skipped: self.skipped,

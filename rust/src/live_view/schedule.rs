@@ -6,6 +6,8 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::locks::{lock, unpoisoned};
+
 /// The shortest time between two drawings of a view.
 pub const PERIOD: Duration = Duration::from_millis(500);
 /// How long a cell runs before its live view shows, unless configured otherwise.
@@ -78,7 +80,7 @@ impl Schedule {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.state)
     }
 
     /// How long a cell runs before its view shows; None: never.
@@ -120,10 +122,8 @@ impl Schedule {
                     cell.next = Some(now + PERIOD);
                     return Some(tick);
                 }
-                Due::WaitUntil(at) => {
-                    self.changed.wait_timeout(state, at - now).unwrap_or_else(|poisoned| poisoned.into_inner()).0
-                }
-                Due::WaitForTheSetting => self.changed.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner()),
+                Due::WaitUntil(at) => unpoisoned(self.changed.wait_timeout(state, at - now)).0,
+                Due::WaitForTheSetting => unpoisoned(self.changed.wait(state)),
             };
         }
     }

@@ -2,10 +2,10 @@
 //! private directory for the ranks it launches.
 
 use crate::error::{Error, Result};
+use crate::fork::PerProcess;
 use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{STORE_ENV, STORE_FILE};
@@ -140,8 +140,9 @@ pub fn check_tcp_store(host: &str, port: u16, connect: Duration, reply: Duration
 
 // ---- the kernel's own store directory ----------------------------------------------------
 
-/// The directory this kernel made for its ranks, removed at exit by the process that made it.
-static KERNEL_DIR: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
+/// The directory this kernel made for its ranks, removed at exit by the process that made it
+/// (a forked child has none).
+static KERNEL_DIR: PerProcess<Option<PathBuf>> = PerProcess::new(|| None);
 
 /// A directory only this user can enter (mode 0700, owned by them, not a link): created, or
 /// checked where it exists, since a shared /tmp lets anyone create a name first.
@@ -192,12 +193,9 @@ fn ranks_off(why: Error) -> Error {
 }
 
 fn made_kernel_store_dir() -> Result<PathBuf> {
-    let pid = crate::fork::pid();
-    let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some((owner, dir)) = made.as_ref() {
-        if *owner == pid {
-            return Ok(dir.clone());
-        }
+    let mut made = KERNEL_DIR.lock();
+    if let Some(dir) = made.as_ref() {
+        return Ok(dir.clone());
     }
     let base = private_base()?;
     for entry in fs::read_dir(&base).into_iter().flatten().flatten() {
@@ -208,19 +206,16 @@ fn made_kernel_store_dir() -> Result<PathBuf> {
         }
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    let dir = base.join(format!("kernel-{pid}-{nanos:x}"));
+    let dir = base.join(format!("kernel-{}-{nanos:x}", crate::fork::pid()));
     private_dir(&dir)?;
-    *made = Some((pid, dir.clone()));
+    *made = Some(dir.clone());
     Ok(dir)
 }
 
 /// Removes the kernel's store directory, in the process that made it (not in a forked child).
 pub fn remove_kernel_store_dir() {
-    let mut made = KERNEL_DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some((owner, dir)) = made.take() {
-        if owner == crate::fork::pid() {
-            let _ = fs::remove_dir_all(dir);
-        }
+    if let Some(dir) = KERNEL_DIR.lock().take() {
+        let _ = fs::remove_dir_all(dir);
     }
 }
 

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::explain::TensorRoles;
+use super::TensorRoles;
 use crate::grid::Grid;
 use crate::units::bytes;
 
@@ -192,6 +192,19 @@ pub enum PathEdge {
     Referent(String),
 }
 
+/// A tensor of shape [1] on cuda:0 that holds `bytes`, and `saved` through its graph.
+#[cfg(test)]
+pub(crate) fn test_tensor(path: &str, bytes: u64, saved: u64) -> Holder {
+    Holder {
+        path: path.into(),
+        bytes,
+        saved_for_backward: saved,
+        device: "cuda:0".into(),
+        kind: "tensor".into(),
+        shape: "[1]".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,23 +287,15 @@ mod tests {
 
     #[test]
     fn the_report_line_reads_well_with_or_without_named_holders() {
-        let tensor = |path: &str, bytes: u64, saved: u64| Holder {
-            path: path.into(),
-            bytes,
-            saved_for_backward: saved,
-            device: "cuda:0".into(),
-            kind: "tensor".into(),
-            shape: "[1]".into(),
-        };
         let mut held = Holders { device: "cuda:0".into(), unreachable: 1 << 30, ..Holders::default() };
         assert_eq!(held.line_with(|_| None), "still held on cuda:0: 1.00 GiB with no reachable referrer");
-        held.holders = vec![tensor("preds[0]", 8 << 20, 144 << 20), tensor("cache[0]", 1 << 20, 0)];
+        held.holders = vec![test_tensor("preds[0]", 8 << 20, 144 << 20), test_tensor("cache[0]", 1 << 20, 0)];
         assert_eq!(
             held.line_with(|_| None),
             "still held on cuda:0: preds[0] (8.00 MiB, and 144.00 MiB saved for its backward), cache[0] (1.00 MiB); \
              1.00 GiB with no reachable referrer"
         );
-        held.holders.push(tensor("loss_on_cpu", 0, 64 << 20));
+        held.holders.push(test_tensor("loss_on_cpu", 0, 64 << 20));
         assert!(held
             .line_with(|_| None)
             .ends_with(", loss_on_cpu (64.00 MiB saved for its backward); 1.00 GiB with no reachable referrer"));

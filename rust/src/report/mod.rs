@@ -5,8 +5,8 @@
 mod cell;
 mod holders;
 mod oom;
-mod params;
 mod rank;
+mod roles;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -14,11 +14,14 @@ mod traced;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
+#[cfg(test)]
+pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PathEdge};
 pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
-pub use params::{Param, Params};
 pub use rank::{hostname, RankIdentity};
+pub use roles::{Role, TensorRoles};
 pub use snapshot::snapshot_grid;
 
 use crate::grid::{prefixed, Grid};

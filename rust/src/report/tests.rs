@@ -586,7 +586,7 @@ fn changes_below_the_noise_floor_read_as_about_zero_in_tables_and_stay_exact_in_
 fn a_finished_report_names_what_holds_its_memory_and_what_that_is_to_training() {
     let start = host(0.0, GIB, GIB);
     let mut report = finished("leaky", &start, &start, &start, &no_peaks());
-    let roles = crate::explain::TensorRoles { parameters: 64 * MIB, optimizer_state: 128 * MIB, ..Default::default() };
+    let roles = TensorRoles { parameters: 64 * MIB, optimizer_state: 128 * MIB, ..Default::default() };
     report.holders.push(Holders {
         device: "host".into(),
         holders: vec![Holder {

@@ -4,13 +4,13 @@
 //! /proc reaches this process. Nothing here ends a process: a person decides that.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use serde::{Deserialize, Serialize};
 
+use crate::fork::PerProcess;
 use crate::units::bytes;
 
 /// A descendant holding memory on a GPU.
@@ -27,11 +27,9 @@ pub struct ChildProcess {
 /// second, and on the GPU at once, is not worth a /proc walk every millisecond.
 const VERDICT_TTL: Duration = Duration::from_secs(1);
 
-/// Whether a process descends from this one, and when that was found.
-type Verdicts = HashMap<(u32, u32), (bool, Instant)>;
-
-/// Verdicts by (this process, the listed PID): a forked child asks about its own descendants.
-static VERDICTS: Mutex<Option<Verdicts>> = Mutex::new(None);
+/// Whether a process descends from this one, and when that was found, by the listed PID:
+/// a forked child asks about its own descendants.
+static VERDICTS: PerProcess<HashMap<u32, (bool, Instant)>> = PerProcess::new(HashMap::new);
 
 /// The parent of a process, from /proc/<pid>/stat (its name may hold spaces and parentheses,
 /// so the fields are read after the last ')').
@@ -61,9 +59,8 @@ pub fn is_descendant(pid: u32) -> bool {
         return false;
     }
     let now = Instant::now();
-    let mut verdicts = VERDICTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let verdicts = verdicts.get_or_insert_with(HashMap::new);
-    if let Some((verdict, at)) = verdicts.get(&(own, pid)) {
+    let mut verdicts = VERDICTS.lock();
+    if let Some((verdict, at)) = verdicts.get(&pid) {
         if now.duration_since(*at) < VERDICT_TTL {
             return *verdict;
         }
@@ -72,7 +69,7 @@ pub fn is_descendant(pid: u32) -> bool {
         verdicts.retain(|_, (_, at)| now.duration_since(*at) < VERDICT_TTL);
     }
     let verdict = descends_from(pid, own);
-    verdicts.insert((own, pid), (verdict, now));
+    verdicts.insert(pid, (verdict, now));
     verdict
 }
 

@@ -1,8 +1,10 @@
 //! Host memory of this process and of the system, cheap enough to read on every snapshot.
 
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock};
 
 use sysinfo::System;
+
+use crate::locks::lock;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HostReading {
@@ -69,7 +71,7 @@ pub fn cpu_percent() -> f32 {
 fn with_system<T>(f: impl FnOnce(&mut System) -> T) -> Option<T> {
     static SYSTEM: OnceLock<Option<Mutex<System>>> = OnceLock::new();
     let system = SYSTEM.get_or_init(|| System::new().ok().map(Mutex::new)).as_ref()?;
-    let mut system = system.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut system = lock(system);
     Some(f(&mut system))
 }
 
@@ -79,9 +81,10 @@ mod imp {
     use std::fs::{File, OpenOptions};
     use std::os::unix::fs::FileExt;
     use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::OnceLock;
     use std::thread::LocalKey;
+
+    use crate::fork::PerProcess;
 
     unsafe extern "C" {
         fn sysconf(name: i32) -> i64;
@@ -141,7 +144,7 @@ mod imp {
     /// /proc/self/status, which the kernel formats in full for every read (most of a cell
     /// log's cost was that one file).
     pub fn process_memory() -> (u64, u64) {
-        if RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == crate::fork::pid() {
+        if *RUSAGE_PEAK_TRUSTED.lock() {
             let rss = read_rss();
             return (rss, rusage_peak().max(rss));
         }
@@ -160,27 +163,25 @@ mod imp {
     /// VmHWM already is the RSS, so there is nothing to reset either (most cells end so).
     /// Otherwise status is read instead.
     pub fn reset_peak(last: &super::HostReading) -> bool {
-        let pid = crate::fork::pid();
-        let trusted = RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == pid;
-        if trusted && last.peak_rss <= last.rss {
+        let mut trusted = RUSAGE_PEAK_TRUSTED.lock();
+        if *trusted && last.peak_rss <= last.rss {
             return true;
         }
         if !write_clear_refs() {
             return false;
         }
         let peak = rusage_peak();
-        let trusted = peak > 0 && peak <= read_rss();
-        RUSAGE_PEAK_TRUSTED_BY.store(if trusted { pid } else { 0 }, Ordering::Relaxed);
+        *trusted = peak > 0 && peak <= read_rss();
         true
     }
 
-    /// The process whose last reset found getrusage's peak trustworthy (0: none); a forked
-    /// child reads status until its own reset.
-    static RUSAGE_PEAK_TRUSTED_BY: AtomicU32 = AtomicU32::new(0);
+    /// Whether this process's last reset found getrusage's peak trustworthy; a forked child
+    /// reads status until its own reset.
+    static RUSAGE_PEAK_TRUSTED: PerProcess<bool> = PerProcess::new(|| false);
 
     #[cfg(test)]
     pub fn rusage_peak_trusted() -> bool {
-        RUSAGE_PEAK_TRUSTED_BY.load(Ordering::Relaxed) == crate::fork::pid()
+        *RUSAGE_PEAK_TRUSTED.lock()
     }
 
     pub(super) fn rusage_peak() -> u64 {
@@ -339,7 +340,7 @@ pub(crate) mod tests {
     static SERIAL: Mutex<()> = Mutex::new(());
 
     pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
-        SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&SERIAL)
     }
 
     #[test]

@@ -7,10 +7,11 @@ pub mod nvml;
 pub mod torch;
 pub mod visible;
 
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
+
+use crate::fork::PerProcess;
 
 pub use host::HostReading;
 pub use nvml::GpuIdent;
@@ -169,22 +170,18 @@ fn no_gpu_note() -> String {
 /// This process's PID in each PID namespace it belongs to (/proc's NSpid), read once per
 /// process: a forked child reads its own.
 pub(crate) fn own_pids() -> Vec<u32> {
-    static CACHE: Mutex<Option<(u32, Vec<u32>)>> = Mutex::new(None);
-    let pid = crate::fork::pid();
-    let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    match cache.as_ref() {
-        Some((owner, pids)) if *owner == pid => pids.clone(),
-        _ => {
-            let mut pids = vec![pid];
-            if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
-                if let Some(line) = status.lines().find(|l| l.starts_with("NSpid:")) {
-                    pids.extend(line.split_whitespace().skip(1).filter_map(|p| p.parse::<u32>().ok()));
-                }
-            }
-            *cache = Some((pid, pids.clone()));
-            pids
+    static OWN_PIDS: PerProcess<Vec<u32>> = PerProcess::new(read_own_pids);
+    OWN_PIDS.lock().clone()
+}
+
+fn read_own_pids() -> Vec<u32> {
+    let mut pids = vec![crate::fork::pid()];
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        if let Some(line) = status.lines().find(|l| l.starts_with("NSpid:")) {
+            pids.extend(line.split_whitespace().skip(1).filter_map(|p| p.parse::<u32>().ok()));
         }
     }
+    pids
 }
 
 /// One measured quantity, identified across snapshots (GPUs by UUID, which survives re-indexing).

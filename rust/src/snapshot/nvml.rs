@@ -10,6 +10,7 @@ use nvml_wrapper::{Device, Nvml};
 
 use super::visible::{self, DeviceOrder, PhysicalGpu, VisibleGpu};
 use crate::error::{Error, Result};
+use crate::locks::lock;
 
 /// A GPU this process can use, with how each side names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,7 +128,7 @@ pub fn with_visible<R>(
         device_order: env("CUDA_DEVICE_ORDER"),
         torch_uuids,
     };
-    let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut cache = lock(&CACHE);
     if cache.as_ref().map(|set| &set.key) != Some(&key) {
         let devices = resolve(nvml, &key)?;
         *cache = Some(VisibleSet { key, devices });

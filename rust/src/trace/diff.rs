@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::peak::{PeakSites, SiteRow};
 use crate::grid::Grid;
-use crate::report::{Param, Params};
+use crate::params::{Param, Params};
 use crate::units::{bytes, signed_bytes};
 
 /// How close a factor must be to 1, r or r² to be called constant, linear or quadratic.

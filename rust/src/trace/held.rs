@@ -141,6 +141,7 @@ pub(super) fn oom_checked(
                 free_event: Some(index),
                 module: None,
                 exact: true,
+                sites: super::sampled::SiteSource::Own,
             };
             let live: Vec<&Block> = replay.live_at(index).collect();
             Ok(OomSites {

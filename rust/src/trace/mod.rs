@@ -7,6 +7,7 @@
 //! - `layout`: the allocator's segments followed event by event, for each block's exact size;
 //! - `replay`: one device's `memory_allocated` after every event, its peak, the live blocks;
 //! - `opening`: what gpuexp saves with a snapshot to make it exact (the state at opening, the true peak);
+//! - `sampled`: blocks of steps recorded without stacks given a sampled step's sites;
 //! - `modules`: the `nn.Module` (path, forward or backward) gpuexp's hooks marked an allocation with;
 //! - `sites`: a block's site (the innermost user frame, else its phase) and category;
 //! - `peak`: the live set at the peak (or any moment) by site, as tables and JSON;
@@ -36,6 +37,7 @@ pub mod parse;
 pub mod peak;
 pub mod pickle;
 pub mod replay;
+pub mod sampled;
 pub mod scope;
 pub mod sites;
 pub mod timeline;
@@ -52,6 +54,7 @@ pub use parse::{
 };
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
+pub use sampled::{Recorded, Sampling, SiteSource, StepMark, StepSpan};
 pub use scope::{peak_since, scope_traces, scope_traces_checked, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
@@ -86,5 +89,7 @@ mod hostile_files_tests;
 mod hostile_tests;
 #[cfg(test)]
 mod opening_tests;
+#[cfg(test)]
+mod sampled_tests;
 #[cfg(test)]
 mod tests;

@@ -54,6 +54,7 @@ fn program(opening: bool) -> (Snapshot, Vec<u64>) {
         gpuexp: Gpuexp {
             opening: opening.then(|| Opening { time_us: 90, max_entries: Some(1000), segments: vec![at_start] }),
             window: None,
+            steps: None,
         },
         ..Snapshot::default()
     };

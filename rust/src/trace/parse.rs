@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use super::pickle::{self, Finish, Value};
+use super::sampled::{Recorded, StepMark};
 use crate::error::{Error, Result};
 
 /// Which stack an event or block was recorded with: an index into `Stacks`. Stack 0 is the
@@ -224,6 +225,8 @@ pub struct Window {
 pub struct Gpuexp {
     pub opening: Option<Opening>,
     pub window: Option<Window>,
+    /// The step marks of gpuexp's sampled stacks (see `sampled`), where gpuexp recorded the trace.
+    pub steps: Option<Vec<StepMark>>,
 }
 
 /// A whole snapshot: the allocator's state at the end, each device's trace, and their stacks.
@@ -570,7 +573,15 @@ impl<'a> Builder<'a> {
                 .map(|peak| (int(peak, "device").max(0) as usize, int(peak, "max_memory_allocated").max(0) as u64))
                 .collect(),
         });
-        Gpuexp { opening, window }
+        let steps = key.get("steps").filter(|s| matches!(s, Value::List(_))).map(|steps| {
+            (steps.items().iter())
+                .filter_map(|mark| {
+                    let recorded = Recorded::parse(mark.get("recorded")?.as_str()?)?;
+                    Some(StepMark { time_us: int(mark, "time_us"), recorded })
+                })
+                .collect()
+        });
+        Gpuexp { opening, window, steps }
     }
 
     /// A segment and its blocks, none once the budget is spent.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use super::replay::{Block, Completeness, Peak, PeakBounds, Replay};
+use super::sampled::{Sampling, SiteSource};
 use super::sites::{Attribution, SiteKey};
 use crate::error::Result;
 use crate::estimate::Category;
@@ -72,6 +73,10 @@ pub struct PeakSites {
     /// Torch's own `max_memory_allocated` over the window, where the snapshot carries it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub true_peak: Option<u64>,
+    /// How the sites were found where gpuexp sampled the stacks: on which steps, and how much of
+    /// the peak was attributed directly, mapped from a sampled step, or not at all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<Sampling>,
 }
 
 /// Groups `blocks` by site: the top `top` sites, the rest, and the categories.
@@ -92,6 +97,7 @@ pub(super) fn site_table_checked(
     // Per site: bytes, blocks, and its largest block's stack (the one most worth reading).
     let mut by_site: HashMap<SiteKey, (u64, usize, &Block)> = HashMap::new();
     let mut by_category: HashMap<Option<Category>, u64> = HashMap::new();
+    let mut unattributed = 0u64;
     for (n, &block) in blocks.iter().enumerate() {
         super::ask_every(n, keep_going)?;
         let entry = by_site.entry(attribution.key(replay, block)).or_insert((0, 0, block));
@@ -100,7 +106,11 @@ pub(super) fn site_table_checked(
         if block.bytes > entry.2.bytes {
             entry.2 = block;
         }
-        *by_category.entry(attribution.category(replay, block)).or_default() += block.bytes;
+        if block.sites == SiteSource::Unattributed {
+            unattributed += block.bytes;
+        } else {
+            *by_category.entry(attribution.category(replay, block)).or_default() += block.bytes;
+        }
     }
     let all: Vec<SiteRow> = by_site
         .into_iter()
@@ -125,6 +135,11 @@ pub(super) fn site_table_checked(
             let label = category.map_or("before recording", Category::label).to_string();
             Some(CategoryRow { category: label, bytes: part, share: share(part) })
         })
+        .chain((unattributed > 0).then(|| CategoryRow {
+            category: "unattributed (a step without stacks)".into(),
+            bytes: unattributed,
+            share: share(unattributed),
+        }))
         .collect();
     categories.sort_by_key(|row| std::cmp::Reverse(row.bytes));
     Ok(SiteTable::ranked(all, total, top, categories))
@@ -140,6 +155,7 @@ pub fn peak_sites(replay: &Replay, attribution: &Attribution, top: usize) -> Pea
         completeness: replay.completeness.clone(),
         bounds: replay.peak_bounds(0),
         true_peak: None,
+        sampling: super::sampled::summary(replay, i64::MIN, &live),
     }
 }
 
@@ -246,6 +262,7 @@ impl PeakSites {
     fn notes(&self) -> Vec<String> {
         let mut notes = self.completeness.unknown.clone();
         notes.extend(self.exactness());
+        notes.extend(self.sampling.as_ref().map(Sampling::describe));
         prefixed("note", &notes)
     }
 

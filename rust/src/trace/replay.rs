@@ -18,6 +18,7 @@ use serde::Serialize;
 use super::layout::{round, Layout, SMALL};
 use super::modules::Modules;
 use super::parse::{Action, BlockState, Snapshot, StackId};
+use super::sampled::{SiteSource, StepSpan};
 use crate::error::Result;
 
 /// One allocation's life in the trace.
@@ -39,6 +40,8 @@ pub struct Block {
     /// `bytes` is the allocator's own figure (from its segments, or its layout followed from a
     /// known state), not inferred from the size asked for.
     pub exact: bool,
+    /// Where its site comes from: its own stack, or a sampled step's block (`sampled`).
+    pub sites: SiteSource,
 }
 
 impl Block {
@@ -118,6 +121,8 @@ pub struct Replay {
     pub completeness: Completeness,
     /// The module families the blocks' marks name.
     pub modules: Modules,
+    /// The trace cut at gpuexp's step marks, where it saved them (empty: none).
+    pub steps: Vec<StepSpan>,
 }
 
 /// Walks `device`'s trace. `max_entries` is the cap the recording ran with, when known: a trace
@@ -181,6 +186,7 @@ pub(super) fn replay_checked(
                     free_event: None,
                     module,
                     exact: exact.is_some(),
+                    sites: SiteSource::Own,
                 });
                 delta += bytes as i64;
             }
@@ -203,6 +209,7 @@ pub(super) fn replay_checked(
                         free_event: Some(index),
                         module: None,
                         exact: exact.is_some(),
+                        sites: SiteSource::Own,
                     });
                     delta -= bytes as i64;
                 }
@@ -232,6 +239,7 @@ pub(super) fn replay_checked(
         free_event: None,
         module: None,
         exact: true,
+        sites: SiteSource::Own,
     }));
     // Blocks still alive take their exact size from the segments.
     for &index in live.values() {
@@ -244,6 +252,9 @@ pub(super) fn replay_checked(
             }
         }
     }
+    // Steps recorded without stacks take their sites from a sampled step's blocks.
+    let steps = snapshot.gpuexp.steps.as_deref().map(|marks| super::sampled::spans(events, marks)).unwrap_or_default();
+    super::sampled::map_sites(&steps, &mut blocks, &mut context, &snapshot.stacks);
     completeness.inferred_sizes = before.iter().chain(&blocks).filter(|block| !block.exact).count();
     // Sizes are at most a PiB each (the parse refuses more), but a file may hold many: the sums saturate.
     let baseline: u64 = before.iter().fold(0, |sum, block| sum.saturating_add(block.bytes));
@@ -279,6 +290,7 @@ pub(super) fn replay_checked(
         peak,
         completeness,
         modules,
+        steps,
     })
 }
 

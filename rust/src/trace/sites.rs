@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::parse::{FrameRef, StackId, Stacks};
 use super::replay::{Block, Replay};
+use super::sampled::SiteSource;
 use crate::estimate::Category;
 
 /// Which frames are the user's: any whose filename does not contain one of `skip`.
@@ -122,6 +123,8 @@ pub enum SiteKey {
     Phase { phase: Phase, from: Option<(u32, u32)>, module: Option<u32> },
     /// Allocated before recording began and freed in it: nothing is known of where.
     BeforeRecording,
+    /// Made in a step recorded without stacks, with no sampled step's block to map it to.
+    Unattributed,
     /// No frame at all and no phase to go by.
     NoFrame,
 }
@@ -181,6 +184,9 @@ impl<'a> Attribution<'a> {
 
     /// The site of `block` in `replay`.
     pub fn key(&self, replay: &Replay, block: &Block) -> SiteKey {
+        if block.sites == SiteSource::Unattributed {
+            return SiteKey::Unattributed;
+        }
         if let Some((filename, line)) = self.line_key(block.stack) {
             return SiteKey::Line { filename, line, module: block.module };
         }
@@ -238,12 +244,13 @@ impl<'a> Attribution<'a> {
             }
             SiteKey::BeforeRecording => ("(allocated before recording)".to_string(), None),
             SiteKey::NoFrame => ("(no Python frame)".to_string(), None),
+            SiteKey::Unattributed => ("(unattributed: made in a step recorded without stacks)".to_string(), None),
         };
         Site { label, source, stack: stack_lines }
     }
 
     /// What a block is to training, where the frames tell (see docs/trace.md): None for a block
-    /// from before recording.
+    /// from before recording, or an unattributed one of a step without stacks.
     ///
     /// - made under `Module.to`/`cuda`/`_apply` or `torch/nn/init.py`: parameters;
     /// - made in an optimizer's step: optimizer state when never freed in the trace, else temporaries;
@@ -251,7 +258,7 @@ impl<'a> Attribution<'a> {
     /// - made in forward: activations when still alive at the end or freed in backward, else
     ///   temporaries.
     pub fn category(&self, replay: &Replay, block: &Block) -> Option<Category> {
-        let event = block.alloc_event?;
+        let event = block.alloc_event.filter(|_| block.sites != SiteSource::Unattributed)?;
         let context = if self.stacks.is_bare(block.stack) { replay.context[event] } else { block.stack };
         let is_parameter = *self.parameter_stacks.borrow_mut().entry(context).or_insert_with(|| {
             self.stacks.frames(context).any(|frame| {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::*;
 use crate::estimate::Category;
 use crate::grid::testing::{expected_cells, html_cells, text_cells};
-use crate::report::{Param, Params};
+use crate::params::{Param, Params};
 
 const USER: &str = "/home/u/train.py";
 const TORCH: &str = "/usr/lib/python3.11/site-packages/torch/nn/functional.py";

@@ -22,10 +22,10 @@
 mod agree;
 mod device;
 mod nccl;
+mod publishing;
 mod store;
 mod table;
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -33,9 +33,11 @@ use serde::{Deserialize, Serialize};
 pub use agree::{agree, Agreement};
 pub use device::{rank_device, Because, DeviceClues};
 pub use nccl::NcclShare;
+pub use publishing::{Distributed, ProcessStores, RankStores};
 pub use store::{check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, StoreAddress};
 pub use table::{Gathered, RankRow};
 
+use crate::fork::{Guard, PerProcess};
 use crate::report::Report;
 use crate::scope::ScopeId;
 
@@ -49,26 +51,24 @@ pub use crate::report::{hostname, RankIdentity};
 // ---- what ended an experiment -------------------------------------------------------------
 
 /// Exceptions that ended experiments' `with` blocks, by scope, until their reports are published.
-static ERRORS: Mutex<Vec<(ScopeId, String)>> = Mutex::new(Vec::new());
+/// A forked child's scope numbers start again: the parent's exceptions are not its own.
+static ERRORS: PerProcess<Vec<(ScopeId, String)>> = PerProcess::new(Vec::new);
 
-fn errors() -> std::sync::MutexGuard<'static, Vec<(ScopeId, String)>> {
-    ERRORS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+fn errors() -> Guard<'static, Vec<(ScopeId, String)>> {
+    ERRORS.lock()
 }
 
-/// Remembers the exception ("Type: message") that ended a scope, for its published record.
-pub fn note_error(scope: ScopeId, error: String) {
-    errors().push((scope, error));
+/// Remembers the exception that ended a scope, for its published record: "Type: message", the
+/// message's first line only and at most 500 characters of it (a record travels to every gatherer).
+pub fn note_error(scope: ScopeId, kind: &str, message: &str) {
+    let first_line: String = message.lines().next().unwrap_or("").chars().take(500).collect();
+    errors().push((scope, format!("{kind}: {first_line}")));
 }
 
 pub fn take_error(scope: ScopeId) -> Option<String> {
     let mut errors = errors();
     let at = errors.iter().position(|(s, _)| *s == scope)?;
     Some(errors.remove(at).1)
-}
-
-/// In a forked child, whose scope numbers start again: the parent's exceptions are not its own.
-pub fn forget_errors() {
-    errors().clear();
 }
 
 // ---- records and keys ----------------------------------------------------------------------
@@ -378,6 +378,15 @@ mod tests {
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let pairs: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |name| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn an_experiments_error_is_kept_as_its_first_line_until_published() {
+        let scope = 9_876_543;
+        note_error(scope, "RuntimeError", &format!("{}\nthe traceback's second line", "x".repeat(600)));
+        let kept = take_error(scope).unwrap();
+        assert_eq!(kept, format!("RuntimeError: {}", "x".repeat(500)));
+        assert_eq!(take_error(scope), None, "taken once");
     }
 
     #[test]

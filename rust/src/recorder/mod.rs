@@ -1,14 +1,19 @@
 //! The flight recorder's side of an out-of-memory error: where training steps ended, and what an
-//! OOM reads from torch's allocation history when nobody asked for a trace. The recorder keeps
-//! that history on without stacks while gpuexp is active (the bindings' `recorder`), so the
+//! OOM reads when nobody asked for a trace. While gpuexp is active the recorder keeps torch's
+//! allocation history without stacks for the first steps of each cell (`schedule`), so the
 //! history knows every block's size and time, not its line: what grew since the last completed
 //! step, and the blocks live at the failure by size, made since that step or held from before.
+//! After those steps each step's end reads one level instead (torch's allocated bytes), and an
+//! OOM then says what grew from that level and which blocks the allocator's state holds.
 
-use std::sync::Mutex;
+mod schedule;
+
+pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
 
 use serde::Serialize;
 
-use crate::trace::{oom, Action, Attribution, OomSites, Replay, Snapshot};
+use crate::fork::PerProcess;
+use crate::trace::{oom, Action, Attribution, BlockState, OomSites, Replay, Snapshot};
 use crate::units::bytes;
 
 /// What completed: the point "what grew since the last step" counts from.
@@ -42,26 +47,63 @@ impl StepKind {
     }
 }
 
-/// The end of a completed step, on torch's `time_us` clock (Unix microseconds).
+/// Torch's allocated bytes on one device, read at a step's end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Level {
+    pub torch_index: u32,
+    pub allocated: u64,
+}
+
+/// The end of a completed step, on torch's `time_us` clock (Unix microseconds), with the level
+/// read then where the recorder had given the history back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct StepEnd {
     pub kind: StepKind,
     pub time_us: i64,
+    pub level: Option<Level>,
 }
 
-/// The latest step end in this process (a forked child's steps are its own).
-static LAST_STEP: Mutex<Option<(u32, StepEnd)>> = Mutex::new(None);
+/// This process's recorder: its phase and the latest step end.
+#[derive(Default)]
+struct Record {
+    phase: Phase,
+    last: Option<StepEnd>,
+}
 
-/// A step of `kind` ended at `time_us`: one lock and one store, cheap enough for every step.
-pub fn mark_step(kind: StepKind, time_us: i64) {
-    let mut last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    *last = Some((crate::fork::pid(), StepEnd { kind, time_us }));
+/// One record per process (a forked child starts its own).
+static RECORD: PerProcess<Record> = PerProcess::new(Record::default);
+
+fn with_record<T>(work: impl FnOnce(&mut Record) -> T) -> T {
+    work(&mut RECORD.lock())
+}
+
+/// A cell starts or an experiment opens while the recorder is wanted.
+pub fn arm() -> HistoryChange {
+    with_record(|record| record.phase.arm())
+}
+
+/// gpuexp is no longer active, or the recorder was turned off.
+pub fn disarm() -> HistoryChange {
+    with_record(|record| record.phase.disarm())
+}
+
+/// Whether the step ending now needs its level read (one allocator stats call).
+pub fn wants_level() -> bool {
+    with_record(|record| record.phase.wants_level())
+}
+
+/// A step of `kind` ended at `time_us`, its level read where `wants_level` asked: one lock and
+/// one store. Says what happens to the recorder's share of torch's history.
+pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> HistoryChange {
+    with_record(|record| {
+        record.last = Some(StepEnd { kind, time_us, level });
+        record.phase.step_ended()
+    })
 }
 
 /// The latest step that ended in this process.
 pub fn last_step() -> Option<StepEnd> {
-    let last = LAST_STEP.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    last.filter(|(pid, _)| *pid == crate::fork::pid()).map(|(_, step)| step)
+    with_record(|record| record.last)
 }
 
 /// What grew from the last completed step to the failure.
@@ -74,8 +116,15 @@ pub enum SinceStep {
     /// ring buffer has dropped it).
     BeforeRecord { step: StepEnd },
     /// Torch's allocated bytes at the step's end and at the failure, and the blocks made since
-    /// that were still live.
-    Grew { step: StepEnd, failed_us: i64, held_then: u64, held_at_failure: u64, made_since: u64, blocks_since: usize },
+    /// that were still live (unknown where only levels were read).
+    Grew {
+        step: StepEnd,
+        failed_us: i64,
+        held_then: u64,
+        held_at_failure: u64,
+        made_since: Option<u64>,
+        blocks_since: Option<usize>,
+    },
     /// No record to read it from.
     Unknown { step: StepEnd, why: String },
 }
@@ -95,15 +144,21 @@ impl SinceStep {
                 let seconds = (failed_us - step.time_us).max(0) as f64 / 1e6;
                 let change = *held_at_failure as i128 - *held_then as i128;
                 let sign = if change < 0 { "−" } else { "+" };
-                format!(
+                let grew = format!(
                     "since the last completed {} ({seconds:.1} s before): torch's allocated went from {} to {} \
-                     ({sign}{}); {blocks_since} blocks made since hold {}",
+                     ({sign}{})",
                     step.kind.label(),
                     bytes(*held_then),
                     bytes(*held_at_failure),
                     bytes(change.unsigned_abs() as u64),
-                    bytes(*made_since)
-                )
+                );
+                match (blocks_since, made_since) {
+                    (Some(blocks), Some(made)) => format!("{grew}; {blocks} blocks made since hold {}", bytes(*made)),
+                    _ => format!(
+                        "{grew}, read at the step's end and at the failure (the recorder keeps torch's \
+                         history for the first {HISTORY_STEPS} steps of a cell, so which blocks grew is not known)"
+                    ),
+                }
             }
             SinceStep::Unknown { step, why } => {
                 format!("since the last completed {}: unknown ({why})", step.kind.label())
@@ -134,6 +189,21 @@ pub struct LiveBlocks {
 impl LiveBlocks {
     /// Size groups the diagnosis names.
     pub const SHOWN: usize = 4;
+
+    /// The largest groups of equal sizes, by the bytes they hold.
+    fn by_size(sizes: impl Iterator<Item = u64>, made_since_step: Option<u64>) -> LiveBlocks {
+        let mut groups: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+        let (mut total, mut blocks) = (0, 0);
+        for size in sizes {
+            *groups.entry(size).or_default() += 1;
+            total += size;
+            blocks += 1;
+        }
+        let mut largest: Vec<SizeGroup> = groups.into_iter().map(|(bytes, count)| SizeGroup { bytes, count }).collect();
+        largest.sort_by_key(|g| std::cmp::Reverse((g.bytes * g.count as u64, g.bytes)));
+        largest.truncate(LiveBlocks::SHOWN);
+        LiveBlocks { total, blocks, largest, made_since_step }
+    }
 
     /// One line for the diagnosis.
     pub fn describe(&self) -> String {
@@ -201,8 +271,8 @@ pub fn read_oom(
                 failed_us: failed.time_us,
                 held_then: replay.allocated_at(first_after - 1),
                 held_at_failure: replay.allocated_at(event),
-                made_since: made.iter().sum(),
-                blocks_since: made.len(),
+                made_since: Some(made.iter().sum()),
+                blocks_since: Some(made.len()),
             }
         }
     };
@@ -211,21 +281,37 @@ pub fn read_oom(
 }
 
 fn live_blocks(replay: &Replay, event: usize, since_step: &SinceStep) -> LiveBlocks {
-    let mut by_size: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
-    let (mut total, mut blocks) = (0, 0);
-    for block in replay.live_at(event) {
-        *by_size.entry(block.bytes).or_default() += 1;
-        total += block.bytes;
-        blocks += 1;
-    }
-    let mut largest: Vec<SizeGroup> = by_size.into_iter().map(|(bytes, count)| SizeGroup { bytes, count }).collect();
-    largest.sort_by_key(|g| std::cmp::Reverse((g.bytes * g.count as u64, g.bytes)));
-    largest.truncate(LiveBlocks::SHOWN);
     let made_since_step = match since_step {
-        SinceStep::Grew { made_since, .. } => Some(*made_since),
+        SinceStep::Grew { made_since, .. } => *made_since,
         _ => None,
     };
-    LiveBlocks { total, blocks, largest, made_since_step }
+    LiveBlocks::by_size(replay.live_at(event).map(|block| block.bytes), made_since_step)
+}
+
+/// Where the recorder had given the history back: what grew from the level read at the last
+/// step's end on this device to the failure's allocated bytes.
+pub fn since_level(step: Option<StepEnd>, torch_index: u32, failed_us: i64, held_at_failure: u64) -> SinceStep {
+    let Some(step) = step else { return SinceStep::NoStep };
+    match step.level {
+        Some(level) if level.torch_index == torch_index => SinceStep::Grew {
+            step,
+            failed_us,
+            held_then: level.allocated,
+            held_at_failure,
+            made_since: None,
+            blocks_since: None,
+        },
+        _ => SinceStep::Unknown { step, why: "no allocation record and no level read at its end on this GPU".into() },
+    }
+}
+
+/// The blocks the allocator holds on `device` in a snapshot of its state (no history needed).
+pub fn live_in_state(snapshot: &Snapshot, device: usize) -> LiveBlocks {
+    let sizes = (snapshot.segments.iter().filter(|segment| segment.device == device))
+        .flat_map(|segment| &segment.blocks)
+        .filter(|block| block.state == BlockState::ActiveAllocated)
+        .map(|block| block.size);
+    LiveBlocks::by_size(sizes, None)
 }
 
 #[cfg(test)]
@@ -263,7 +349,7 @@ mod tests {
 
     #[test]
     fn what_grew_since_the_last_step_and_the_live_blocks_by_size_come_from_a_stackless_record() {
-        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10 };
+        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10, level: None };
         let found = read(Some(step), Some(64 * MIB)).expect("the OOM is in the record");
         assert!(found.sites.is_none());
         assert_eq!(
@@ -273,8 +359,8 @@ mod tests {
                 failed_us: 30,
                 held_then: 4 * MIB,
                 held_at_failure: 22 * MIB,
-                made_since: 18 * MIB,
-                blocks_since: 3
+                made_since: Some(18 * MIB),
+                blocks_since: Some(3)
             }
         );
         let live = found.live.expect("live blocks by size");
@@ -291,7 +377,7 @@ mod tests {
         assert_eq!(none.since_step, SinceStep::NoStep);
         assert!(none.since_step.describe().contains("none completed"));
         assert_eq!(none.live.and_then(|l| l.made_since_step), None);
-        let early = StepEnd { kind: StepKind::Cell, time_us: 1 };
+        let early = StepEnd { kind: StepKind::Cell, time_us: 1, level: None };
         let before = read(Some(early), None).expect("the OOM is in the record");
         assert_eq!(before.since_step, SinceStep::BeforeRecord { step: early });
         assert!(before.since_step.describe().contains("before the allocation record's first event"));
@@ -304,10 +390,46 @@ mod tests {
 
     #[test]
     fn a_step_end_is_kept_until_the_next_one() {
-        mark_step(StepKind::Cell, 100);
-        mark_step(StepKind::OptimizerStep, 200);
-        assert_eq!(last_step(), Some(StepEnd { kind: StepKind::OptimizerStep, time_us: 200 }));
+        step_ended(StepKind::Cell, 100, None);
+        step_ended(StepKind::OptimizerStep, 200, None);
+        assert_eq!(last_step(), Some(StepEnd { kind: StepKind::OptimizerStep, time_us: 200, level: None }));
         assert_eq!(StepKind::parse("trainer step"), Some(StepKind::TrainerStep));
         assert_eq!(StepKind::parse("epoch"), None);
+    }
+
+    #[test]
+    fn after_the_history_an_oom_counts_from_the_last_level_and_the_allocators_state() {
+        use crate::trace::{Segment, SegmentBlock};
+        let level = Level { torch_index: 0, allocated: 4 * MIB };
+        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10, level: Some(level) };
+        let grew = since_level(Some(step), 0, 30, 22 * MIB);
+        assert!(matches!(grew, SinceStep::Grew { held_then, made_since: None, .. } if held_then == 4 * MIB));
+        let text = grew.describe();
+        assert!(text.contains("(+18.00 MiB)") && text.contains("which blocks grew is not known"), "{text}");
+        assert!(matches!(since_level(Some(step), 1, 30, MIB), SinceStep::Unknown { .. }), "another GPU's level");
+        assert_eq!(since_level(None, 0, 30, MIB), SinceStep::NoStep);
+        let block = |size, state| SegmentBlock { address: 0, size, requested_size: size, state, stack: 0 };
+        let state = Snapshot {
+            segments: vec![Segment {
+                device: 0,
+                address: 0,
+                total_size: 32 * MIB,
+                stream: 0,
+                segment_type: "large".into(),
+                blocks: vec![
+                    block(8 * MIB, BlockState::ActiveAllocated),
+                    block(8 * MIB, BlockState::ActiveAllocated),
+                    block(2 * MIB, BlockState::ActivePendingFree),
+                    block(14 * MIB, BlockState::Inactive),
+                ],
+            }],
+            ..Snapshot::default()
+        };
+        let live = live_in_state(&state, 0);
+        assert_eq!(
+            (live.total, live.blocks, live.largest.clone()),
+            (16 * MIB, 2, vec![SizeGroup { bytes: 8 * MIB, count: 2 }])
+        );
+        assert_eq!(live_in_state(&state, 1).blocks, 0);
     }
 }
