@@ -94,15 +94,18 @@ def test_a_transformer_over_its_limit_gets_the_options_ranked_with_their_code(ke
 
 def test_fit_takes_no_longer_than_eight_estimates(kernel):
     kernel.run(TRANSFORMER)
+    # Alternated, so that a busy moment of a shared machine weighs on both; the quickest fit
+    # against the median estimate.
     kernel.run(
-        "times = []\n"
-        "for _ in range(3):\n"
-        "    began = time.perf_counter(); gpuexp.estimate(lm_step, 32); times.append(time.perf_counter() - began)\n"
-        "began = time.perf_counter(); found = gpuexp.fit(lm_step, 32, limit=limit)\n"
-        "fit_seconds = time.perf_counter() - began"
+        "times, fits = [], []\n"
+        "for _ in range(2):\n"
+        "    for _ in range(2):\n"
+        "        began = time.perf_counter(); gpuexp.estimate(lm_step, 32); times.append(time.perf_counter() - began)\n"
+        "    began = time.perf_counter(); found = gpuexp.fit(lm_step, 32, limit=limit)\n"
+        "    fits.append(time.perf_counter() - began)"
     )
-    estimates, seconds, one = kernel.value("[found.to_dict()['estimates'], fit_seconds, sorted(times)[1]]")
-    assert estimates <= 7
+    estimates, seconds, one = kernel.value("[found.to_dict()['estimates'], min(fits), sorted(times)[2]]")
+    assert estimates <= 6
     assert seconds <= 8 * one, (seconds, one)
 
 

@@ -87,6 +87,10 @@ fn largest_with(input: &FitInput, peak: u64, budget: u64) -> Option<u64> {
 pub struct Accumulation {
     pub k: u64,
     pub micro_batch: u64,
+    /// The step's peak at the micro-batch: the estimate at bs/2, else the line through it.
+    pub step_peak: u64,
+    /// The gradients live at that peak (the estimate at bs/2's).
+    pub gradients_at_peak: u64,
     /// The step's peak at the micro-batch (from the line) plus the gradients kept between them.
     pub predicted: u64,
 }
@@ -101,7 +105,9 @@ pub fn accumulation(input: &FitInput) -> Option<Accumulation> {
         let micro_batch = input.batch_size / k;
         let peak = if micro_batch == half.batch_size { Some(half.peak) } else { on_line(input, micro_batch) }?;
         let predicted = peak + kept_gradients(half.gradients_at_peak);
-        budget.is_none_or(|b| predicted <= b).then_some(Accumulation { k, micro_batch, predicted })
+        let plan =
+            Accumulation { k, micro_batch, step_peak: peak, gradients_at_peak: half.gradients_at_peak, predicted };
+        budget.is_none_or(|b| predicted <= b).then_some(plan)
     })
 }
 

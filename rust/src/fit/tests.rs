@@ -54,7 +54,14 @@ fn accumulation_takes_the_fewest_micro_batches_that_fit() {
     let mut input = input();
     // At 32 the step peaks at 924 MiB with 100 MiB of its 400 MiB of gradients live: 1224 > 1024.
     // The line (400 MiB per 32 samples) puts 16 at 724, + 300 = 1024: fits.
-    assert_eq!(accumulation(&input), Some(Accumulation { k: 4, micro_batch: 16, predicted: 1024 * MIB }));
+    let plan = Accumulation {
+        k: 4,
+        micro_batch: 16,
+        step_peak: 724 * MIB,
+        gradients_at_peak: 100 * MIB,
+        predicted: 1024 * MIB,
+    };
+    assert_eq!(accumulation(&input), Some(plan));
     input.fits.clear();
     assert_eq!(accumulation(&input).map(|a| a.k), Some(2), "without a budget, two micro-batches");
     input.half = None;
