@@ -36,7 +36,7 @@ FLOORS = {
     # 6 experiments and the jobs run over them
     "scope": 6, "ranks": 6, "finder": 6, "holders_walk": 6, "step_state": 6, "estimate_run": 6,
     "recording_lease": 6, "stack_sampling": 6, "live_view": 6, "compare": 6, "status": 6,
-    "watch": 6,
+    "watch": 6, "fit": 6,
 }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from ._core import (
     Comparison,
     Estimate,
     Explanation,
+    FitReport,
     GpuReport,
     HostReport,
     Metric,
@@ -28,6 +29,7 @@ from ._core import (
 )
 from .devices import device_indices
 from .experiment import CPUExperiment, GPUExperiment, find_batch_size
+from .fit import fit
 from .fit_apply import checkpointed
 from .monitor import Monitor
 from .ranks import host_ranks_store, ranks
@@ -40,6 +42,7 @@ __all__ = [
     "CPUExperiment",
     "Estimate",
     "Explanation",
+    "FitReport",
     "GPUExperiment",
     "GpuReport",
     "HostReport",
@@ -60,6 +63,7 @@ __all__ = [
     "estimate",
     "explain",
     "find_batch_size",
+    "fit",
     "holders",
     "history",
     "host_ranks_store",

@@ -578,6 +578,7 @@ def find_batch_size(
     estimate: bool = True,
     ranks_timeout: float = 600.0,
     adapter: _NamespaceAdapter,
+    want: int | None = None,
 ) -> BatchSizeResult:
     """Runs the search. The arguments are checked before anything touches the GPU. `adapter`
     clears a failed step's frames, as the OOM rescue does, so its tensors can be freed.
@@ -644,6 +645,43 @@ def estimate(
     step: Any, batch_size: int, *, memory: int | None = None, limit: int | None = None, steps: int = 1
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
+
+# ---- fit: what to change so a step fits ---------------------------------------------------------
+
+@final
+class FitReport(_Table):
+    """What ``gpuexp.fit`` found: why the step does not fit, and the options ranked by what they
+    save, each with its predicted peak, its cost and its code. ``str()`` and ``_repr_html_`` are
+    its tables."""
+
+    @property
+    def peak(self) -> int:
+        """The step's predicted peak, in bytes above what is allocated now."""
+    @property
+    def budget(self) -> int | None:
+        """Bytes the peak may reach (free memory, or ``limit=``); None where it is unknown."""
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits as it is; None without a budget."""
+    @property
+    def options(self) -> list[dict[str, Any]]:
+        """The options, ranked, as dicts: option, title, peak, saves, fits, cost, code, refused."""
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The first option that fits, else the one that saves the most; None where none was estimated."""
+    @property
+    def largest_batch(self) -> int | None:
+        """The largest batch that fits as the step is, from the estimates' line."""
+    def raises(self, answer: int) -> str | None:
+        """Which options raise the batch that fits above ``answer``, and to about what, in a sentence."""
+
+def fit_checkpoint_plan(input: str, more: int) -> dict[str, Any]:
+    """The blocks to checkpoint so that the step fits, saving `more` bytes beyond what is needed:
+    ``{"paths": [...], "saving": bytes, "forward_flops": n, "enough": bool}``."""
+def fit_accumulation(input: str) -> dict[str, Any] | None:
+    """Gradient accumulation's micro-batches: ``{"k": n, "micro_batch": n, "predicted": bytes}``, or None."""
+def fit_report(input: str) -> FitReport:
+    """The report, from everything Python gathered."""
 
 # ---- across ranks ------------------------------------------------------------------------------
 

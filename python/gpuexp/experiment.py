@@ -216,7 +216,7 @@ class CPUExperiment(GPUExperiment):
 
 def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_of_two=False,
                     multiple_of=1, device=None, verifications=2, steps=2, progress=True, estimate=True,
-                    ranks_timeout=600):
+                    ranks_timeout=600, want=None):
     """The largest batch size ``step(batch_size)`` runs at within the GPU's memory, found by
     prediction rather than by trying until it fails.
 
@@ -251,6 +251,8 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     every rank gets that one answer, and the table shows each rank's. A rank whose answer has
     not come after ``ranks_timeout`` seconds is named in a RuntimeError.
     Returns a result whose ``batch_size`` is the answer and which shows every trial as a table.
+    When the answer is below ``want`` (by default ``max``) and the step was estimated, its table
+    says which option of ``gpuexp.fit`` raises it, and to about what.
     With ``progress``, each trial shows as it ends: in Jupyter the table so far, updated in place;
     in a terminal one line, rewritten; in a script a line per trial.
     """
@@ -258,7 +260,7 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
         step, start, max, device=None if device is None else device_indices(device)[0], limit=size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
         progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
-        adapter=ipython.DetachedNamespace(),
+        adapter=ipython.DetachedNamespace(), want=want,
     )
 
 

@@ -19,6 +19,9 @@ from .ipython import (
 )
 from .torch_peaks import watch_torch_peak_resets
 
+# The diagnosis of the last CUDA out-of-memory error the rescue showed, for gpuexp.fit's hint.
+last_oom = None
+
 
 def register(ip):
     """Listens to the shell's cell events and adds the ``%gpuexp`` magics (once per shell)."""
@@ -70,6 +73,8 @@ def _after_cell(result=None):
         ended = _runs_ended_by(error)
         diagnosis = _core.rescue_oom(error, ShellNamespace(ip))
         if diagnosis is not None:
+            global last_oom
+            last_oom = diagnosis  # gpuexp.fit reads what it showed of fragmentation
             show(diagnosis)
         for experiment in ended:  # after the rescue: their reports show what came back
             experiment.finish()

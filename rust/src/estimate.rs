@@ -268,7 +268,7 @@ impl Ledger {
 }
 
 /// Bytes by category, in the order a table shows them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Categories {
     pub parameters: u64,
     pub buffers: u64,

@@ -19,6 +19,8 @@ pub mod explain;
 pub mod files;
 /// The batch-size finder's search: predict from a few trials, verify, bisect when wrong.
 pub mod finder;
+/// What to change so a step fits: options predicted under fake tensors, ranked, with their code.
+pub mod fit;
 /// Fork safety: state kept per process, the one fork hook, and NVML kept clean across a fork.
 pub mod fork;
 /// Tables: one set of cells, rendered as text and as HTML.

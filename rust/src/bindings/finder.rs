@@ -50,7 +50,7 @@ shown_as_table!(BatchSizeResultPy, |this| &this.0, this.0.grid());
 /// the trial's line and the table so far, and `finish(line, html)` once the search stops.
 #[pyfunction]
 #[pyo3(signature = (step, start, max, *, device=None, limit=None, margin=None, power_of_two=false, multiple_of=1,
-                    verifications=2, steps=2, progress=None, estimate=true, ranks_timeout=600.0, adapter))]
+                    verifications=2, steps=2, progress=None, estimate=true, ranks_timeout=600.0, adapter, want=None))]
 #[allow(clippy::too_many_arguments)] // one per keyword of find_batch_size
 pub(super) fn find_batch_size<'py>(
     py: Python<'py>,
@@ -68,6 +68,7 @@ pub(super) fn find_batch_size<'py>(
     estimate: bool,
     ranks_timeout: f64,
     adapter: Bound<'py, PyAny>,
+    want: Option<u64>,
 ) -> PyResult<BatchSizeResultPy> {
     check_step(&step, "find_batch_size(train_step)")?;
     let margin = Settings::margin_or_default(margin, limit)?;
@@ -94,6 +95,19 @@ pub(super) fn find_batch_size<'py>(
     let mut lab =
         PyLab { py, step, cuda, index, progress, adapter, ranks_timeout, limited: Vec::new(), interrupts: None };
     finder::find(&mut search, &mut lab, limit, estimate)?;
+    let wanted = want.unwrap_or(max);
+    if let Some(answer) = search.batch_size.filter(|answer| estimate && search.seed.is_some() && *answer < wanted) {
+        // What would raise it: gpuexp.fit at the batch wanted, under fake tensors.
+        let hint = py
+            .import("gpuexp.fit")
+            .and_then(|fit| fit.call_method1("finder_hint", (&lab.step, wanted, limit, index, answer)));
+        search.raised = match hint.and_then(|hint| hint.extract::<Option<String>>()) {
+            Ok(raised) => raised,
+            Err(error) => {
+                Some(format!("gpuexp.fit(step, {wanted}) could not say what would raise it: {}", error.value(py)))
+            }
+        };
+    }
     Ok(BatchSizeResultPy(search))
 }
 

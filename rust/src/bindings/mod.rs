@@ -13,6 +13,7 @@ mod explain;
 mod fakes;
 mod files;
 mod finder;
+mod fit;
 mod fork;
 mod holders;
 mod host_trace;
@@ -59,6 +60,8 @@ mod core_module {
     use super::files::write_atomically;
     #[pymodule_export]
     use super::finder::{find_batch_size, BatchSizeResultPy};
+    #[pymodule_export]
+    use super::fit::{fit_accumulation, fit_checkpoint_plan, fit_report, FitPy};
     #[pymodule_export]
     use super::fork::{after_fork_in_child, is_forked_child};
     #[pymodule_export]

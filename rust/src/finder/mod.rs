@@ -117,6 +117,8 @@ pub struct Search {
     pub seed: Option<Seed>,
     /// Why the search had no estimates to start from.
     pub unseeded: Option<String>,
+    /// Below the batch wanted: which option of `gpuexp.fit` raises the answer, and to what.
+    pub raised: Option<String>,
 }
 
 /// A check passes when the line predicts the further probe within this share.
@@ -151,6 +153,7 @@ impl Search {
             ranks: None,
             seed: None,
             unseeded: None,
+            raised: None,
         })
     }
 
@@ -445,7 +448,8 @@ impl Search {
             None if self.verdict.is_empty() => format!("gpuexp · searching · {} trials", self.trials.len()),
             None => "gpuexp · no batch size fits".to_string(),
         };
-        let notes = if self.verdict.is_empty() { Vec::new() } else { vec![format!("verdict: {}", self.verdict)] };
+        let mut notes = if self.verdict.is_empty() { Vec::new() } else { vec![format!("verdict: {}", self.verdict)] };
+        notes.extend(self.raised.iter().map(|raised| format!("hint: {raised}")));
         Grid {
             title,
             lines,

@@ -158,6 +158,14 @@ impl OomDiagnosis {
         if crowded {
             hints.push(format!("other processes hold {} of this GPU: stop them or use another GPU", bytes(others)));
         }
+        // A model's forward was running, or a training run's step: fit can say what to change.
+        if self.training.is_some() || self.failed_line.as_ref().is_some_and(|line| line.module.is_some()) {
+            hints.push(
+                "next: gpuexp.fit(step, batch_size) predicts, without running it, what makes the step fit \
+                 (checkpointing, autocast, accumulation), ranked, with the code (docs/fit.md)"
+                    .into(),
+            );
+        }
         hints
     }
 
@@ -310,6 +318,22 @@ mod tests {
         assert!(hints.iter().any(|h| h.contains("expandable_segments")), "{hints:?}");
         assert!(hints.iter().any(|h| h.contains("other processes hold 20.00 GiB")), "{hints:?}");
         assert!(!diagnosis().hints().iter().any(|h| h.contains("expandable_segments")));
+    }
+
+    #[test]
+    fn an_oom_in_a_models_forward_or_a_training_step_points_to_fit() {
+        assert!(!diagnosis().hints().iter().any(|h| h.contains("gpuexp.fit")));
+        let mut d = diagnosis();
+        d.failed_line =
+            Some(FailedLine { label: "In [7], line 3".into(), source: None, module: Some("model.h.3 (Block)".into()) });
+        assert!(
+            d.hints().last().is_some_and(|h| h.starts_with("next: gpuexp.fit(step, batch_size)")),
+            "{:?}",
+            d.hints()
+        );
+        d.failed_line = None;
+        d.training = Some(Position::default());
+        assert!(d.hints().iter().any(|h| h.contains("gpuexp.fit")));
     }
 
     #[test]
