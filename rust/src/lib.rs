@@ -56,6 +56,8 @@ pub mod status;
 pub mod step_state;
 /// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
+/// Torch's allocation history run for its clients, in a fixed order over a trait.
+pub mod torch_history;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
 pub mod trace;
 /// Training runs measured by a framework's callback: their position, intervals and metrics.
