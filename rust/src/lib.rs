@@ -25,6 +25,8 @@ pub mod fork;
 pub mod grid;
 /// The leak hunter's walk: roots, their order, path names, each storage counted once.
 pub mod holders_walk;
+/// Host memory by line through tracemalloc: its share, opening and finish, over a trait.
+pub mod host_tracing;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
 /// Locks that outlive a panic while they were held.
