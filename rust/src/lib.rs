@@ -33,6 +33,8 @@ pub mod live_view;
 pub mod locks;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// The rescue after a CUDA out-of-memory error: its steps in order, and its diagnosis.
+pub mod oom_rescue;
 /// What an experiment varied (`params=`, or `bs=64` in its name): below the reports and the
 /// trace's diffs, which both show it.
 pub mod params;
