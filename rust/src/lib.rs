@@ -1,6 +1,8 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+/// The cell log's share of torch's allocation history: joined, kept across cells, given back.
+pub mod cell_history;
 /// Finished experiments side by side: a table, JSON, and peaks against a param with a fit.
 pub mod compare;
 /// cuDNN's recurrent layers as an estimate sees them: why it refuses them, and what to do.

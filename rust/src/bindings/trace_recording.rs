@@ -123,10 +123,6 @@ pub(super) fn set_stacks(py: Python, on: bool) -> bool {
     torch_history::set_stacks(&PyMemory::new(py), on)
 }
 
-pub(super) fn open_shares() -> usize {
-    torch_history::open_shares()
-}
-
 /// Torch's snapshot now, pickled (protocol 4, as memory_viz and Mosaic read it): the format the
 /// core reads, whether it comes from this process or from a file. What makes its replay exact
 /// (the state at the recording's start, the experiment's `window`) goes in under `gpuexp`.
