@@ -29,6 +29,8 @@ pub mod grid;
 pub mod holders_walk;
 /// Host memory by line through tracemalloc: its share, opening and finish, over a trait.
 pub mod host_tracing;
+/// Torch's snapshot pickles of the latest traced reports, for `save_snapshot`.
+pub mod kept_snapshots;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
 /// Locks that outlive a panic while they were held.

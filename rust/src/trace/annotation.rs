@@ -5,6 +5,7 @@
 use serde_json::{json, Map, Value};
 
 use super::StepMark;
+use crate::report::Report;
 
 /// The traced experiment a snapshot is saved for: when it opened, the cap, torch's peaks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -13,6 +14,18 @@ pub struct WindowKey {
     pub max_entries: Option<u64>,
     /// (torch index, `max_memory_allocated` over the experiment).
     pub peaks: Vec<(u32, u64)>,
+}
+
+impl WindowKey {
+    /// The window of a traced experiment that opened at `opened_us`, for its `devices`: torch's
+    /// own peak over it, saved with the snapshot, is the figure its replay meets.
+    pub fn of_report(opened_us: i64, max_entries: Option<u64>, report: &Report, devices: &[u32]) -> WindowKey {
+        let peaks = (report.gpus.iter())
+            .filter(|gpu| devices.contains(&gpu.torch_index))
+            .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
+            .collect();
+        WindowKey { opened_us, max_entries, peaks }
+    }
 }
 
 /// The `gpuexp` key's `window` (where one is given) and `steps` (where there are marks).

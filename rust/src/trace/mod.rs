@@ -57,7 +57,7 @@ pub use parse::{
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
 pub use sampled::{Recorded, Sampling, SiteSource, StepMark, StepSpan};
-pub use scope::{peak_since, scope_traces, scope_traces_checked, DeviceTrace};
+pub use scope::{peak_since, scope_traces, scope_traces_checked, snapshot_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 
