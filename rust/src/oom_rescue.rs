@@ -33,7 +33,11 @@ pub trait RescueWorld {
 /// Rescues after the CUDA out-of-memory error whose text is `message`, raised while the
 /// training run stood at `training`, and diagnoses it: what was asked for, what the device had,
 /// what grew since the last step, what came back.
-pub fn rescue<W: RescueWorld>(world: &W, message: String, training: Option<Position>) -> Result<OomDiagnosis, W::Error> {
+pub fn rescue<W: RescueWorld>(
+    world: &W,
+    message: String,
+    training: Option<Position>,
+) -> Result<OomDiagnosis, W::Error> {
     let (requested, device) = report::parse_oom_message(&message);
     let before = world.snapshot();
     // The traceback is read before its frames are cleared.
@@ -52,14 +56,16 @@ pub fn rescue<W: RescueWorld>(world: &W, message: String, training: Option<Posit
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
         // The history was given back after the cell's first steps: levels and the allocator's state.
-        (None, Some(step)) if step.level.is_some() => match gpu_before.as_ref().and_then(|g| Some((g.torch_index, g.torch?))) {
-            Some((index, torch)) => (
-                recorder::since_level(Some(step), index, crate::torch_history::now_us(), torch.allocated),
-                None,
-                world.live_in_state(index),
-            ),
-            None => (SinceStep::Unknown { step, why: no_record_why(world) }, None, None),
-        },
+        (None, Some(step)) if step.level.is_some() => {
+            match gpu_before.as_ref().and_then(|g| Some((g.torch_index, g.torch?))) {
+                Some((index, torch)) => (
+                    recorder::since_level(Some(step), index, crate::torch_history::now_us(), torch.allocated),
+                    None,
+                    world.live_in_state(index),
+                ),
+                None => (SinceStep::Unknown { step, why: no_record_why(world) }, None, None),
+            }
+        }
         (None, Some(step)) => (SinceStep::Unknown { step, why: no_record_why(world) }, None, None),
     };
     let cleared = world.clear_frames()?;

@@ -20,7 +20,8 @@ impl RescueWorld for Fake {
     fn snapshot(&self) -> Snapshot {
         self.log("snapshot");
         let allocated = if self.released.get() { 100 } else { 900 };
-        let reading = |index: u32| GpuReading { torch: Some(torch(allocated, 1_000, 950, 1_000)), ..gpu(index, "GPU-x") };
+        let reading =
+            |index: u32| GpuReading { torch: Some(torch(allocated, 1_000, 950, 1_000)), ..gpu(index, "GPU-x") };
         host(1.0, 10, 10).with_gpu(reading(0)).with_gpu(reading(1))
     }
     fn failed_line(&self) -> Option<FailedLine> {
@@ -77,5 +78,9 @@ fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_aft
     assert_eq!(diagnosis.torch_allocated_before, Some(900));
     assert_eq!(diagnosis.torch_allocated_after, Some(100));
     assert_eq!(diagnosis.cleared, ["frames of the failed cell"]);
-    assert!(diagnosis.hints.iter().any(|h| h.contains("FreeCublasWorkspaces failed: no cuBLAS")), "{:?}", diagnosis.hints);
+    assert!(
+        diagnosis.hints.iter().any(|h| h.contains("FreeCublasWorkspaces failed: no cuBLAS")),
+        "{:?}",
+        diagnosis.hints
+    );
 }

@@ -45,7 +45,9 @@ const TRACE_HOST: &str =
 impl Missing {
     pub fn why(&self) -> String {
         match self {
-            Missing::Torch => format!("trace=True records torch's CUDA allocations: import torch first, or {TRACE_HOST}"),
+            Missing::Torch => {
+                format!("trace=True records torch's CUDA allocations: import torch first, or {TRACE_HOST}")
+            }
             Missing::CudaGpu => {
                 format!("trace=True records torch's CUDA allocations, and torch sees no CUDA GPU: {TRACE_HOST}")
             }

@@ -127,3 +127,16 @@ fn unsampled_steps_record_events_and_take_the_hooks_off() {
     assert_eq!(torch.calls(), ["record Some(Stacks)", "hooks on"]);
     close(&torch);
 }
+
+#[test]
+fn the_flight_recorder_joins_once_without_stacks_and_leaves_once() {
+    use crate::recorder::{change_history, HistoryChange};
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let torch = Fake { cuda_initialised: true, ..Fake::default() };
+    assert_eq!(change_history(&torch, HistoryChange::Join), None);
+    assert_eq!(change_history(&torch, HistoryChange::Join), None);
+    assert_eq!(torch.calls(), ["take opening", "record Some(Events)"], "joined once, without hooks");
+    change_history(&torch, HistoryChange::Leave);
+    change_history(&torch, HistoryChange::Leave);
+    assert_eq!(torch.calls(), ["forget opening", "record None"]);
+}

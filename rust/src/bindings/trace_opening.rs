@@ -8,8 +8,8 @@ use pyo3::types::PyDict;
 
 use super::report::json_to_python;
 use crate::fork::{Guard, PerProcess};
-pub(super) use crate::trace::WindowKey;
 use crate::trace::annotation;
+pub(super) use crate::trace::WindowKey;
 
 /// (the state's `segments` list, when it was taken, the recording's cap).
 struct State {

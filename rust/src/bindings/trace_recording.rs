@@ -8,17 +8,17 @@ use pyo3::types::PyDict;
 use super::torch::PyTorch;
 use super::trace_opening::WindowKey;
 use crate::recording_lease::HistoryMode;
-use crate::torch_history::{self, Joined, Missing, TorchMemory};
+use crate::torch_history::{self, Missing, TorchMemory};
 pub(super) use crate::torch_history::{now_us, TraceWindow, MAX_ENTRIES};
 
 /// Torch's allocator as this process's Python reaches it.
-struct PyMemory<'py> {
+pub(super) struct PyMemory<'py> {
     py: Python<'py>,
     torch: PyTorch<'py>,
 }
 
 impl<'py> PyMemory<'py> {
-    fn new(py: Python<'py>) -> PyMemory<'py> {
+    pub(super) fn new(py: Python<'py>) -> PyMemory<'py> {
         PyMemory { py, torch: PyTorch::find(py) }
     }
 
@@ -95,14 +95,6 @@ pub(super) fn history_enabled(torch: &PyTorch) -> bool {
         .as_ref()
         .and_then(|t| t.getattr("_C").ok()?.call_method0("_cuda_isHistoryEnabled").ok()?.extract().ok())
         .unwrap_or(false)
-}
-
-pub(super) fn join(py: Python, mode: HistoryMode) -> Result<Joined, String> {
-    torch_history::join(&PyMemory::new(py), mode)
-}
-
-pub(super) fn leave(py: Python, mode: HistoryMode) -> Option<String> {
-    torch_history::leave(&PyMemory::new(py), mode)
 }
 
 pub(super) fn open(py: Python) -> (TraceWindow, Vec<String>) {
