@@ -24,19 +24,20 @@ FLOORS = {
     "units": 0, "grid": 0, "params": 0, "error": 0, "uninspectable": 0, "locks": 0, "fork": 0,
     "files": 0,
     # 1 one reading
-    "snapshot": 1,
+    "snapshot": 1, "recording_lease": 1,
     # 2 what a report quotes besides snapshots: the monitor's samples, training's position, the
     # names teardown deleted, a step's ledger (whose categories the trace sorts its sites by)
     "monitor": 2, "peak_sampler": 2, "training": 2, "teardown": 2, "estimate": 2,
     "estimate_books": 2, "cudnn_rnn": 2,
     # 3, 4, 5: trace → report → explain
-    "trace": 3, "recorder": 3,
+    "trace": 3, "recorder": 3, "torch_history": 3, "cell_history": 3,
     "report": 4,
     "explain": 5,
     # 6 experiments and the jobs run over them
     "scope": 6, "ranks": 6, "finder": 6, "holders_walk": 6, "step_state": 6, "estimate_run": 6,
-    "recording_lease": 6, "stack_sampling": 6, "live_view": 6, "compare": 6, "status": 6,
-    "watch": 6, "fit": 6,
+    "stack_sampling": 6, "live_view": 6, "compare": 6, "status": 6,
+    "watch": 6, "fit": 6, "host_tracing": 6, "kept_snapshots": 6,
+    "oom_rescue": 6,
 }  # fmt: skip
 
 

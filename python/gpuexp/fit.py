@@ -42,7 +42,9 @@ def fit(step, batch_size, *, limit=None, verify=False, device=None, model=None):
     if verify not in (False, True, "checkpoint", "autocast"):
         raise ValueError(f"verify is True, False, 'checkpoint' or 'autocast'; got {verify!r}")
     from . import _holder_memory
+    from .experiment import size
 
+    limit = size(limit, "limit")  # bytes, as estimate takes it
     memory = _holder_memory(device)
     torch = sys.modules.get("torch")
     if torch is None:

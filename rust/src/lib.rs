@@ -1,6 +1,8 @@
 //! gpuexp's core: memory experiment scopes for notebooks. Everything with state lives here;
 //! the Python package is the IPython glue and the public surface.
 
+/// The cell log's share of torch's allocation history: joined, kept across cells, given back.
+pub mod cell_history;
 /// Finished experiments side by side: a table, JSON, and peaks against a param with a fit.
 pub mod compare;
 /// cuDNN's recurrent layers as an estimate sees them: why it refuses them, and what to do.
@@ -27,12 +29,18 @@ pub mod fork;
 pub mod grid;
 /// The leak hunter's walk: roots, their order, path names, each storage counted once.
 pub mod holders_walk;
+/// Host memory by line through tracemalloc: its share, opening and finish, over a trait.
+pub mod host_tracing;
+/// Torch's snapshot pickles of the latest traced reports, for `save_snapshot`.
+pub mod kept_snapshots;
 /// The view of a running cell's memory, and when it is drawn.
 pub mod live_view;
 /// Locks that outlive a panic while they were held.
 pub mod locks;
 /// The timeline: a thread that records figures at an interval into JSON Lines or CSV.
 pub mod monitor;
+/// The rescue after a CUDA out-of-memory error: its steps in order, and its diagnosis.
+pub mod oom_rescue;
 /// What an experiment varied (`params=`, or `bs=64` in its name): below the reports and the
 /// trace's diffs, which both show it.
 pub mod params;
@@ -58,6 +66,8 @@ pub mod status;
 pub mod step_state;
 /// Which names a scope deletes, and the order of teardown's steps.
 pub mod teardown;
+/// Torch's allocation history run for its clients, in a fixed order over a trait.
+pub mod torch_history;
 /// Where in the code: torch's allocation history replayed, its peak, leaks and OOMs by source line.
 pub mod trace;
 /// Training runs measured by a framework's callback: their position, intervals and metrics.

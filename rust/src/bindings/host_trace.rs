@@ -1,9 +1,6 @@
 //! Host memory by source line for experiments opened with `trace="host"` or `"all"`, through
-//! `tracemalloc`: a snapshot at opening and one at finish (before the teardown deletes
-//! anything), their difference handed to `crate::trace::host` as plain frames and sizes.
-//! gpuexp starts tracemalloc where it is not tracing and stops it after the last experiment
-//! that needed it, since tracing slows every allocation; a tracemalloc the user started is
-//! shared and left running (`crate::recording_lease` decides, as for torch's history).
+//! `tracemalloc`: `crate::host_tracing` runs the opening and the finish over [`PyTracemalloc`],
+//! which only calls Python's module and groups its raw traces.
 
 use std::collections::HashMap;
 
@@ -13,10 +10,8 @@ use pyo3::types::{PyBool, PyByteArray, PyList, PyString};
 
 use super::interrupts::Held;
 use super::trace::PyNamer;
-use crate::fork::{Guard, PerProcess};
-use crate::recording_lease::{Change, Lease};
-use crate::report::Report;
-use crate::trace::{self, HostGrowth, HostTrace, SiteRule, TraceKinds, HOST_FRAMES, TOP_SITES};
+use crate::host_tracing::{self, Failure, Tracemalloc};
+use crate::trace::{self, HostGrowth, TraceKinds, HOST_FRAMES};
 
 /// `trace=`: True, False, "cuda", "host" or "all" (None: the setting's default).
 pub(super) fn trace_kinds(value: &Bound<PyAny>) -> PyResult<TraceKinds> {
@@ -30,53 +25,73 @@ pub(super) fn trace_kinds(value: &Bound<PyAny>) -> PyResult<TraceKinds> {
     Err(trace::kinds::rejected(&shown).into())
 }
 
-/// The experiments that trace the host share tracemalloc (it has one mode).
-static TRACING: PerProcess<Lease<()>> = PerProcess::new(Lease::new);
+pub(super) type HostWindow = host_tracing::HostWindow<Py<PyAny>>;
+pub(super) use crate::host_tracing::HostFinding;
 
-fn tracing() -> Guard<'static, Lease<()>> {
-    TRACING.lock()
+/// Python's tracemalloc, with the interrupts `held` let through while its traces are read (a
+/// tracemalloc of the user's may hold many).
+struct PyTracemalloc<'a, 'py> {
+    py: Python<'py>,
+    held: &'a Held<'py>,
 }
 
-/// One experiment's share of the host tracing: what was live at its opening, counted negative,
-/// and a marker allocated then, whose trace is gone at finish if tracemalloc was stopped since.
-pub(super) struct HostWindow {
-    start: Result<(HostGrowth, Py<PyAny>), String>,
+impl From<PyErr> for Failure {
+    fn from(error: PyErr) -> Failure {
+        Python::attach(|py| {
+            if error.is_instance_of::<PyKeyboardInterrupt>(py) {
+                Failure::Interrupted
+            } else {
+                Failure::Failed(error.to_string())
+            }
+        })
+    }
 }
 
-/// Joins (or starts) tracemalloc for an experiment that opens now and reads what is live (with
-/// the interrupts `held` let through: a tracemalloc of the user's may hold many traces);
+impl PyTracemalloc<'_, '_> {
+    fn call(&self, method: &str) -> PyResult<Bound<'_, PyAny>> {
+        self.py.import("tracemalloc")?.call_method0(method)
+    }
+}
+
+impl Tracemalloc for PyTracemalloc<'_, '_> {
+    type Marker = Py<PyAny>;
+
+    fn is_tracing(&self) -> Result<bool, Failure> {
+        Ok(self.call("is_tracing")?.extract::<bool>()?)
+    }
+
+    fn start(&self) -> Result<(), Failure> {
+        Ok(self.py.import("tracemalloc")?.call_method1("start", (HOST_FRAMES,)).map(drop)?)
+    }
+
+    fn stop(&self) -> Result<(), Failure> {
+        Ok(self.call("stop").map(drop)?)
+    }
+
+    fn tally_live(&self, growth: &mut HostGrowth, sign: i64) -> Result<(), Failure> {
+        Ok(self.held.let_through(self.py, || tally_live(self.py, growth, sign))?)
+    }
+
+    fn marker(&self) -> Result<Py<PyAny>, Failure> {
+        Ok(PyByteArray::new(self.py, &[0; 8]).into_any().unbind())
+    }
+
+    fn traces(&self, marker: &Py<PyAny>) -> Result<bool, Failure> {
+        let traceback = self.py.import("tracemalloc")?.call_method1("get_object_traceback", (marker,))?;
+        Ok(!traceback.is_none())
+    }
+}
+
+/// Joins (or starts) tracemalloc for an experiment that opens now and reads what is live;
 /// returns notes for the start.
 pub(super) fn open(py: Python, held: &Held) -> (HostWindow, Vec<String>) {
-    let mut notes = Vec::new();
-    let start = (|| -> PyResult<(HostGrowth, Py<PyAny>)> {
-        let tracemalloc = py.import("tracemalloc")?;
-        let mut users = false;
-        let change = tracing().join((), || {
-            users = tracemalloc.call_method0("is_tracing").and_then(|t| t.extract::<bool>()).unwrap_or(false);
-            users
-        });
-        if users {
-            notes.push("trace: shares the tracemalloc already tracing, and leaves it running".into());
-        }
-        if change == Change::Start(()) {
-            if let Err(e) = tracemalloc.call_method1("start", (HOST_FRAMES,)) {
-                tracing().join_failed(());
-                return Err(e);
-            }
-        }
-        let mut live = HostGrowth::default();
-        held.let_through(py, || tally_live(py, &mut live, -1))?;
-        let marker = PyByteArray::new(py, &[0; 8]).into_any().unbind();
-        Ok((live, marker))
-    })();
-    let start = start.map_err(|e| {
-        if e.is_instance_of::<PyKeyboardInterrupt>(py) {
-            "trace: interrupted while tracemalloc's traces were read at opening, so there is no host table".into()
-        } else {
-            format!("trace: tracemalloc's snapshot at opening failed ({e})")
-        }
-    });
-    (HostWindow { start }, notes)
+    host_tracing::open(&PyTracemalloc { py, held })
+}
+
+/// Reads the growth since `window` opened, before the teardown deletes anything (interrupts let
+/// through as `held` says).
+pub(super) fn finish(py: Python, window: HostWindow, held: &Held) -> HostFinding {
+    host_tracing::finish(&PyTracemalloc { py, held }, window, &PyNamer::new(py))
 }
 
 /// Adds what tracemalloc traces now to `growth`, `sign` times each trace's size and count. Reads
@@ -133,102 +148,4 @@ fn tally_live(py: Python, growth: &mut HostGrowth, sign: i64) -> PyResult<()> {
         growth.tally(stack, sign * bytes, sign * count);
     }
     Ok(())
-}
-
-/// The host's growth by site at finish, or why there is none; the tracing ends where this was
-/// its last experiment.
-pub(super) struct HostFinding {
-    trace: Option<HostTrace>,
-    notes: Vec<String>,
-}
-
-/// Whether the tracing that `marker`'s experiment opened under still runs: tracemalloc forgets
-/// every trace when stopped, so a marker without one means it was stopped since (and perhaps
-/// started again, by the user's code: then that tracing is theirs).
-enum Since {
-    Running,
-    Stopped,
-    Restarted,
-}
-
-fn since(py: Python, marker: &Py<PyAny>) -> PyResult<Since> {
-    let tracemalloc = py.import("tracemalloc")?;
-    if !tracemalloc.call_method0("is_tracing")?.extract::<bool>()? {
-        return Ok(Since::Stopped);
-    }
-    let traced = !tracemalloc.call_method1("get_object_traceback", (marker,))?.is_none();
-    Ok(if traced { Since::Running } else { Since::Restarted })
-}
-
-/// Reads the growth since `window` opened, before the teardown deletes anything. Interrupts are
-/// let through while tracemalloc's traces are read (`held`): the stop button then ends the
-/// reading, and the experiment finishes without the host table.
-pub(super) fn finish(py: Python, window: HostWindow, held: &Held) -> HostFinding {
-    let mut notes = Vec::new();
-    let read = window.start.and_then(|(mut growth, marker)| {
-        let since = since(py, &marker).map_err(|e| format!("trace: reading tracemalloc at finish failed ({e})"))?;
-        drop(marker);
-        match since {
-            Since::Running => {}
-            Since::Stopped => {
-                return Err("trace: tracemalloc was stopped during the experiment (tracemalloc.stop()), so there is \
-                            no host table"
-                    .into())
-            }
-            Since::Restarted => {
-                notes.push(restarted());
-                // What was live at opening was forgotten at the stop: everything live now came after it.
-                growth = HostGrowth::default();
-            }
-        }
-        match held.let_through(py, || tally_live(py, &mut growth, 1)) {
-            Ok(()) => Ok(growth),
-            Err(e) if e.is_instance_of::<PyKeyboardInterrupt>(py) => Err(
-                "trace: interrupted while the host's allocations were compared, so there is no host table (the rest \
-                 of the experiment finished as usual)"
-                    .into(),
-            ),
-            Err(e) => Err(format!("trace: reading tracemalloc at finish failed ({e})")),
-        }
-    });
-    let mut finding = match read {
-        Ok(growth) => {
-            let namer = PyNamer::new(py);
-            let trace = trace::host_sites(&growth, &SiteRule::default(), &namer, TOP_SITES, Vec::new());
-            HostFinding { trace: Some(trace), notes }
-        }
-        Err(why) => {
-            notes.push(why);
-            HostFinding { trace: None, notes }
-        }
-    };
-    finding.notes.extend(close(py));
-    finding
-}
-
-/// A tracemalloc stopped and started again while an experiment traced is someone else's: gpuexp
-/// leaves it running from then on.
-fn restarted() -> String {
-    tracing().disown();
-    "trace: tracemalloc was stopped and started again during the experiment (by your code?): the host table \
-     covers what was allocated since, and that tracing is left running"
-        .into()
-}
-
-impl HostFinding {
-    pub(super) fn complete_report(self, report: &mut Report) {
-        report.host_trace = self.trace;
-        report.notes.extend(self.notes);
-    }
-}
-
-/// An experiment's share ends; the last one to leave a tracemalloc gpuexp started stops it.
-fn close(py: Python) -> Option<String> {
-    if tracing().leave(()) != Change::Stop {
-        return None;
-    }
-    py.import("tracemalloc")
-        .and_then(|tracemalloc| tracemalloc.call_method0("stop"))
-        .err()
-        .map(|e| format!("trace: tracemalloc could not be stopped ({e})"))
 }

@@ -9,10 +9,11 @@ use super::snapshot::take_snapshot;
 use super::torch::{release, PyTorch};
 use super::trace::{self, PyNamer};
 use super::trace_recording;
-use crate::recorder::SinceStep;
-use crate::report::{self, FailedLine};
-use crate::snapshot::{nvml, own_pids, GpuReading, GpuSelection, Snapshot};
-use crate::teardown;
+use crate::oom_rescue::{self, RescueWorld};
+use crate::recorder::{LiveBlocks, OomRecord, StepEnd};
+use crate::report::FailedLine;
+use crate::snapshot::{GpuSelection, Snapshot};
+use crate::teardown::Step;
 use crate::trace::SiteRule;
 
 /// torch's own OutOfMemoryError, or the RuntimeError older torch raised with CUDA's message
@@ -45,85 +46,54 @@ pub(super) fn rescue_oom(py: Python, error: Bound<PyAny>, adapter: Option<Bound<
         return Ok(None);
     }
     let message = error.str()?.to_string();
-    let (requested, device) = report::parse_oom_message(&message);
-    let (before, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    // The traceback is read before the adapter clears its frames.
-    let failed_line = failed_line(py, &error);
-    let step = crate::recorder::last_step();
-    let recorded = (before.gpus.iter())
-        .find(|g| device.is_none_or(|index| g.torch_index == index))
-        .and_then(|g| trace::last_oom(py, g.torch_index, requested, step));
-    let failing_gpu = before.gpus.iter().find(|g| device.is_none_or(|index| g.torch_index == index));
-    let (since_step, sites, live_blocks) = match (recorded, step) {
-        (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
-        (None, None) => (SinceStep::NoStep, None, None),
-        // The history was given back after the cell's first steps: levels and the allocator's state.
-        (None, Some(step)) if crate::recorder::last_level().is_some() => {
-            match failing_gpu.and_then(|g| Some((g.torch_index, g.torch?))) {
-                Some((index, torch)) => (
-                    crate::recorder::since_level(
-                        crate::recorder::last_level(),
-                        index,
-                        trace_recording::now_us(),
-                        torch.allocated,
-                    ),
-                    None,
-                    trace::live_in_state(py, index),
-                ),
-                None => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
-            }
-        }
-        (None, Some(step)) => (SinceStep::Unknown { step, why: no_record_why(py) }, None, None),
-    };
-    let cleared = match &adapter {
-        Some(adapter) => adapter.call_method1("drop_exception", (&error,))?.extract()?,
-        None => Vec::new(),
-    };
-    let mut hints = Vec::new();
-    for step in teardown::RELEASE {
-        if let Err(e) = release(py, step) {
-            hints.push(format!("rescue step {step:?} failed: {e}"));
+    let world = PyRescue { py, error: &error, adapter: adapter.as_ref() };
+    Ok(Some(OomPy(oom_rescue::rescue(&world, message, training)?)))
+}
+
+/// The rescue's world: the exception, the kernel's adapter, torch.
+struct PyRescue<'a, 'py> {
+    py: Python<'py>,
+    error: &'a Bound<'py, PyAny>,
+    adapter: Option<&'a Bound<'py, PyAny>>,
+}
+
+impl RescueWorld for PyRescue<'_, '_> {
+    type Error = PyErr;
+
+    fn snapshot(&self) -> Snapshot {
+        take_snapshot(self.py, &GpuSelection::AllVisible).0
+    }
+
+    fn failed_line(&self) -> Option<FailedLine> {
+        failed_line(self.py, self.error)
+    }
+
+    fn last_oom(&self, torch_index: u32, requested: Option<u64>, step: Option<StepEnd>) -> Option<OomRecord> {
+        trace::last_oom(self.py, torch_index, requested, step)
+    }
+
+    fn live_in_state(&self, torch_index: u32) -> Option<LiveBlocks> {
+        trace::live_in_state(self.py, torch_index)
+    }
+
+    fn flight_recorder_on(&self) -> bool {
+        registry().flight_recorder
+    }
+
+    fn history_enabled(&self) -> bool {
+        trace_recording::history_enabled(&PyTorch::find(self.py))
+    }
+
+    fn clear_frames(&self) -> PyResult<Vec<String>> {
+        match self.adapter {
+            Some(adapter) => adapter.call_method1("drop_exception", (self.error,))?.extract(),
+            None => Ok(Vec::new()),
         }
     }
-    let (after, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    // The device torch's message names; another GPU's figures would only mislead.
-    let pick = |s: &Snapshot| -> Option<GpuReading> {
-        match device {
-            Some(index) => s.gpus.iter().find(|g| g.torch_index == index).cloned(),
-            None => s.gpus.first().cloned(),
-        }
-    };
-    let (gpu_before, gpu_after) = (pick(&before), pick(&after));
-    let others = gpu_before
-        .as_ref()
-        .map(|g| nvml::other_processes(&g.uuid, &own_pids()))
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used })
-        .collect();
-    let mut diagnosis = report::OomDiagnosis {
-        message,
-        torch_index: gpu_before.as_ref().map(|g| g.torch_index).or(device),
-        requested,
-        total: gpu_before.as_ref().map(|g| g.total),
-        free_before: gpu_before.as_ref().map(|g| g.free),
-        free_after: gpu_after.as_ref().map(|g| g.free),
-        torch_allocated_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
-        torch_allocated_after: gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
-        torch_reserved_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.reserved),
-        process_used_before: gpu_before.as_ref().and_then(|g| g.process_used),
-        others,
-        hints: Vec::new(),
-        cleared,
-        training,
-        sites,
-        failed_line,
-        since_step,
-        live_blocks,
-    };
-    diagnosis.hints = diagnosis.hints();
-    diagnosis.hints.extend(hints);
-    Ok(Some(OomPy(diagnosis)))
+
+    fn release(&self, step: Step) -> Result<(), String> {
+        release(self.py, step).map_err(|e| e.to_string())
+    }
 }
 
 /// The failed line and module from the exception's traceback (python/gpuexp/oom_frames.py).
@@ -131,20 +101,4 @@ fn failed_line(py: Python, error: &Bound<PyAny>) -> Option<FailedLine> {
     let found = py.import("gpuexp.oom_frames").and_then(|m| m.call_method1("failed_frames", (error,))).ok()?;
     let (frames, module): (Vec<(String, u32, String)>, Option<String>) = found.extract().ok()?;
     FailedLine::from_frames(&frames, module, &SiteRule::default(), &PyNamer::new(py))
-}
-
-/// Why no allocation record holds the OOM, for the diagnosis.
-fn no_record_why(py: Python) -> String {
-    if !registry().flight_recorder {
-        return "the flight recorder is off: gpuexp.config(flight_recorder=True)".into();
-    }
-    if trace_recording::history_enabled(&PyTorch::find(py)) {
-        "the allocation record holds no OOM of the size torch's message names".into()
-    } else {
-        "no allocation record ran: the recorder starts at the first cell or experiment after CUDA is initialised".into()
-    }
-}
-
-fn process_name(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|n| n.trim().to_string()).unwrap_or_else(|_| "?".into())
 }

@@ -14,20 +14,7 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::torch::PyTorch;
 use super::trace_recording;
-use crate::fork::PerProcess;
 use crate::recorder::{self, HistoryChange, Level, StepKind};
-use crate::recording_lease::HistoryMode;
-
-/// Whether this process holds the recorder's share (a forked child holds none of its parent's).
-static HELD: PerProcess<bool> = PerProcess::new(|| false);
-
-fn held() -> bool {
-    *HELD.lock()
-}
-
-fn set_held(on: bool) {
-    *HELD.lock() = on;
-}
 
 pub(super) fn wanted() -> bool {
     let registry = registry();
@@ -41,15 +28,8 @@ fn step_hook(py: Python, method: &str) {
 
 /// Carries out the schedule's change to the recorder's share of torch's history.
 fn change_history(py: Python, change: HistoryChange) {
-    match change {
-        HistoryChange::Join if !held() && trace_recording::join(py, HistoryMode::Events).is_ok() => set_held(true),
-        HistoryChange::Leave if held() => {
-            set_held(false);
-            if let Some(note) = trace_recording::leave(py, HistoryMode::Events) {
-                let _ = py.import("gpuexp.ipython").and_then(|m| m.call_method1("warn", (note,)));
-            }
-        }
-        _ => {}
+    if let Some(note) = recorder::change_history(&trace_recording::PyMemory::new(py), change) {
+        let _ = py.import("gpuexp.ipython").and_then(|m| m.call_method1("warn", (note,)));
     }
 }
 

@@ -5,18 +5,16 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyException, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::interrupts::Interruptible;
 use super::report::{json_to_python, ReportPy};
-use super::trace_opening::WindowKey;
 use super::trace_recording::{self, TraceWindow};
-use crate::locks::lock;
+use crate::kept_snapshots;
 use crate::report::{Params, Report};
 use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
 
@@ -86,19 +84,6 @@ impl SiteNamer for PyNamer<'_> {
     }
 }
 
-/// Snapshot pickles of the latest traced reports, by report (name and start), for
-/// `save_snapshot`: each can be tens of MiB, so older reports give theirs up.
-static KEPT: Mutex<VecDeque<(String, Arc<Vec<u8>>)>> = Mutex::new(VecDeque::new());
-const KEPT_SNAPSHOTS: usize = 4;
-
-fn kept() -> std::sync::MutexGuard<'static, VecDeque<(String, Arc<Vec<u8>>)>> {
-    lock(&KEPT)
-}
-
-fn report_key(report: &Report) -> String {
-    format!("{}\u{0}{}", report.name, report.started_at)
-}
-
 /// Reads a snapshot pickle (with the GIL released) and hands it to `find` with an attribution
 /// that names sites as the user reads them.
 fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
@@ -142,12 +127,7 @@ fn analyse(
     keep_going: &mut dyn FnMut() -> crate::error::Result<()>,
 ) -> PyResult<crate::error::Result<Vec<DeviceTrace>>> {
     attributed_snapshot(py, snapshot, keep_going, |snapshot, attribution, keep_going| {
-        let window = snapshot.gpuexp.window.as_ref();
-        let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
-        let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
-        let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
-        let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
-        trace::scope_traces_checked(snapshot, &devices, max_entries, since_us, attribution, keep_going)
+        trace::snapshot_traces(snapshot, devices, max_entries, since_us, attribution, keep_going)
     })
 }
 
@@ -208,12 +188,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         return;
     }
     let devices = report.traced_devices();
-    // Torch's own peak over the experiment, saved with the snapshot: the figure its replay meets.
-    let peaks = (report.gpus.iter())
-        .filter(|gpu| devices.contains(&gpu.torch_index))
-        .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
-        .collect();
-    let key = WindowKey { opened_us: window.opened_us, max_entries: window.max_entries, peaks };
+    let key = report.trace_window(window.opened_us, window.max_entries, &devices);
     let read =
         trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
             let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
@@ -225,11 +200,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
         Ok((pickle, mut traces)) => {
             trace::name_holders(&mut traces, storages);
             report.trace = traces;
-            let mut kept = kept();
-            kept.push_back((report_key(report), Arc::new(pickle)));
-            while kept.len() > KEPT_SNAPSHOTS {
-                kept.pop_front();
-            }
+            kept_snapshots::keep(report, pickle);
         }
         Err(e) => report.notes.push(format!("trace: reading torch's allocation history failed: {e}")),
     }
@@ -256,7 +227,7 @@ impl TracePy {
             name: report.name.clone(),
             params: report.params.clone(),
             devices: report.trace.clone(),
-            pickle: kept().iter().find(|(key, _)| *key == report_key(report)).map(|(_, p)| p.clone()),
+            pickle: kept_snapshots::kept(report),
         })
     }
 }

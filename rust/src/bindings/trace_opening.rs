@@ -4,9 +4,12 @@
 //! the history still off, the snapshot holds only the segments and costs about 0.2 ms.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 
+use super::report::json_to_python;
 use crate::fork::{Guard, PerProcess};
+use crate::trace::annotation;
+pub(super) use crate::trace::WindowKey;
 
 /// (the state's `segments` list, when it was taken, the recording's cap).
 struct State {
@@ -34,16 +37,9 @@ pub(super) fn forget() {
     *opening() = None;
 }
 
-/// The traced experiment a snapshot is saved for: when it opened, the cap, torch's peaks.
-pub(super) struct WindowKey {
-    pub(super) opened_us: i64,
-    pub(super) max_entries: Option<u64>,
-    /// (torch index, `max_memory_allocated` over the experiment).
-    pub(super) peaks: Vec<(u32, u64)>,
-}
-
 /// Adds the `gpuexp` key to torch's snapshot dict: the opening state where gpuexp started this
-/// recording, the experiment's window where one is given, and the step marks of sampled stacks.
+/// recording, then what `crate::trace::annotation` writes (the experiment's window where one is
+/// given, and the step marks of sampled stacks).
 pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&WindowKey>) -> PyResult<()> {
     let key = PyDict::new(py);
     if let Some(state) = opening().as_ref() {
@@ -53,22 +49,9 @@ pub(super) fn annotate(py: Python, snapshot: &Bound<PyAny>, window: Option<&Wind
         opening.set_item("segments", state.segments.bind(py))?;
         key.set_item("opening", opening)?;
     }
-    if let Some(window) = window {
-        let entry = PyDict::new(py);
-        entry.set_item("opened_us", window.opened_us)?;
-        entry.set_item("max_entries", window.max_entries)?;
-        let peaks = PyList::empty(py);
-        for &(device, bytes) in &window.peaks {
-            let peak = PyDict::new(py);
-            peak.set_item("device", device)?;
-            peak.set_item("max_memory_allocated", bytes)?;
-            peaks.append(peak)?;
-        }
-        entry.set_item("peaks", peaks)?;
-        key.set_item("window", entry)?;
-    }
-    if let Some(steps) = super::trace_sampling::steps_key(py)? {
-        key.set_item("steps", steps)?;
+    let plain = annotation(window, &super::trace_sampling::marks());
+    if !plain.is_empty() {
+        key.update(json_to_python(py, &serde_json::Value::Object(plain).to_string())?.cast::<PyDict>()?.as_mapping())?;
     }
     if !key.is_empty() {
         snapshot.set_item("gpuexp", key)?;

@@ -8,12 +8,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
 
 use super::trace_recording;
 use crate::fork::{Guard, PerProcess};
 use crate::recorder::StepKind;
 use crate::stack_sampling::StackSampler;
+use crate::trace::StepMark;
 
 /// A forked child's recording is its own: its sampler starts afresh.
 static SAMPLER: PerProcess<StackSampler> = PerProcess::new(StackSampler::new);
@@ -80,18 +80,7 @@ fn step_hook(py: Python) {
         py.import("gpuexp.steps").and_then(|steps| steps.call_method0(if wanted { "install" } else { "uninstall" }));
 }
 
-/// The step marks, as the snapshot's `gpuexp` key holds them (None: no traced experiment yet).
-pub(super) fn steps_key<'py>(py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
-    let marks = sampler().marks();
-    if marks.is_empty() {
-        return Ok(None);
-    }
-    let list = PyList::empty(py);
-    for mark in marks {
-        let entry = PyDict::new(py);
-        entry.set_item("time_us", mark.time_us)?;
-        entry.set_item("recorded", mark.recorded.label())?;
-        list.append(entry)?;
-    }
-    Ok(Some(list))
+/// The step marks, for the snapshot's `gpuexp` key (none: no traced experiment yet).
+pub(super) fn marks() -> Vec<StepMark> {
+    sampler().marks()
 }

@@ -13,6 +13,8 @@ pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
 use serde::Serialize;
 
 use crate::fork::PerProcess;
+use crate::recording_lease::HistoryMode;
+use crate::torch_history::{self, TorchMemory};
 use crate::trace::{oom, Action, Attribution, BlockState, OomSites, Replay, Snapshot};
 use crate::units::bytes;
 
@@ -82,6 +84,24 @@ static RECORD: PerProcess<Record> = PerProcess::new(Record::default);
 
 fn with_record<T>(work: impl FnOnce(&mut Record) -> T) -> T {
     work(&mut RECORD.lock())
+}
+
+/// Whether this process holds the recorder's share (a forked child holds none of its parent's).
+static HELD: PerProcess<bool> = PerProcess::new(|| false);
+
+/// Carries out the schedule's change to the recorder's share of torch's history (without
+/// stacks). Returns a note where giving it back failed.
+pub fn change_history(torch: &dyn TorchMemory, change: HistoryChange) -> Option<String> {
+    let held = *HELD.lock();
+    match change {
+        HistoryChange::Join if !held && torch_history::join(torch, HistoryMode::Events).is_ok() => *HELD.lock() = true,
+        HistoryChange::Leave if held => {
+            *HELD.lock() = false;
+            return torch_history::leave(torch, HistoryMode::Events);
+        }
+        _ => {}
+    }
+    None
 }
 
 /// A cell starts or an experiment opens while the recorder is wanted.

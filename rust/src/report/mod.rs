@@ -153,6 +153,16 @@ pub struct Span<'a> {
 }
 
 impl Report {
+    /// The window of this traced experiment, opened at `opened_us`, for its `devices`: torch's
+    /// own peak over it, saved with the snapshot, is the figure its replay meets.
+    pub fn trace_window(&self, opened_us: i64, max_entries: Option<u64>, devices: &[u32]) -> crate::trace::WindowKey {
+        let peaks = (self.gpus.iter())
+            .filter(|gpu| devices.contains(&gpu.torch_index))
+            .filter_map(|gpu| Some((gpu.torch_index, gpu.torch_allocated.as_ref()?.peak)))
+            .collect();
+        crate::trace::WindowKey { opened_us, max_entries, peaks }
+    }
+
     pub fn build(name: &str, gpu: bool, span: Span, peak: impl Fn(&Gauge) -> Option<u64>, details: Details) -> Report {
         let Span { start, before_teardown: before, end } = span;
         // `read` says whether a snapshot has the figure's source at all (a GPU NVML failed to

@@ -23,6 +23,7 @@
 //! whether to go on: its error (`Error::Interrupted`, Ctrl-C) stops the work. The plain entry
 //! points pass one that never stops.
 
+pub mod annotation;
 pub mod cell;
 pub mod diff;
 pub mod file;
@@ -42,6 +43,7 @@ pub mod scope;
 pub mod sites;
 pub mod timeline;
 
+pub use annotation::{annotation, WindowKey};
 pub use cell::{cell_peak_sites, cell_top_site, CellPeakSite};
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
@@ -55,7 +57,7 @@ pub use parse::{
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
 pub use sampled::{Recorded, Sampling, SiteSource, StepMark, StepSpan};
-pub use scope::{peak_since, scope_traces, scope_traces_checked, DeviceTrace};
+pub use scope::{peak_since, scope_traces, scope_traces_checked, snapshot_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 

@@ -58,6 +58,25 @@ pub fn scope_traces(
     })
 }
 
+/// `scope_traces_checked` for `devices` (None: all of them), from `since_us` on (None: from the
+/// opening of the experiment the snapshot was saved for, where gpuexp saved it, else all of it),
+/// with the ring buffer's `max_entries` (None: as saved with it).
+pub fn snapshot_traces(
+    snapshot: &Snapshot,
+    devices: Option<&[u32]>,
+    max_entries: Option<u64>,
+    since_us: Option<i64>,
+    attribution: &Attribution,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<DeviceTrace>> {
+    let window = snapshot.gpuexp.window.as_ref();
+    let max_entries = max_entries.and_then(|m| usize::try_from(m).ok()).or(window.and_then(|w| w.max_entries));
+    let since_us = since_us.or(window.map(|w| w.opened_us)).unwrap_or(i64::MIN);
+    let all: Vec<u32> = snapshot.devices().into_iter().filter_map(|d| u32::try_from(d).ok()).collect();
+    let devices = devices.map(<[u32]>::to_vec).unwrap_or(all);
+    scope_traces_checked(snapshot, &devices, max_entries, since_us, attribution, keep_going)
+}
+
 /// `scope_traces`, asking `keep_going` every so many events and blocks whether to go on (a
 /// large file's analysis takes seconds): its error (`Error::Interrupted`: Ctrl-C) stops it.
 pub fn scope_traces_checked(

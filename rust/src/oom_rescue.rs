@@ -1,0 +1,134 @@
+//! The rescue after a CUDA out-of-memory error, and its diagnosis: the order of the rescue's
+//! steps (the device read, the failed line read before the frames are cleared, the allocation
+//! record's view of the OOM, the frames cleared, memory released as at a teardown, the device
+//! read again) runs here over [`RescueWorld`], which the bindings implement over Python and
+//! torch and the tests over a fake.
+
+use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
+use crate::report::{self, FailedLine, OomDiagnosis};
+use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
+use crate::teardown::{self, Step};
+use crate::training::Position;
+
+/// What a rescue reads and does outside the core.
+pub trait RescueWorld {
+    /// The error clearing the frames raised, which the rescue passes on.
+    type Error;
+    /// The host and every visible GPU now.
+    fn snapshot(&self) -> Snapshot;
+    /// The failed line and module from the exception's traceback.
+    fn failed_line(&self) -> Option<FailedLine>;
+    /// The OOM in torch's allocation history where one is being recorded (see `recorder::read_oom`).
+    fn last_oom(&self, torch_index: u32, requested: Option<u64>, step: Option<StepEnd>) -> Option<OomRecord>;
+    /// The blocks torch's allocator holds on `torch_index` now.
+    fn live_in_state(&self, torch_index: u32) -> Option<LiveBlocks>;
+    fn flight_recorder_on(&self) -> bool;
+    /// Whether torch's allocation history is being recorded.
+    fn history_enabled(&self) -> bool;
+    /// Clears the failed cell's frames and the references to its exception; what was cleared.
+    fn clear_frames(&self) -> Result<Vec<String>, Self::Error>;
+    fn release(&self, step: Step) -> Result<(), String>;
+}
+
+/// Rescues after the CUDA out-of-memory error whose text is `message`, raised while the
+/// training run stood at `training`, and diagnoses it: what was asked for, what the device had,
+/// what grew since the last step, what came back.
+pub fn rescue<W: RescueWorld>(
+    world: &W,
+    message: String,
+    training: Option<Position>,
+) -> Result<OomDiagnosis, W::Error> {
+    let (requested, device) = report::parse_oom_message(&message);
+    let before = world.snapshot();
+    // The traceback is read before its frames are cleared.
+    let failed_line = world.failed_line();
+    let step = recorder::last_step();
+    // The device torch's message names; another GPU's figures would only mislead.
+    let failing = |s: &Snapshot| -> Option<GpuReading> {
+        match device {
+            Some(index) => s.gpus.iter().find(|g| g.torch_index == index).cloned(),
+            None => s.gpus.first().cloned(),
+        }
+    };
+    let gpu_before = failing(&before);
+    let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
+    let (since_step, sites, live_blocks) = match (recorded, step) {
+        (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
+        (None, None) => (SinceStep::NoStep, None, None),
+        // The history was given back after the cell's first steps: levels and the allocator's state.
+        (None, Some(step)) if recorder::last_level().is_some() => {
+            match gpu_before.as_ref().and_then(|g| Some((g.torch_index, g.torch?))) {
+                Some((index, torch)) => (
+                    recorder::since_level(
+                        recorder::last_level(),
+                        index,
+                        crate::torch_history::now_us(),
+                        torch.allocated,
+                    ),
+                    None,
+                    world.live_in_state(index),
+                ),
+                None => (SinceStep::Unknown { step, why: no_record_why(world) }, None, None),
+            }
+        }
+        (None, Some(step)) => (SinceStep::Unknown { step, why: no_record_why(world) }, None, None),
+    };
+    let cleared = world.clear_frames()?;
+    let mut failed_steps = Vec::new();
+    for step in teardown::RELEASE {
+        if let Err(e) = world.release(step) {
+            failed_steps.push(format!("rescue step {step:?} failed: {e}"));
+        }
+    }
+    let gpu_after = failing(&world.snapshot());
+    let others = gpu_before
+        .as_ref()
+        .map(|g| nvml::other_processes(&g.uuid, &own_pids()))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used })
+        .collect();
+    let mut diagnosis = OomDiagnosis {
+        message,
+        torch_index: gpu_before.as_ref().map(|g| g.torch_index).or(device),
+        requested,
+        total: gpu_before.as_ref().map(|g| g.total),
+        free_before: gpu_before.as_ref().map(|g| g.free),
+        free_after: gpu_after.as_ref().map(|g| g.free),
+        torch_allocated_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_allocated_after: gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_reserved_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.reserved),
+        process_used_before: gpu_before.as_ref().and_then(|g| g.process_used),
+        others,
+        hints: Vec::new(),
+        cleared,
+        training,
+        sites,
+        failed_line,
+        since_step,
+        live_blocks,
+    };
+    diagnosis.hints = diagnosis.hints();
+    diagnosis.hints.extend(failed_steps);
+    Ok(diagnosis)
+}
+
+/// Why no allocation record holds the OOM, for the diagnosis.
+fn no_record_why(world: &impl RescueWorld) -> String {
+    if !world.flight_recorder_on() {
+        return "the flight recorder is off: gpuexp.config(flight_recorder=True)".into();
+    }
+    if world.history_enabled() {
+        "the allocation record holds no OOM of the size torch's message names".into()
+    } else {
+        "no allocation record ran: the recorder starts at the first cell or experiment after CUDA is initialised".into()
+    }
+}
+
+fn process_name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|n| n.trim().to_string()).unwrap_or_else(|_| "?".into())
+}
+
+#[cfg(test)]
+#[path = "oom_rescue_tests.rs"]
+mod tests;
