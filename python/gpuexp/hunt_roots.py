@@ -3,8 +3,8 @@
 The bindings (``bindings/hunt_roots.rs``) call these and hand what they return to the core,
 which decides which kind of root each is and their order (``holders_walk``). Nothing here
 decides: each function only reads, and an object that raises when read is passed over, as the
-hunt passes over any object it cannot inspect. Modules are read through their ``__dict__``,
-never by attribute, so a lazy module is not imported.
+hunt passes over any object it cannot inspect. A module's globals are read from its dict, never
+through the module's own attribute lookup, so a lazy module is not imported.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def module_globals() -> list[tuple[str, str | None, bool, list[tuple[str, Any]]]
         is_main = module is main
         if is_main and name != "__main__":
             continue
-        globals_ = vars(module)
+        # Not `vars(module)`: a lazy module's own `__getattribute__` would import it.
+        globals_ = object.__getattribute__(module, "__dict__")
         entries = [(str(key), value) for key, value in globals_.items() if isinstance(key, str)]
         found.append((name, _text(globals_.get("__file__")), is_main, entries))
     return found
