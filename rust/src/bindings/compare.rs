@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::registry::registry;
-use super::report::{json_to_python, ReportPy};
+use super::report::{to_python, ReportPy};
 use super::trace::{diff_reports, SiteDiffPy};
 use crate::compare::{traced_ends, Comparison};
 use crate::report::Report;
@@ -30,7 +30,7 @@ impl ComparisonPy {
     /// pandas DataFrame.
     fn to_pandas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let table = self.0.columns();
-        let rows = json_to_python(py, &serde_json::to_string(&table.rows).expect("values serialise"))?;
+        let rows = to_python(py, &table.rows)?;
         let columns = pyo3::types::PyDict::new(py);
         columns.set_item("columns", table.columns)?;
         super::error::optional(py, "pandas", "to_pandas()")?.call_method("DataFrame", (rows,), Some(&columns))
@@ -42,7 +42,7 @@ impl ComparisonPy {
     #[pyo3(signature = (x=None))]
     fn plot<'py>(&self, py: Python<'py>, x: Option<&str>) -> PyResult<Bound<'py, PyAny>> {
         let plot = self.0.plot(x).map_err(PyValueError::new_err)?;
-        let spec = json_to_python(py, &serde_json::to_string(&plot).expect("plots serialise"))?;
+        let spec = to_python(py, &plot)?;
         super::error::optional(py, "matplotlib", "plot()")?;
         py.import("gpuexp.comparison")?.call_method1("draw", (spec,))
     }

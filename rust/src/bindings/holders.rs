@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyList;
 
 use super::hunt_roots::{namespace_roots, world_roots, PyRoot};
 use super::python_heap::{tensor_piece, Collected, PythonHeap};
@@ -20,7 +20,7 @@ use crate::holders_walk::{
     self, add_torch_figures, no_such_gpu, Leaks, Root, RootKind, Survey, BOUNDS, LEAK_MIN_BYTES,
 };
 pub(super) use crate::holders_walk::{sum_roles, Buffer, Memory};
-use crate::report::{Holders, Report, Role, TensorRoles};
+use crate::report::{Holders, Report, Role};
 use crate::snapshot::GpuSelection;
 use crate::trace::HolderStorages;
 use crate::uninspectable::Uninspectable;
@@ -91,7 +91,7 @@ pub fn hunt<'py>(
 ) -> PyResult<(Holders, u64, Vec<HolderStorages>)> {
     let started = Instant::now();
     let survey = survey(py, &memory, roots, exclude)?;
-    let roles = tensor_roles(&survey, &memory, exclude)?;
+    let roles = sum_roles(&survey, &roles_of(py, &survey.owners, &memory)?, exclude);
     let holders = survey.holders(&memory, roles, min_bytes, exclude, started.elapsed().as_secs_f64());
     let storages = survey.holder_storages(&memory, &holders);
     Ok((holders, survey.python_bytes(), storages))
@@ -158,10 +158,7 @@ pub(super) fn holders(
     min_bytes: u64,
     adapter: Option<Bound<PyAny>>,
 ) -> PyResult<HoldersPy> {
-    let memory = match memory {
-        Some(index) => Memory::Cuda(index),
-        None => Memory::Host,
-    };
+    let memory = memory.map_or(Memory::Host, Memory::Cuda);
     if let Memory::Cuda(index) = memory {
         let visible: Vec<u32> =
             take_snapshot(py, &GpuSelection::AllVisible).0.gpus.iter().map(|g| g.torch_index).collect();
@@ -169,10 +166,7 @@ pub(super) fn holders(
             return Err(PyValueError::new_err(refused));
         }
     }
-    let roots = match &adapter {
-        Some(a) => hunt_roots(a)?,
-        None => Vec::new(),
-    };
+    let roots = adapter.as_ref().map(hunt_roots).transpose()?.unwrap_or_default();
     let (mut found, python_bytes, _) = hunt(py, memory.clone(), roots, min_bytes, &HashSet::new())?;
     if let Memory::Cuda(index) = memory {
         let torch = PyTorch::find(py);
@@ -187,59 +181,22 @@ pub(super) fn holders(
 
 /// Each storage in `memory` that a module or optimizer of `owners` holds, with its role and bytes.
 pub(super) fn roles_of(py: Python, owners: &[Bound<PyAny>], memory: &Memory) -> PyResult<HashMap<Buffer, (Role, u64)>> {
+    let [parameters, buffers, gradients, state]: [Vec<Bound<PyAny>>; 4] =
+        py.import("gpuexp.owned_tensors")?.call_method1("owned_tensors", (owners,))?.extract()?;
+    let by_role = [
+        (Role::Parameter, parameters),
+        (Role::Buffer, buffers),
+        (Role::Gradient, gradients),
+        (Role::OptimizerState, state),
+    ];
     let mut roles = HashMap::new();
-    let Some(torch) = PyTorch::find(py).torch else { return Ok(roles) };
-    let tensor = torch.getattr("Tensor")?;
-    let mut note = |value: &Bound<PyAny>, role: Role| -> PyResult<()> {
-        if !value.is_instance(&tensor)? {
-            return Ok(());
-        }
-        if let Some(piece) = tensor_piece(value, memory)? {
-            let (known, _) = roles.entry(piece.buffer).or_insert((role, piece.bytes));
-            *known = role.min(*known);
-        }
-        Ok(())
-    };
-    let parameter = |value: &Bound<PyAny>, note: &mut dyn FnMut(&Bound<PyAny>, Role) -> PyResult<()>| {
-        note(value, Role::Parameter)?;
-        if let Ok(grad) = value.getattr("grad") {
-            note(&grad, Role::Gradient)?;
-        }
-        Ok::<(), PyErr>(())
-    };
-    for owner in owners {
-        if let (Ok(parameters), Ok(buffers)) = (owner.getattr("_parameters"), owner.getattr("_buffers")) {
-            for value in parameters.cast::<PyDict>()?.values() {
-                parameter(&value, &mut note)?;
-            }
-            for value in buffers.cast::<PyDict>()?.values() {
-                note(&value, Role::Buffer)?;
-            }
-            continue;
-        }
-        for group in owner.getattr("param_groups")?.try_iter()? {
-            if let Some(params) = group?.cast::<PyDict>()?.get_item("params")? {
-                for value in params.try_iter()? {
-                    parameter(&value?, &mut note)?;
-                }
-            }
-        }
-        for values in owner.getattr("state")?.cast::<PyDict>()?.values() {
-            if let Ok(values) = values.cast::<PyDict>() {
-                for value in values.values() {
-                    note(&value, Role::OptimizerState)?;
-                }
+    for (role, tensors) in by_role {
+        for tensor in tensors {
+            if let Some(piece) = tensor_piece(&tensor, memory)? {
+                let (known, _) = roles.entry(piece.buffer).or_insert((role, piece.bytes));
+                *known = role.min(*known);
             }
         }
     }
     Ok(roles)
-}
-
-/// What the tensors a survey found are to training: the breakdown a leak report shows.
-fn tensor_roles(survey: &Survey<Bound<PyAny>>, memory: &Memory, exclude: &HashSet<Buffer>) -> PyResult<TensorRoles> {
-    let py = match survey.owners.first() {
-        Some(owner) => owner.py(),
-        None => return Ok(sum_roles(survey, &HashMap::new(), exclude)),
-    };
-    Ok(sum_roles(survey, &roles_of(py, &survey.owners, memory)?, exclude))
 }

@@ -138,18 +138,18 @@ impl Baseline {
 }
 
 /// A scope's namespace at its teardown, judged against its baseline.
-pub(super) struct Judged<'a, 'py> {
+pub(super) struct NamespaceAtTeardown<'a, 'py> {
     pub(super) py: Python<'py>,
     pub(super) baseline: &'a Baseline,
 }
 
-impl Judged<'_, '_> {
+impl NamespaceAtTeardown<'_, '_> {
     fn adapter(&self) -> Bound<'_, PyAny> {
         self.baseline.adapter(self.py)
     }
 }
 
-impl teardown::Namespace for Judged<'_, '_> {
+impl teardown::Namespace for NamespaceAtTeardown<'_, '_> {
     fn names(&self) -> Result<Vec<NameState>, String> {
         let names = user_names(&self.adapter()).map_err(|e| e.to_string())?;
         Ok(names

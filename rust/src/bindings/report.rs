@@ -43,97 +43,110 @@ macro_rules! shown_as_table {
     };
 }
 
+/// Read-only attributes, each a `#[getter]` with its docstring: `name: Type = value`, the value
+/// written in terms of `$this`.
+macro_rules! getters {
+    ($type:ty, |$this:ident| { $($(#[$doc:meta])* $name:ident: $ret:ty = $value:expr;)* }) => {
+        #[pymethods]
+        impl $type {
+            $(
+                $(#[$doc])*
+                #[getter]
+                fn $name(&self) -> $ret {
+                    let $this = self;
+                    $value
+                }
+            )*
+        }
+    };
+}
+
 pub(super) fn json_to_python<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import("json")?.call_method1("loads", (json,))
 }
 
-/// One figure of a report (host RSS, torch allocated, NVML process, ...), in bytes.
-#[pyclass(name = "Metric", module = "gpuexp", frozen, get_all)]
-#[derive(Clone)]
-pub(super) struct MetricPy {
-    /// When the scope opened.
-    pub(super) start: u64,
-    /// Just before the teardown deleted anything (now, while the scope is open).
-    pub(super) before_teardown: u64,
-    /// After the teardown; None while the scope is open.
-    pub(super) end: Option<u64>,
-    /// The highest it went during the scope.
-    pub(super) peak: u64,
-    /// before_teardown - start; can be negative.
-    pub(super) consumed: i64,
-    /// before_teardown - end: what the teardown gave back; None while open.
-    pub(super) reclaimed: Option<i64>,
-    /// reclaimed / consumed; None while open or when nothing was consumed.
-    pub(super) reclaimed_share: Option<f64>,
+/// Core data as Python's dicts, lists, numbers and strings, in its JSON shape.
+pub(super) fn to_python<'py>(py: Python<'py>, value: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
+    json_to_python(py, &serde_json::to_string(value).expect("what gpuexp shows always serialises"))
 }
 
-impl From<&report::Metric> for MetricPy {
-    fn from(m: &report::Metric) -> Self {
-        MetricPy {
-            start: m.start,
-            before_teardown: m.before_teardown,
-            end: m.end,
-            peak: m.peak,
-            consumed: m.consumed,
-            reclaimed: m.reclaimed,
-            reclaimed_share: m.reclaimed_share(),
-        }
-    }
-}
+/// One figure of a report (host RSS, torch allocated, NVML process, ...), in bytes.
+#[pyclass(name = "Metric", module = "gpuexp", frozen)]
+pub(super) struct MetricPy(report::Metric);
+
+getters!(MetricPy, |this| {
+    /// When the scope opened.
+    start: u64 = this.0.start;
+    /// Just before the teardown deleted anything (now, while the scope is open).
+    before_teardown: u64 = this.0.before_teardown;
+    /// After the teardown; None while the scope is open.
+    end: Option<u64> = this.0.end;
+    /// The highest it went during the scope.
+    peak: u64 = this.0.peak;
+    /// before_teardown - start; can be negative.
+    consumed: i64 = this.0.consumed;
+    /// before_teardown - end: what the teardown gave back; None while open.
+    reclaimed: Option<i64> = this.0.reclaimed;
+    /// reclaimed / consumed; None while open or when nothing was consumed.
+    reclaimed_share: Option<f64> = this.0.reclaimed_share();
+});
 
 #[pymethods]
 impl MetricPy {
     fn __repr__(&self) -> String {
+        let m = &self.0;
         format!(
             "Metric(start={}, peak={}, consumed={}, reclaimed={})",
-            units::bytes(self.start),
-            units::bytes(self.peak),
-            units::signed_bytes(self.consumed),
-            self.reclaimed.map(units::signed_bytes).unwrap_or_else(|| "—".into())
+            units::bytes(m.start),
+            units::bytes(m.peak),
+            units::signed_bytes(m.consumed),
+            m.reclaimed.map(units::signed_bytes).unwrap_or_else(|| "—".into())
         )
     }
 }
 
 /// The host's figures in a report (``report.host``).
-#[pyclass(name = "HostReport", module = "gpuexp", frozen, get_all)]
-#[derive(Clone)]
-pub(super) struct HostReportPy {
+#[pyclass(name = "HostReport", module = "gpuexp", frozen)]
+pub(super) struct HostReportPy(report::HostReport);
+
+getters!(HostReportPy, |this| {
     /// This process's resident memory.
-    pub(super) rss: MetricPy,
+    rss: MetricPy = MetricPy(this.0.rss);
     /// What the host can still give, capped by the cgroup's headroom where a limit applies.
-    pub(super) available: u64,
+    available: u64 = this.0.available;
     /// The system's total memory.
-    pub(super) total: u64,
+    total: u64 = this.0.total;
     /// The cgroup's memory limit; None where there is none.
-    pub(super) cgroup_limit: Option<u64>,
-}
+    cgroup_limit: Option<u64> = this.0.cgroup_limit;
+});
 
 /// One GPU's figures in a report (``report.gpus``).
-#[pyclass(name = "GpuReport", module = "gpuexp", frozen, get_all)]
-#[derive(Clone)]
-pub(super) struct GpuReportPy {
+#[pyclass(name = "GpuReport", module = "gpuexp", frozen)]
+pub(super) struct GpuReportPy(report::GpuReport);
+
+getters!(GpuReportPy, |this| {
     /// N in ``cuda:N``.
-    pub(super) torch_index: u32,
+    torch_index: u32 = this.0.torch_index;
     /// The GPU's index in NVML's order (nvidia-smi's).
-    pub(super) nvml_index: u32,
+    nvml_index: u32 = this.0.nvml_index;
     /// The GPU's UUID, as nvidia-smi shows it (``GPU-…``).
-    pub(super) uuid: String,
+    uuid: String = this.0.uuid.clone();
     /// The GPU's model, e.g. "NVIDIA H100 80GB HBM3".
-    pub(super) name: String,
+    name: String = this.0.name.clone();
     /// The GPU's memory, in bytes.
-    pub(super) total: u64,
+    total: u64 = this.0.total;
     /// What torch's tensors occupy; None when torch was never imported.
-    pub(super) torch_allocated: Option<MetricPy>,
+    torch_allocated: Option<MetricPy> = this.0.torch_allocated.map(MetricPy);
     /// What torch's caching allocator holds (allocated plus its cache); None when torch was
     /// never imported.
-    pub(super) torch_reserved: Option<MetricPy>,
+    torch_reserved: Option<MetricPy> = this.0.torch_reserved.map(MetricPy);
     /// NVML's figure for this process; None where the driver doesn't list it.
-    pub(super) process_used: Option<MetricPy>,
+    process_used: Option<MetricPy> = this.0.process_used.map(MetricPy);
     /// NVML's figure for the device; None if NVML could not read it.
-    pub(super) device_used: Option<MetricPy>,
+    device_used: Option<MetricPy> = this.0.device_used.map(MetricPy);
     /// The CUDA out-of-memory errors torch counted during the scope.
-    pub(super) num_ooms: Option<u64>,
-}
+    num_ooms: Option<u64> = this.0.num_ooms;
+});
 
 /// What an experiment found (``exp.data``, ``exp.finish()``, ``gpuexp.history()``): its figures,
 /// what its teardown did, and its notes. Sizes are in bytes. ``str()`` is the text table.
@@ -141,100 +154,36 @@ pub(super) struct GpuReportPy {
 #[derive(Clone)]
 pub(super) struct ReportPy(pub(super) Arc<Report>);
 
-#[pymethods]
-impl ReportPy {
+getters!(ReportPy, |this| {
     /// The experiment's name (``exp-N`` when it was given none).
-    #[getter]
-    fn name(&self) -> &str {
-        &self.0.name
-    }
+    name: &str = &this.0.name;
     /// False while the scope is open.
-    #[getter]
-    fn finished(&self) -> bool {
-        self.0.finished
-    }
+    finished: bool = this.0.finished;
     /// When the scope opened, RFC 3339 UTC.
-    #[getter]
-    fn started_at(&self) -> &str {
-        &self.0.started_at
-    }
+    started_at: &str = &this.0.started_at;
     /// When it finished; None while open.
-    #[getter]
-    fn finished_at(&self) -> Option<&str> {
-        self.0.finished_at.as_deref()
-    }
+    finished_at: Option<&str> = this.0.finished_at.as_deref();
     /// Seconds from opening to finishing (so far, while open).
-    #[getter]
-    fn duration_s(&self) -> f64 {
-        self.0.duration_s
-    }
+    duration_s: f64 = this.0.duration_s;
     /// The names the teardown deleted.
-    #[getter]
-    fn deleted(&self) -> Vec<String> {
-        self.0.names.deleted.clone()
-    }
+    deleted: Vec<String> = this.0.names.deleted.clone();
     /// Names from before the scope that it rebound to other objects (deleted too).
-    #[getter]
-    fn rebound(&self) -> Vec<String> {
-        self.0.names.rebound.clone()
-    }
+    rebound: Vec<String> = this.0.names.rebound.clone();
     /// Names left alone: modules, ``keep()``, names the constructor cell still uses.
-    #[getter]
-    fn kept(&self) -> Vec<String> {
-        self.0.names.kept.clone()
-    }
+    kept: Vec<String> = this.0.names.kept.clone();
     /// IPython's references the teardown dropped: ``Out[n]``, ``_``, the last exception, ...
-    #[getter]
-    fn cleared(&self) -> Vec<String> {
-        self.0.names.cleared.clone()
-    }
+    cleared: Vec<String> = this.0.names.cleared.clone();
     /// Names the teardown meant to delete that are still bound, each with why.
-    #[getter]
-    fn not_deleted(&self) -> Vec<String> {
-        self.0.names.not_deleted.clone()
-    }
+    not_deleted: Vec<String> = this.0.names.not_deleted.clone();
     /// Entries the scope made that look like IPython's (``_1``, ``__cache__``), left in place.
-    #[getter]
-    fn left(&self) -> Vec<String> {
-        self.0.names.left.clone()
-    }
+    left: Vec<String> = this.0.names.left.clone();
     /// What the table alone would not say: a figure missing and why, memory still held, ...
-    #[getter]
-    fn notes(&self) -> Vec<String> {
-        self.0.notes.clone()
-    }
+    notes: Vec<String> = this.0.notes.clone();
     /// Host RSS and memory.
-    #[getter]
-    fn host(&self) -> HostReportPy {
-        let host = &self.0.host;
-        HostReportPy {
-            rss: (&host.rss).into(),
-            available: host.available,
-            total: host.total,
-            cgroup_limit: host.cgroup_limit,
-        }
-    }
+    host: HostReportPy = HostReportPy(this.0.host.clone());
     /// One per GPU the experiment covers.
-    #[getter]
-    fn gpus(&self) -> Vec<GpuReportPy> {
-        self.0
-            .gpus
-            .iter()
-            .map(|g| GpuReportPy {
-                torch_index: g.torch_index,
-                nvml_index: g.nvml_index,
-                uuid: g.uuid.clone(),
-                name: g.name.clone(),
-                total: g.total,
-                torch_allocated: g.torch_allocated.as_ref().map(Into::into),
-                torch_reserved: g.torch_reserved.as_ref().map(Into::into),
-                process_used: g.process_used.as_ref().map(Into::into),
-                device_used: g.device_used.as_ref().map(Into::into),
-                num_ooms: g.num_ooms,
-            })
-            .collect()
-    }
-}
+    gpus: Vec<GpuReportPy> = this.0.gpus.iter().cloned().map(GpuReportPy).collect();
+});
 
 shown_as_table!(ReportPy, |this| this.0.as_ref(), this.0.as_ref());
 
@@ -276,7 +225,7 @@ impl ReportPy {
                 "this experiment recorded no timeline: open it with GPUExperiment(..., monitor=True)",
             ));
         }
-        let samples = json_to_python(py, &serde_json::to_string(&self.0.monitor).expect("samples serialise"))?;
+        let samples = to_python(py, &self.0.monitor)?;
         let title = format!("gpuexp · {}", self.0.name);
         super::error::optional(py, "matplotlib", "plot()")?;
         py.import("gpuexp.monitor")?.call_method1("plot_samples", (samples, path, title))
@@ -291,24 +240,14 @@ pub(super) struct CellRecordPy {
     pub(super) all_gpus: bool,
 }
 
-#[pymethods]
-impl CellRecordPy {
+getters!(CellRecordPy, |this| {
     /// The cell's number: N in ``In [N]``.
-    #[getter]
-    fn execution_count(&self) -> u64 {
-        self.record.execution_count
-    }
+    execution_count: u64 = this.record.execution_count;
     /// How long the cell ran, in seconds.
-    #[getter]
-    fn wall_s(&self) -> f64 {
-        self.record.wall_s
-    }
+    wall_s: f64 = this.record.wall_s;
     /// What the block alone would not say, e.g. that torch's peak counters were reset during the cell.
-    #[getter]
-    fn notes(&self) -> Vec<String> {
-        self.record.notes.clone()
-    }
-}
+    notes: Vec<String> = this.record.notes.clone();
+});
 
 shown_as_table!(CellRecordPy, |this| this.record.as_ref(), this.record.grid(this.all_gpus));
 
@@ -316,13 +255,13 @@ shown_as_table!(CellRecordPy, |this| this.record.as_ref(), this.record.grid(this
 #[pyclass(name = "Holders", module = "gpuexp", frozen)]
 pub(super) struct HoldersPy(pub(super) Holders);
 
+getters!(HoldersPy, |this| {
+    /// The paths, largest holder first.
+    paths: Vec<String> = this.0.holders.iter().map(|h| h.path.clone()).collect();
+});
+
 #[pymethods]
 impl HoldersPy {
-    /// The paths, largest holder first.
-    #[getter]
-    fn paths(&self) -> Vec<String> {
-        self.0.holders.iter().map(|h| h.path.clone()).collect()
-    }
     fn __len__(&self) -> usize {
         self.0.holders.len()
     }
@@ -334,25 +273,15 @@ shown_as_table!(HoldersPy, |this| &this.0, this.0.grid("holders"));
 #[pyclass(name = "OomDiagnosis", module = "gpuexp", frozen)]
 pub(super) struct OomPy(pub(super) report::OomDiagnosis);
 
-#[pymethods]
-impl OomPy {
+getters!(OomPy, |this| {
     /// What the failed allocation asked for, in bytes; None where torch's message doesn't say.
-    #[getter]
-    fn requested(&self) -> Option<u64> {
-        self.0.requested
-    }
+    requested: Option<u64> = this.0.requested;
     /// What a person can do, from the figures: the batch that should fit, ``expandable_segments``
     /// against fragmentation, other processes to stop.
-    #[getter]
-    fn hints(&self) -> Vec<String> {
-        self.0.hints.clone()
-    }
+    hints: Vec<String> = this.0.hints.clone();
     /// Where the training run that raised it stood ("epoch 1, step 7, batch input_ids (8, 128) int64").
-    #[getter]
-    fn training(&self) -> Option<String> {
-        self.0.training.as_ref().map(|p| p.describe())
-    }
-}
+    training: Option<String> = this.0.training.as_ref().map(|p| p.describe());
+});
 
 shown_as_table!(OomPy, |this| &this.0, this.0.grid());
 
@@ -363,23 +292,22 @@ pub(super) struct SnapshotPy {
     pub(super) title: String,
 }
 
+getters!(SnapshotPy, |this| {
+    /// What the table alone would not say: a figure missing and why.
+    notes: Vec<String> = this.snapshot.notes.clone();
+});
+
 #[pymethods]
 impl SnapshotPy {
-    /// What the table alone would not say: a figure missing and why.
-    #[getter]
-    fn notes(&self) -> Vec<String> {
-        self.snapshot.notes.clone()
-    }
     /// One dict per visible GPU: its identity, NVML's figures and torch's (its JSON shape).
     #[getter]
     fn gpus<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let gpus = serde_json::to_string(&self.snapshot.gpus).expect("readings serialise");
-        json_to_python(py, &gpus)?.cast_into::<PyList>().map_err(Into::into)
+        to_python(py, &self.snapshot.gpus)?.cast_into::<PyList>().map_err(Into::into)
     }
     /// The host's figures as a dict: RSS, available, total, the cgroup's limit (its JSON shape).
     #[getter]
     fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_python(py, &serde_json::to_string(&self.snapshot.host).expect("readings serialise"))
+        to_python(py, &self.snapshot.host)
     }
 }
 

@@ -15,7 +15,7 @@ use super::cell_trace;
 use super::holders::{self, hunt_roots, tensors_or_arrays_imported, Buffer};
 use super::host_trace::{self, HostFinding, HostWindow};
 use super::interrupts;
-use super::namespace::{identities, system_names, user_names, Baseline, Judged};
+use super::namespace::{identities, system_names, user_names, Baseline, NamespaceAtTeardown};
 use super::rank_gpu;
 use super::ranks;
 use super::registry::{registry, unknown};
@@ -195,7 +195,8 @@ impl World for PyWorld<'_> {
         keep: &BTreeSet<String>,
         names: bool,
     ) -> Teardown {
-        let mut judged = held.baseline.as_deref().filter(|_| names).map(|baseline| Judged { py: self.py, baseline });
+        let mut judged =
+            held.baseline.as_deref().filter(|_| names).map(|baseline| NamespaceAtTeardown { py: self.py, baseline });
         let namespace = judged.as_mut().map(|j| j as &mut dyn teardown::Namespace);
         teardown::run(namespace, &mut Releaser { py: self.py, selection: selection.clone() }, keep)
     }

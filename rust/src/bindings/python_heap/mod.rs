@@ -8,19 +8,17 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use pyo3::exceptions::{PyAttributeError, PyReferenceError};
+use pyo3::exceptions::{PyAttributeError, PyKeyError, PyReferenceError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType, PyWeakrefMethods, PyWeakrefProxy};
 
 use crate::holders_walk::{Edge, Heap, Kind, Memory, Name, Refs, Unreadable};
 
 mod buffers;
-mod classes;
 mod lru_cache;
 
 pub(super) use buffers::tensor_piece;
 use buffers::{array_piece, shape_text};
-use classes::{is_heap_type, saved_names, slot_names};
 
 pub(super) enum Collected {
     Tensor,
@@ -87,77 +85,57 @@ struct Known<'py> {
     grad_fn: Option<Bound<'py, PyAny>>,
     saved_tensor: Option<Bound<'py, PyAny>>,
     owners: Vec<Bound<'py, PyAny>>,
-}
-
-fn imported<'py>(py: Python<'py>, module: &str, path: &[&str]) -> Option<Bound<'py, PyAny>> {
-    let mut found = py.import("sys").ok()?.getattr("modules").ok()?.get_item(module).ok()?;
-    for name in path {
-        found = found.getattr(*name).ok()?;
-    }
-    Some(found)
+    /// `gpuexp.heap_types.slot_names`: a class's slots, across its bases.
+    slot_names: Bound<'py, PyAny>,
+    /// `gpuexp.heap_types.saved_names`: where an autograd function keeps what it saved.
+    saved_names: Bound<'py, PyAny>,
 }
 
 impl<'py> Known<'py> {
+    /// As `gpuexp.heap_types` finds them.
     fn new(py: Python<'py>) -> PyResult<Known<'py>> {
-        let builtins = py.import("builtins")?;
-        let types = py.import("types")?;
-        let weakref = py.import("weakref")?;
-        let b = |name: &str| builtins.getattr(name);
-        let t = |name: &str| types.getattr(name);
-        let mut atomic = Vec::new();
-        for name in ["str", "bytes", "bytearray", "int", "float", "complex", "bool", "range", "slice", "memoryview"] {
-            atomic.push(b(name)?);
-        }
-        for name in [
-            "NoneType",
-            "CodeType",
-            "BuiltinFunctionType",
-            "MethodWrapperType",
-            "WrapperDescriptorType",
-            "MethodDescriptorType",
-            "GetSetDescriptorType",
-            "MemberDescriptorType",
-            "ClassMethodDescriptorType",
-            "EllipsisType",
-            "NotImplementedType",
-        ] {
-            if let Ok(found) = t(name) {
-                atomic.push(found);
-            }
-        }
-        atomic.push(weakref.getattr("ReferenceType")?);
-        let proxies = vec![weakref.getattr("ProxyType")?, weakref.getattr("CallableProxyType")?];
-        let mut iterable = vec![b("set")?, b("frozenset")?];
-        iterable.extend(imported(py, "collections", &["deque"]));
+        let module = py.import("gpuexp.heap_types")?;
+        let types = module.call_method0("heap_types")?.cast_into::<PyDict>()?;
+        let get = |name: &str| -> PyResult<Bound<'py, PyAny>> {
+            types.get_item(name)?.ok_or_else(|| PyKeyError::new_err(name.to_string()))
+        };
+        let maybe =
+            |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> { Ok(Some(get(name)?).filter(|t| !t.is_none())) };
         let suspendable = |frame, awaits| Class::Suspendable { frame, awaits };
+        let mut exact = Vec::new();
+        for (class, what) in get("exact")?.extract::<Vec<(Bound<PyAny>, String)>>()? {
+            exact.push((
+                class,
+                match what.as_str() {
+                    "traceback" => Class::Traceback,
+                    "frame" => Class::Frame,
+                    "function" => Class::Function,
+                    "method" => Class::Method,
+                    "cell" => Class::Cell,
+                    "generator" => suspendable("gi_frame", "gi_yieldfrom"),
+                    "coroutine" => suspendable("cr_frame", "cr_await"),
+                    _ => suspendable("ag_frame", "ag_await"),
+                },
+            ));
+        }
         Ok(Known {
-            atomic,
-            proxies,
-            dict: b("dict")?,
-            list: b("list")?,
-            tuple: b("tuple")?,
-            iterable,
-            module: t("ModuleType")?,
-            type_: b("type")?,
-            exact: vec![
-                (t("TracebackType")?, Class::Traceback),
-                (t("FrameType")?, Class::Frame),
-                (t("FunctionType")?, Class::Function),
-                (t("MethodType")?, Class::Method),
-                (t("CellType")?, Class::Cell),
-                (t("GeneratorType")?, suspendable("gi_frame", "gi_yieldfrom")),
-                (t("CoroutineType")?, suspendable("cr_frame", "cr_await")),
-                (t("AsyncGeneratorType")?, suspendable("ag_frame", "ag_await")),
-            ],
-            lru_cache: imported(py, "functools", &["_lru_cache_wrapper"]),
-            tensor: imported(py, "torch", &["Tensor"]),
-            ndarray: imported(py, "numpy", &["ndarray"]),
-            grad_fn: imported(py, "torch", &["autograd", "graph", "Node"]),
-            saved_tensor: imported(py, "torch", &["_C", "_autograd", "SavedTensor"]),
-            owners: [imported(py, "torch", &["nn", "Module"]), imported(py, "torch", &["optim", "Optimizer"])]
-                .into_iter()
-                .flatten()
-                .collect(),
+            atomic: get("atomic")?.extract()?,
+            proxies: get("proxies")?.extract()?,
+            dict: get("dict")?,
+            list: get("list")?,
+            tuple: get("tuple")?,
+            iterable: get("iterable")?.extract()?,
+            module: get("module")?,
+            type_: get("type")?,
+            exact,
+            lru_cache: maybe("lru_cache")?,
+            tensor: maybe("tensor")?,
+            ndarray: maybe("ndarray")?,
+            grad_fn: maybe("grad_fn")?,
+            saved_tensor: maybe("saved_tensor")?,
+            owners: get("owners")?.extract()?,
+            slot_names: module.getattr("slot_names")?,
+            saved_names: module.getattr("saved_names")?,
         })
     }
 }
@@ -241,11 +219,14 @@ impl<'py> PythonHeap<'py> {
         } else if k.lru_cache.as_ref().is_some_and(|t| class.is(t)) {
             Class::LruCache
         } else if is(&k.grad_fn) {
-            Class::GradFn(Rc::new(saved_names(class)?))
+            Class::GradFn(Rc::new(k.saved_names.call1((class,))?.extract()?))
         } else if k.saved_tensor.as_ref().is_some_and(|t| class.is(t)) {
             Class::SavedTensor
         } else if is_heap_type(class) {
-            Class::Instance { slots: Rc::new(slot_names(class)?), owner: k.owners.iter().any(sub) }
+            Class::Instance {
+                slots: Rc::new(k.slot_names.call1((class,))?.extract()?),
+                owner: k.owners.iter().any(sub),
+            }
         } else {
             Class::Other(class.name()?.to_string().into())
         })
@@ -366,8 +347,7 @@ impl<'py> PythonHeap<'py> {
             Class::Suspendable { frame, awaits } => {
                 let frame = object.getattr(frame)?;
                 if !frame.is_none() {
-                    let line = frame.getattr("f_lineno")?.extract::<u32>().unwrap_or(0);
-                    refs.push((Edge::Frame(frame_label(&frame, line)), frame));
+                    refs.push((Edge::Frame(frame_here(&frame)?), frame));
                 }
                 self.add(refs, attr(awaits), object.getattr(awaits)?);
             }
@@ -477,7 +457,18 @@ impl<'py> Heap for PythonHeap<'py> {
 }
 
 /// "worker(), line 4".
-pub(super) fn frame_label(frame: &Bound<PyAny>, line: u32) -> String {
+fn frame_label(frame: &Bound<PyAny>, line: u32) -> String {
     let name = frame.getattr("f_code").and_then(|c| c.getattr("co_name")).map(|n| n.to_string()).unwrap_or_default();
     format!("{name}(), line {line}")
+}
+
+/// "worker(), line 4", at the line `frame` is on now.
+pub(super) fn frame_here(frame: &Bound<PyAny>) -> PyResult<String> {
+    Ok(frame_label(frame, frame.getattr("f_lineno")?.extract::<u32>().unwrap_or(0)))
+}
+
+/// Whether Python defined `class` (its instances have a `__dict__` or slots to read).
+fn is_heap_type(class: &Bound<PyType>) -> bool {
+    const HEAP_TYPE: u64 = 1 << 9;
+    class.getattr("__flags__").and_then(|f| f.extract::<u64>()).is_ok_and(|flags| flags & HEAP_TYPE != 0)
 }
