@@ -139,7 +139,7 @@ def test_bad_arguments_get_clear_errors(kernel):
         ("gpuexp.fit(step, 8, verify='yes')", "ValueError: verify is True, False"),
         ("gpuexp.fit(step, 8, verify=True)", "ValueError: verify runs the option for one real step on a GPU"),
         ("gpuexp.fit(step, 8, model=opt)", "TypeError: model must be a torch.nn.Module"),
-        ("gpuexp.fit(step, 8, limit='lots')", "ValueError: \"lots\" is not a memory size"),
+        ("gpuexp.fit(step, 8, limit='lots')", "ValueError: limit='lots': \"lots\" is not a memory size"),
     ]:
         failed = kernel.run(call, expect_error=True)
         assert failed.error.startswith(error), (call, failed.error)
