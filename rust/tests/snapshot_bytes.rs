@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use gpuexp_core::trace::Snapshot;
+use gpuexp_core::trace::AllocationHistory;
 use proptest::prelude::*;
 
 /// Counts this thread's live and peak heap bytes (the test harness runs tests on threads).
@@ -57,7 +57,7 @@ static ALLOCATOR: Counting = Counting;
 fn peak_while_reading(bytes: &[u8]) -> usize {
     let before = LIVE.with(Cell::get);
     PEAK.with(|peak| peak.set(before));
-    let _ = Snapshot::from_pickle(bytes);
+    let _ = AllocationHistory::from_pickle(bytes);
     PEAK.with(Cell::get) - before
 }
 
@@ -157,7 +157,7 @@ proptest! {
 #[test]
 fn the_real_snapshots_read_whole_within_the_bound() {
     for file in FIXTURES {
-        Snapshot::from_pickle(file).expect("a real snapshot reads");
+        AllocationHistory::from_pickle(file).expect("a real snapshot reads");
         assert!(peak_while_reading(file) <= bound(file.len()));
     }
 }

@@ -16,7 +16,9 @@ use super::report::{json_to_python, ReportPy};
 use super::trace_recording::{self, TraceWindow};
 use crate::kept_snapshots;
 use crate::report::{Params, Report};
-use crate::trace::{self, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule, Snapshot};
+use crate::trace::{
+    self, AllocationHistory, Attribution, CellPeakSite, DeviceTrace, HolderStorages, SiteNamer, SiteRule,
+};
 
 /// A line's label (None: not a notebook cell) and its source text.
 type Named = (Option<String>, Option<String>);
@@ -86,8 +88,8 @@ impl SiteNamer for PyNamer<'_> {
 
 /// Reads a snapshot pickle (with the GIL released) and hands it to `find` with an attribution
 /// that names sites as the user reads them.
-fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attribution) -> T) -> PyResult<T> {
-    let snapshot = py.detach(|| Snapshot::from_pickle(pickle))?;
+fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&AllocationHistory, &Attribution) -> T) -> PyResult<T> {
+    let snapshot = py.detach(|| AllocationHistory::from_pickle(pickle))?;
     attributed_snapshot(py, &snapshot, &mut || Ok(()), |snapshot, attribution, _| find(snapshot, attribution))
 }
 
@@ -96,9 +98,9 @@ fn attributed<T>(py: Python, pickle: &[u8], find: impl FnOnce(&Snapshot, &Attrib
 /// raised once it is done.
 fn attributed_snapshot<T>(
     py: Python,
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     keep_going: &mut dyn FnMut() -> crate::error::Result<()>,
-    find: impl FnOnce(&Snapshot, &Attribution, &mut dyn FnMut() -> crate::error::Result<()>) -> T,
+    find: impl FnOnce(&AllocationHistory, &Attribution, &mut dyn FnMut() -> crate::error::Result<()>) -> T,
 ) -> PyResult<T> {
     let namer = PyNamer::new(py);
     let rule = SiteRule::default();
@@ -120,7 +122,7 @@ fn attributed_snapshot<T>(
 /// `keep_going` is asked every so many events and blocks; its error stops the analysis.
 fn analyse(
     py: Python,
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
     since_us: Option<i64>,
@@ -175,7 +177,7 @@ pub(super) fn last_oom(
 /// recorder's view once it has given the history back).
 pub(super) fn live_in_state(py: Python, torch_index: u32) -> Option<crate::recorder::LiveBlocks> {
     let pickle = trace_recording::snapshot_pickle(py, None).ok()?;
-    let snapshot = py.detach(|| Snapshot::from_pickle(&pickle)).ok()?;
+    let snapshot = py.detach(|| AllocationHistory::from_pickle(&pickle)).ok()?;
     Some(crate::recorder::live_in_state(&snapshot, torch_index as usize))
 }
 
@@ -191,7 +193,7 @@ pub(super) fn complete_report(py: Python, window: TraceWindow, report: &mut Repo
     let key = report.trace_window(window.opened_us, window.max_entries, &devices);
     let read =
         trace_recording::snapshot_pickle(py, Some(&key)).map_err(PyErr::new::<PyValueError, _>).and_then(|pickle| {
-            let snapshot = py.detach(|| Snapshot::from_pickle(&pickle))?;
+            let snapshot = py.detach(|| AllocationHistory::from_pickle(&pickle))?;
             let traces =
                 analyse(py, &snapshot, Some(&devices), window.max_entries, Some(window.opened_us), &mut || Ok(()))??;
             Ok((pickle, traces))

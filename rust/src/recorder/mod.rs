@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::fork::PerProcess;
 use crate::recording_lease::HistoryMode;
 use crate::torch_history::{self, TorchMemory};
-use crate::trace::{oom, Action, Attribution, BlockState, OomSites, Replay, Snapshot};
+use crate::trace::{oom, Action, AllocationHistory, Attribution, BlockState, OomSites, Replay};
 use crate::units::bytes;
 
 /// What completed: the point "what grew since the last step" counts from.
@@ -291,7 +291,7 @@ pub struct OomRecord {
 /// record of `device`: the latest OOM event whose size agrees. None where the record holds none:
 /// an older OOM of another size would name the wrong line.
 pub fn read_oom(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     replay: &Replay,
     asked: Option<u64>,
     step: Option<StepEnd>,
@@ -365,7 +365,7 @@ pub fn since_level(
 }
 
 /// The blocks the allocator holds on `device` in a snapshot of its state (no history needed).
-pub fn live_in_state(snapshot: &Snapshot, device: usize) -> LiveBlocks {
+pub fn live_in_state(snapshot: &AllocationHistory, device: usize) -> LiveBlocks {
     let sizes = (snapshot.segments.iter().filter(|segment| segment.device == device))
         .flat_map(|segment| &segment.blocks)
         .filter(|block| block.state == BlockState::ActiveAllocated)
@@ -386,8 +386,8 @@ mod tests {
 
     /// A step that held 4 MiB and ended at t=10, then 2 × 8 MiB and 1 × 2 MiB made, then an
     /// OOM asking 64 MiB at t=30.
-    fn snapshot() -> Snapshot {
-        Snapshot {
+    fn snapshot() -> AllocationHistory {
+        AllocationHistory {
             device_traces: vec![vec![
                 event(Action::Alloc, 0x1000_0000, 4 * MIB, 5),
                 event(Action::Alloc, 0x2000_0000, 8 * MIB, 20),
@@ -395,7 +395,7 @@ mod tests {
                 event(Action::Alloc, 0x4000_0000, 2 * MIB, 22),
                 event(Action::Oom, 0, 64 * MIB, 30),
             ]],
-            ..Snapshot::default()
+            ..AllocationHistory::default()
         }
     }
 
@@ -471,7 +471,7 @@ mod tests {
         assert!(matches!(since_level(Some((step, 0)), 1, 30, MIB), SinceStep::Unknown { .. }), "another GPU's level");
         assert_eq!(since_level(None, 0, 30, MIB), SinceStep::NoStep);
         let block = |size, state| SegmentBlock { address: 0, size, requested_size: size, state, stack: 0 };
-        let state = Snapshot {
+        let state = AllocationHistory {
             segments: vec![Segment {
                 device: 0,
                 address: 0,
@@ -485,7 +485,7 @@ mod tests {
                     block(14 * MIB, BlockState::Inactive),
                 ],
             }],
-            ..Snapshot::default()
+            ..AllocationHistory::default()
         };
         let live = live_in_state(&state, 0);
         assert_eq!(

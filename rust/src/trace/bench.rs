@@ -25,7 +25,7 @@ fn peak_rss_mib() -> u64 {
 
 /// A fingerprint of everything a snapshot was read into (events, segments, every stack's frames
 /// in full), so two versions of the reader can be shown to read a file the same.
-fn digest(snapshot: &Snapshot) -> u64 {
+fn digest(snapshot: &AllocationHistory) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     for trace in &snapshot.device_traces {
@@ -91,7 +91,7 @@ fn parsing_a_large_snapshot_is_fast() {
     let bytes = std::fs::read(&path).expect("readable");
     let read_cpu = cpu_time() - cpu;
     let (started, cpu) = (Instant::now(), cpu_time());
-    let snapshot = Snapshot::from_pickle(&bytes).expect("a snapshot");
+    let snapshot = AllocationHistory::from_pickle(&bytes).expect("a snapshot");
     let (parsed, parsed_cpu) = (started.elapsed(), cpu_time() - cpu);
     let events: usize = snapshot.device_traces.iter().map(Vec::len).sum();
     let seconds_per_gib = parsed_cpu.as_secs_f64() * (1u64 << 30) as f64 / bytes.len() as f64;

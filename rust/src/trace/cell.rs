@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::parse::Snapshot;
+use super::parse::AllocationHistory;
 use super::peak::{site_table, SiteRow};
 use super::replay::{replay, Block, Replay};
 use super::scope::peak_since;
@@ -53,7 +53,7 @@ pub fn cell_top_site(replay: &Replay, attribution: &Attribution, since_us: i64) 
 /// The top site of each GPU in `moved` (torch index, how far its torch peak rose in the cell),
 /// from the cell's start `since_us` on; a GPU whose trace holds nothing of the cell is left out.
 pub fn cell_peak_sites(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     moved: &[(u32, u64)],
     max_entries: Option<usize>,
     since_us: i64,

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::parse::{Snapshot, MAX_SIZE};
+use super::parse::{AllocationHistory, MAX_SIZE};
 use super::scope::DeviceTrace;
 use crate::error::{Error, Result};
 
@@ -20,10 +20,10 @@ pub const NO_HISTORY: &str = "this snapshot holds no allocation history: no GPU'
 
 /// The file's bytes and the snapshot they hold. `keep_going` is asked every few milliseconds
 /// (between chunks of the read, every so many opcodes of the parse); its error stops the load.
-pub fn read(path: &Path, keep_going: &mut dyn FnMut() -> Result<()>) -> Result<(Vec<u8>, Snapshot)> {
+pub fn read(path: &Path, keep_going: &mut dyn FnMut() -> Result<()>) -> Result<(Vec<u8>, AllocationHistory)> {
     let bytes = crate::files::read_regular(path, SNAPSHOT_FILE, keep_going)?;
     refuse_compressed(path, &bytes)?;
-    let snapshot = Snapshot::from_pickle_checked(&bytes, keep_going)?;
+    let snapshot = AllocationHistory::from_pickle_checked(&bytes, keep_going)?;
     Ok((bytes, snapshot))
 }
 

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::parse::{Action, Snapshot, StackId};
+use super::parse::{Action, AllocationHistory, StackId};
 use super::peak::{site_table_checked, SiteTable};
 use super::replay::{Block, Replay};
 use super::sites::{Attribution, Site, SiteKey};
@@ -112,13 +112,13 @@ pub fn message_matches(requested: u64, asked: u64) -> bool {
 }
 
 /// Every OOM in `replay`'s trace, in order.
-pub fn oom(snapshot: &Snapshot, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
+pub fn oom(snapshot: &AllocationHistory, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
     super::unstoppable(|keep_going| oom_checked(snapshot, replay, attribution, top, keep_going))
 }
 
 /// `oom`, asking `keep_going` at each OOM (each walks every block) whether to go on.
 pub(super) fn oom_checked(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     replay: &Replay,
     attribution: &Attribution,
     top: usize,

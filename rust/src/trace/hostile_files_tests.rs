@@ -1,4 +1,4 @@
-//! Snapshot files written to hurt what reads them whole: addresses chosen to collide, impossible
+//! AllocationHistory files written to hurt what reads them whole: addresses chosen to collide, impossible
 //! sizes, a load and its analysis stopped half-way, compressed and empty files (the pickle reader's own bombs are
 //! `hostile_tests`).
 
@@ -85,7 +85,7 @@ fn snapshot_of(events: Vec<Py>, segments: Vec<Py>) -> Vec<u8> {
 }
 
 fn refused(bytes: &[u8]) -> String {
-    match Snapshot::from_pickle(bytes) {
+    match AllocationHistory::from_pickle(bytes) {
         Err(Error::InvalidArgument(message)) => message,
         other => panic!("not refused: {other:?}"),
     }
@@ -105,7 +105,7 @@ fn replay_time(addresses: &[u64]) -> Duration {
     };
     let mut events: Vec<Event> = addresses.iter().map(|&a| event(Action::Alloc, a)).collect();
     events.extend(addresses.iter().map(|&a| event(Action::FreeRequested, a)));
-    let snapshot = Snapshot { device_traces: vec![events], ..Snapshot::default() };
+    let snapshot = AllocationHistory { device_traces: vec![events], ..AllocationHistory::default() };
     (0..3)
         .map(|_| {
             let started = Instant::now();
@@ -169,7 +169,7 @@ fn impossible_sizes_are_refused_with_their_field_and_place() {
     assert!(in_a_block.contains("1.00 PiB"), "{in_a_block}");
     // A PiB each is possible; four thousand of them alive at once is not a device's peak.
     let many: Vec<Py> = (0..4096).map(|i| event("alloc", (i + 1) << 40, 1 << 50)).collect();
-    let snapshot = Snapshot::from_pickle(&snapshot_of(many, vec![])).expect("each size is possible");
+    let snapshot = AllocationHistory::from_pickle(&snapshot_of(many, vec![])).expect("each size is possible");
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
     let traces = scope_traces(&snapshot, &[0], None, i64::MIN, &Attribution::new(&snapshot.stacks, &rule, &namer));
     let peak = file::refuse_impossible_peaks(&traces).unwrap_err().to_string();
@@ -181,14 +181,14 @@ fn a_load_stops_when_asked_and_says_it_was_interrupted() {
     let events: Vec<Py> = (0..50_000).map(|i| event("alloc", (i + 1) * 512, 512)).collect();
     let bytes = snapshot_of(events, vec![]);
     let mut asked = 0;
-    let whole = Snapshot::from_pickle_checked(&bytes, &mut || {
+    let whole = AllocationHistory::from_pickle_checked(&bytes, &mut || {
         asked += 1;
         Ok(())
     });
     assert_eq!(whole.expect("read").device_traces[0].len(), 50_000);
     assert!(asked >= 4, "asked {asked} times over {} bytes", bytes.len());
     let mut left = 2;
-    let stopped = Snapshot::from_pickle_checked(&bytes, &mut || {
+    let stopped = AllocationHistory::from_pickle_checked(&bytes, &mut || {
         left -= 1;
         if left == 0 {
             Err(Error::Interrupted)
@@ -204,7 +204,7 @@ fn an_analysis_stops_at_any_of_its_asks_and_says_it_was_interrupted() {
     // Blocks alive at the peak and at the end, and an OOM: every long loop of the analysis.
     let mut events: Vec<Py> = (0..20_000).map(|i| event("alloc", (i + 1) * 512, 512)).collect();
     events.push(event("oom", 1 << 40, 1 << 40));
-    let snapshot = Snapshot::from_pickle(&snapshot_of(events, vec![])).expect("a snapshot");
+    let snapshot = AllocationHistory::from_pickle(&snapshot_of(events, vec![])).expect("a snapshot");
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
     let attribution = Attribution::new(&snapshot.stacks, &rule, &namer);
     let mut asked = 0;

@@ -57,7 +57,7 @@ impl Pickle {
 }
 
 fn refused(bytes: &[u8]) -> String {
-    match Snapshot::from_pickle(bytes) {
+    match AllocationHistory::from_pickle(bytes) {
         Ok(snapshot) => panic!(
             "read {} events and {} blocks from {} bytes",
             snapshot.device_traces.iter().map(Vec::len).sum::<usize>(),
@@ -77,7 +77,7 @@ fn a_memo_index_the_file_chose_costs_one_entry_not_a_memo_that_long() {
     assert!(matches!(value.root, Value::Dict(_)), "read back from the far index");
     let error = pickle::read(b"\x80\x02}r\x05\x00\x00\x000j\x02\x00\x00\x00.", &mut Plain).map(|_| ()).unwrap_err();
     assert!(error.contains("never made"), "{error}");
-    let snapshot = Snapshot::from_pickle(b"\x80\x02}r\xfe\xff\xff\xff.").unwrap();
+    let snapshot = AllocationHistory::from_pickle(b"\x80\x02}r\xfe\xff\xff\xff.").unwrap();
     assert!(snapshot.device_traces.is_empty() && snapshot.segments.is_empty());
 }
 
@@ -147,7 +147,7 @@ fn an_event_whose_frames_are_the_list_it_is_appended_to_reads() {
     let mut p = Pickle::new();
     p.op(b"}(").text("device_traces").op(b"]").put(1).op(b"]").put(0).op(b"}");
     p.text("action").text("alloc").op(b"s").text("frames").op(b"h\x00sa").op(b"a");
-    let snapshot = Snapshot::from_pickle(&p.op(b"u").end()).unwrap();
+    let snapshot = AllocationHistory::from_pickle(&p.op(b"u").end()).unwrap();
     let events = &snapshot.device_traces[0];
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].action, Action::Alloc);
@@ -167,7 +167,7 @@ fn containers_nested_a_million_deep_are_read_and_freed_without_recursion() {
     for (kind, bytes) in ["tuples", "lists", "dicts"].iter().zip(nested(1_000_000)) {
         let value = pickle::read(&bytes, &mut Plain).unwrap_or_else(|e| panic!("{kind}: {e}"));
         drop(value);
-        match Snapshot::from_pickle(&bytes) {
+        match AllocationHistory::from_pickle(&bytes) {
             Ok(snapshot) => assert!(*kind == "dicts" && snapshot.device_traces.is_empty(), "{kind}"),
             Err(error) => assert!(error.to_string().contains("holds no dict"), "{kind}: {error}"),
         }
@@ -176,7 +176,7 @@ fn containers_nested_a_million_deep_are_read_and_freed_without_recursion() {
     let mut p = Pickle::new();
     p.op(b"}(").text("segments").op(&lists[2..lists.len() - 1]);
     p.text("device_traces").op(&lists[2..lists.len() - 1]);
-    let snapshot = Snapshot::from_pickle(&p.op(b"u").end()).unwrap();
+    let snapshot = AllocationHistory::from_pickle(&p.op(b"u").end()).unwrap();
     assert_eq!(snapshot.segments.len(), 1, "the one item of the outermost list");
     assert!(snapshot.device_traces.iter().all(Vec::is_empty));
 }
@@ -197,7 +197,7 @@ fn classes_and_calls_in_the_file_are_opaque_values_never_run() {
     for key in ["device_traces", "segments", "x", "y"] {
         assert!(matches!(value.root.get(key), Some(Value::Opaque)), "{key}");
     }
-    let snapshot = Snapshot::from_pickle(&bytes).unwrap();
+    let snapshot = AllocationHistory::from_pickle(&bytes).unwrap();
     assert!(snapshot.device_traces.is_empty() && snapshot.segments.is_empty());
     assert!(!marker.exists(), "a call in the pickle ran");
 }

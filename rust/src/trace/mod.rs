@@ -52,7 +52,8 @@ pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
 pub use modules::{ModuleFamily, ModuleMark, Modules};
 pub use parse::{
-    Action, BlockState, Event, FrameRef, Gpuexp, Opening, Segment, SegmentBlock, Snapshot, StackId, Stacks, Window,
+    Action, AllocationHistory, BlockState, Event, FrameRef, Gpuexp, Opening, Segment, SegmentBlock, StackId, Stacks,
+    Window,
 };
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
 pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};

@@ -171,7 +171,7 @@ mod tests {
         // Pass 2's loss backward: autograd's thread still carries pass 1's mark.
         let backward = p
             .stack(&[("/site-packages/torch/autograd/__init__.py", 200, "backward"), ("/home/u/train.py", 31, "step")]);
-        p.event(crate::trace::Action::Snapshot, backward);
+        p.event(crate::trace::Action::AllocationHistory, backward);
         p.alloc(11 << 20, 0, "loss");
         p.mark("backward 2: model.layers.1.attn");
         p.alloc(13 << 20, 0, "bwd");

@@ -28,7 +28,7 @@ fn segment(blocks: Vec<SegmentBlock>) -> Segment {
 /// sees: the rest allocated whole as `new`, `old` freed, a small tensor, `new` freed.
 /// Returns the snapshot (the state at the end: one free segment) and torch's counter after
 /// each event.
-fn program(opening: bool) -> (Snapshot, Vec<u64>) {
+fn program(opening: bool) -> (AllocationHistory, Vec<u64>) {
     let events = vec![
         event(Action::Alloc, OLD_BLOCK, NEW_REQUESTED, 100),
         event(Action::FreeRequested, 0, OLD_REQUESTED, 110),
@@ -48,7 +48,7 @@ fn program(opening: bool) -> (Snapshot, Vec<u64>) {
         block(64 * MIB + 1024, 2 * MIB - 1024, 0, BlockState::Inactive),
     ]);
     (small.address, small.total_size) = (64 * MIB, 2 * MIB);
-    let snapshot = Snapshot {
+    let snapshot = AllocationHistory {
         segments: vec![segment(vec![block(0, 20 * MIB, 0, BlockState::Inactive)]), small],
         device_traces: vec![events],
         gpuexp: Gpuexp {
@@ -56,7 +56,7 @@ fn program(opening: bool) -> (Snapshot, Vec<u64>) {
             window: None,
             steps: None,
         },
-        ..Snapshot::default()
+        ..AllocationHistory::default()
     };
     (snapshot, truth)
 }

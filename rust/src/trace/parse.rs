@@ -127,7 +127,7 @@ pub enum Action {
     SegmentFree,
     SegmentMap,
     SegmentUnmap,
-    Snapshot,
+    AllocationHistory,
     Oom,
     WorkspaceSnapshot,
     /// An action this reader does not know (a newer torch); kept in order, otherwise ignored.
@@ -145,7 +145,7 @@ impl Action {
             "segment_free" => Action::SegmentFree,
             "segment_map" => Action::SegmentMap,
             "segment_unmap" => Action::SegmentUnmap,
-            "snapshot" => Action::Snapshot,
+            "snapshot" => Action::AllocationHistory,
             "oom" => Action::Oom,
             "workspace_snapshot" => Action::WorkspaceSnapshot,
             _ => Action::Other,
@@ -231,7 +231,7 @@ pub struct Gpuexp {
 
 /// A whole snapshot: the allocator's state at the end, each device's trace, and their stacks.
 #[derive(Debug, Default)]
-pub struct Snapshot {
+pub struct AllocationHistory {
     pub segments: Vec<Segment>,
     pub device_traces: Vec<Vec<Event>>,
     pub stacks: Stacks,
@@ -239,17 +239,17 @@ pub struct Snapshot {
     pub gpuexp: Gpuexp,
 }
 
-impl Snapshot {
+impl AllocationHistory {
     /// Reads a pickled snapshot (protocols 2 to 5, as `pickle.dumps(torch.cuda.memory._snapshot())`,
     /// memory_viz and Mosaic write it). Nothing in the file is run.
-    pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot> {
-        Snapshot::from_pickle_checked(bytes, &mut || Ok(()))
+    pub fn from_pickle(bytes: &[u8]) -> Result<AllocationHistory> {
+        AllocationHistory::from_pickle_checked(bytes, &mut || Ok(()))
     }
 
     /// `from_pickle`, asking `keep_going` every few milliseconds whether to go on: its error
     /// (`Error::Interrupted`: Ctrl-C) stops the read. A size no device could hold is refused,
     /// with its field and where it is.
-    pub fn from_pickle_checked(bytes: &[u8], keep_going: &mut dyn FnMut() -> Result<()>) -> Result<Snapshot> {
+    pub fn from_pickle_checked(bytes: &[u8], keep_going: &mut dyn FnMut() -> Result<()>) -> Result<AllocationHistory> {
         let invalid = |why: String| {
             Error::InvalidArgument(format!(
                 "not a torch memory snapshot ({why}); write one with \
@@ -295,7 +295,7 @@ impl Snapshot {
                 crate::units::bytes(MAX_SIZE)
             )));
         }
-        Ok(Snapshot { segments, device_traces, stacks: builder.stacks, gpuexp })
+        Ok(AllocationHistory { segments, device_traces, stacks: builder.stacks, gpuexp })
     }
 
     /// The devices that have a trace or a segment.
@@ -681,7 +681,7 @@ impl Finish for Builder<'_> {
 mod tests {
     use super::*;
 
-    fn frames(snapshot: &Snapshot, stack: StackId) -> Vec<(&str, u32, &str)> {
+    fn frames(snapshot: &AllocationHistory, stack: StackId) -> Vec<(&str, u32, &str)> {
         snapshot.stacks.frames(stack).map(|frame| (frame.filename, frame.line, frame.name)).collect()
     }
 
@@ -693,7 +693,7 @@ mod tests {
             &include_bytes!("testdata/snapshot_shared_frames_p0.pickle")[..],
             include_bytes!("testdata/snapshot_shared_frames_p4.pickle"),
         ] {
-            let snapshot = Snapshot::from_pickle(fixture).unwrap();
+            let snapshot = AllocationHistory::from_pickle(fixture).unwrap();
             let events = &snapshot.device_traces[0];
             assert_eq!(events.len(), 1506);
             let (alloc, free_requested, free_completed) = (events[0], events[1501], events[1502]);

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use super::layout::{round, Layout, SMALL};
 use super::modules::Modules;
-use super::parse::{Action, BlockState, Snapshot, StackId};
+use super::parse::{Action, AllocationHistory, BlockState, StackId};
 use super::sampled::{SiteSource, StepSpan};
 use crate::error::Result;
 
@@ -127,13 +127,13 @@ pub struct Replay {
 
 /// Walks `device`'s trace. `max_entries` is the cap the recording ran with, when known: a trace
 /// that long may have wrapped.
-pub fn replay(snapshot: &Snapshot, device: usize, max_entries: Option<usize>) -> Replay {
+pub fn replay(snapshot: &AllocationHistory, device: usize, max_entries: Option<usize>) -> Replay {
     super::unstoppable(|keep_going| replay_checked(snapshot, device, max_entries, keep_going))
 }
 
 /// `replay`, asking `keep_going` every so many events whether to go on.
 pub(super) fn replay_checked(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     device: usize,
     max_entries: Option<usize>,
     keep_going: &mut dyn FnMut() -> Result<()>,

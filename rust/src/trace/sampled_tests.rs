@@ -47,7 +47,7 @@ fn step(p: &mut Program, at: &Lines, stacks: bool, extra: Option<u64>) {
     }
     p.alloc(1 << 20, s(at.keep), &format!("{USER}:30"));
     // Autograd's thread records no frames; the last stack before it says "backward".
-    p.event(Action::Snapshot, s(at.backward));
+    p.event(Action::AllocationHistory, s(at.backward));
     let gradient = p.alloc(2 << 20, 0, "backward");
     p.free(scores);
     p.free(x);
@@ -63,7 +63,7 @@ fn now(p: &Program) -> i64 {
 
 /// Weights from before the window, then `steps` steps (true: with stacks), each with its
 /// `extra`; the step marks as gpuexp's sampler takes them.
-fn sampled_run(steps: &[(bool, Option<u64>)]) -> (Snapshot, Vec<u64>, Vec<HashMap<String, u64>>) {
+fn sampled_run(steps: &[(bool, Option<u64>)]) -> (AllocationHistory, Vec<u64>, Vec<HashMap<String, u64>>) {
     let mut p = Program::new();
     let at = lines(&mut p);
     let init =
@@ -83,7 +83,7 @@ fn sampled_run(steps: &[(bool, Option<u64>)]) -> (Snapshot, Vec<u64>, Vec<HashMa
 }
 
 /// The peak's rows against the truth, label by label; returns the table.
-fn peak_against_truth(snapshot: &Snapshot, truth: &[u64], by_site: &[HashMap<String, u64>]) -> PeakSites {
+fn peak_against_truth(snapshot: &AllocationHistory, truth: &[u64], by_site: &[HashMap<String, u64>]) -> PeakSites {
     let (rule, namer) = (SiteRule::default(), PlainNamer::default());
     let replayed = replay(snapshot, 0, None);
     let sites = peak_sites(&replayed, &attribution(snapshot, &rule, &namer), 20);

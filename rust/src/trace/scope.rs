@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::held::{oom_checked, still_held_checked, HeldBlock, OomSites};
-use super::parse::Snapshot;
+use super::parse::AllocationHistory;
 use super::peak::{site_table_checked, PeakSites, TOP_SITES};
 use super::replay::{replay_checked, Peak, Replay};
 use super::sites::Attribution;
@@ -47,7 +47,7 @@ fn first_event(replay: &Replay, since_us: i64) -> usize {
 
 /// Each of `devices` (torch indices) in `snapshot`, from `since_us` on.
 pub fn scope_traces(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     devices: &[u32],
     max_entries: Option<usize>,
     since_us: i64,
@@ -62,7 +62,7 @@ pub fn scope_traces(
 /// opening of the experiment the snapshot was saved for, where gpuexp saved it, else all of it),
 /// with the ring buffer's `max_entries` (None: as saved with it).
 pub fn snapshot_traces(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     devices: Option<&[u32]>,
     max_entries: Option<u64>,
     since_us: Option<i64>,
@@ -80,7 +80,7 @@ pub fn snapshot_traces(
 /// `scope_traces`, asking `keep_going` every so many events and blocks whether to go on (a
 /// large file's analysis takes seconds): its error (`Error::Interrupted`: Ctrl-C) stops it.
 pub fn scope_traces_checked(
-    snapshot: &Snapshot,
+    snapshot: &AllocationHistory,
     devices: &[u32],
     max_entries: Option<usize>,
     since_us: i64,

@@ -113,7 +113,7 @@ impl Program {
 
     /// The snapshot of the events from `start` on (the ring buffer kept only those), with the
     /// segments holding every live block; and the truth of that window.
-    pub fn snapshot(&self, start: usize) -> (Snapshot, Vec<u64>, Vec<HashMap<String, u64>>) {
+    pub fn snapshot(&self, start: usize) -> (AllocationHistory, Vec<u64>, Vec<HashMap<String, u64>>) {
         let blocks = self
             .live
             .iter()
@@ -144,12 +144,21 @@ impl Program {
         for event in &mut events {
             event.annotation = event.annotation.map(|text| stacks.intern_string(self.stacks.string(text)));
         }
-        let snapshot = Snapshot { segments: vec![segment], device_traces: vec![events], stacks, ..Snapshot::default() };
+        let snapshot = AllocationHistory {
+            segments: vec![segment],
+            device_traces: vec![events],
+            stacks,
+            ..AllocationHistory::default()
+        };
         (snapshot, self.truth[start..].to_vec(), self.by_site[start..].to_vec())
     }
 }
 
-pub(super) fn attribution<'a>(snapshot: &'a Snapshot, rule: &'a SiteRule, namer: &'a PlainNamer) -> Attribution<'a> {
+pub(super) fn attribution<'a>(
+    snapshot: &'a AllocationHistory,
+    rule: &'a SiteRule,
+    namer: &'a PlainNamer,
+) -> Attribution<'a> {
     Attribution::new(&snapshot.stacks, rule, namer)
 }
 
@@ -173,7 +182,7 @@ fn training(batch: u64) -> Program {
         ("/usr/lib/python3.11/site-packages/torch/autograd/__init__.py", 200, "backward"),
         (USER, 20, "step"),
     ]);
-    p.event(Action::Snapshot, backward);
+    p.event(Action::AllocationHistory, backward);
     p.alloc(4 << 20, 0, "backward");
     p.free(scores);
     p.free(x);
@@ -329,7 +338,7 @@ fn the_fixtures_pickled_by_python_read_the_same_at_every_protocol() {
         include_bytes!("testdata/snapshot_p4.pickle"),
         include_bytes!("testdata/snapshot_p5.pickle"),
     ] {
-        let snapshot = Snapshot::from_pickle(fixture).unwrap();
+        let snapshot = AllocationHistory::from_pickle(fixture).unwrap();
         let events = &snapshot.device_traces[0];
         let actions: Vec<Action> = events.iter().map(|e| e.action).collect();
         assert_eq!(
@@ -363,13 +372,13 @@ fn the_fixtures_pickled_by_python_read_the_same_at_every_protocol() {
         assert_eq!(ooms[0].live.sites[0].label, format!("{USER}:15"));
         assert_eq!((ooms[0].requested, ooms[0].device_free), (1 << 40, 123));
     }
-    let first = Snapshot::from_pickle(include_bytes!("testdata/snapshot_p4.pickle")).unwrap();
-    let reordered = Snapshot::from_pickle(include_bytes!("testdata/snapshot_reordered.pickle")).unwrap();
+    let first = AllocationHistory::from_pickle(include_bytes!("testdata/snapshot_p4.pickle")).unwrap();
+    let reordered = AllocationHistory::from_pickle(include_bytes!("testdata/snapshot_reordered.pickle")).unwrap();
     assert_eq!(reordered.device_traces, first.device_traces, "an event with its action last reads the same");
-    let error = Snapshot::from_pickle(b"not a pickle").unwrap_err();
+    let error = AllocationHistory::from_pickle(b"not a pickle").unwrap_err();
     assert!(error.to_string().contains("torch.cuda.memory._snapshot()"), "{error}");
     let whole = include_bytes!("testdata/snapshot_p4.pickle");
-    let error = Snapshot::from_pickle(&whole[..whole.len() / 2]).unwrap_err();
+    let error = AllocationHistory::from_pickle(&whole[..whole.len() / 2]).unwrap_err();
     assert!(error.to_string().contains("ends early"), "{error}");
 }
 
@@ -410,11 +419,11 @@ fn a_large_block_keeps_the_whole_segment_when_too_little_is_left_to_split() {
         annotation: None,
     });
     p.truth = Vec::new();
-    let snapshot = Snapshot {
+    let snapshot = AllocationHistory {
         segments: Vec::new(),
         device_traces: vec![p.events.clone()],
         stacks: p.snapshot(0).0.stacks,
-        ..Snapshot::default()
+        ..AllocationHistory::default()
     };
     let replay = replay(&snapshot, 0, None);
     assert_eq!(replay.allocated, [0, 12 << 20, 0]);
