@@ -1,7 +1,62 @@
-//! How an estimate runs its step under fake tensors: on which memory, a second call when the
-//! first created the optimizer's state, why it failed, and notes on what the fakes could not show.
+//! How an estimate runs its step under fake tensors: on which memory, in which order (the state
+//! saved, the fakes swapped in, the step run under the ledger, everything put back), a second
+//! call when the first created the optimizer's state, why it failed, and notes on what the fakes
+//! could not show.
 
+use crate::estimate::Peak;
 use crate::holders_walk::Memory;
+
+/// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
+#[derive(Debug, PartialEq)]
+pub struct Run {
+    pub peak: Peak,
+    pub calls: u32,
+    pub notes: Vec<String>,
+}
+
+/// The world of one estimate, a method per step; [`run`] calls them in their fixed order.
+pub trait Estimating {
+    type Error;
+    /// Saves every container the step reaches, to be put back whatever happens.
+    fn save_state(&mut self) -> Result<(), Self::Error>;
+    /// Swaps the model's tensors for fakes (on an error, none stays swapped); what the swap met.
+    fn swap_in_fakes(&mut self) -> Result<Swapped, Self::Error>;
+    /// Runs the step under the ledger, its calls made by [`call_step`]: the peak, the calls and
+    /// their notes.
+    fn run_ledger(&mut self) -> Result<(Peak, (u32, Vec<String>)), Self::Error>;
+    /// Puts the real tensors back.
+    fn swap_out_fakes(&mut self) -> Result<(), Self::Error>;
+    /// Puts back every container the step changed: notes on what could not be.
+    fn restore_state(&mut self) -> Result<Vec<String>, Self::Error>;
+    /// `error`, saying also what was not put back (`left`).
+    fn not_restored(&self, error: Self::Error, left: Vec<String>) -> Self::Error;
+}
+
+/// One estimate on `device` ("cuda:0", "host"): the state is saved first and put back last,
+/// whatever happened between; fakes swapped in are swapped out before it.
+pub fn run<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> {
+    world.save_state()?;
+    let run = run_on_fakes(world, device);
+    let left = world.restore_state()?;
+    match run {
+        Ok(mut run) => {
+            run.notes.extend(left);
+            Ok(run)
+        }
+        Err(error) if !left.is_empty() => Err(world.not_restored(error, left)),
+        Err(error) => Err(error),
+    }
+}
+
+fn run_on_fakes<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> {
+    let swapped = world.swap_in_fakes()?;
+    let ran = world.run_ledger();
+    let swapped_out = world.swap_out_fakes();
+    let (peak, (calls, mut notes)) = ran?;
+    swapped_out?;
+    notes.extend(swapped.notes(device));
+    Ok(Run { peak, calls, notes })
+}
 
 /// Why an estimate can't start.
 #[derive(Debug, PartialEq, Eq)]
@@ -107,6 +162,75 @@ impl Swapped {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::estimate::{Ledger, Rounding};
+
+    /// Records each step of an estimate; fails at `failing`, and leaves `left` unrestored.
+    #[derive(Default)]
+    struct Recorded {
+        steps: Vec<&'static str>,
+        failing: Option<&'static str>,
+        left: Vec<String>,
+    }
+
+    impl Recorded {
+        fn step(&mut self, name: &'static str) -> Result<(), String> {
+            self.steps.push(name);
+            if self.failing == Some(name) {
+                return Err(format!("{name} failed"));
+            }
+            Ok(())
+        }
+    }
+
+    impl Estimating for Recorded {
+        type Error = String;
+        fn save_state(&mut self) -> Result<(), String> {
+            self.step("save state")
+        }
+        fn swap_in_fakes(&mut self) -> Result<Swapped, String> {
+            self.step("swap in fakes").map(|()| Swapped { scalers: 1, ..Swapped::default() })
+        }
+        fn run_ledger(&mut self) -> Result<(Peak, (u32, Vec<String>)), String> {
+            self.step("run ledger").map(|()| (Ledger::new(Rounding::Exact).peak(), (2, vec!["ran".into()])))
+        }
+        fn swap_out_fakes(&mut self) -> Result<(), String> {
+            self.step("swap out fakes")
+        }
+        fn restore_state(&mut self) -> Result<Vec<String>, String> {
+            self.step("restore state").map(|()| self.left.clone())
+        }
+        fn not_restored(&self, error: String, left: Vec<String>) -> String {
+            format!("{error}; {}", left.join("; "))
+        }
+    }
+
+    const ORDER: [&str; 5] = ["save state", "swap in fakes", "run ledger", "swap out fakes", "restore state"];
+
+    #[test]
+    fn an_estimate_saves_swaps_runs_and_puts_back_in_that_order() {
+        let mut world = Recorded { left: vec!["left".into()], ..Recorded::default() };
+        let run = super::run(&mut world, "cuda:0").unwrap();
+        assert_eq!(world.steps, ORDER);
+        assert_eq!(run.calls, 2);
+        assert_eq!(run.notes[0], "ran");
+        assert!(run.notes[1].starts_with("GradScaler"), "{:?}", run.notes);
+        assert_eq!(run.notes[2], "left", "what was not put back is noted last");
+    }
+
+    #[test]
+    fn whatever_fails_what_was_done_is_undone() {
+        for (failing, steps) in [
+            ("run ledger", &ORDER[..]),
+            ("swap in fakes", &["save state", "swap in fakes", "restore state"][..]),
+            ("save state", &ORDER[..1]),
+        ] {
+            let mut world = Recorded { failing: Some(failing), ..Recorded::default() };
+            assert_eq!(super::run(&mut world, "cpu"), Err(format!("{failing} failed")));
+            assert_eq!(world.steps, steps, "{failing}");
+        }
+        let mut world = Recorded { failing: Some("run ledger"), left: vec!["a dict".into()], ..Recorded::default() };
+        assert_eq!(super::run(&mut world, "cpu"), Err("run ledger failed; a dict".into()));
+    }
 
     fn calls(created: &[bool], most: u32) -> (u32, Vec<String>) {
         let mut answers = created.iter();

@@ -4,12 +4,10 @@
 //! entered in the core's [`Ledger`] by a dispatch mode. Nothing is allocated on the device; the
 //! real tensors are never touched, and everything swapped is put back.
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
 
 use super::error::NoEstimate;
 use super::fakes::Fakes;
@@ -19,17 +17,10 @@ use super::snapshot::take_snapshot;
 use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
-use crate::estimate_run::{self, call_step, Swapped, Unready};
+use crate::estimate_run::{self, call_step, Estimating, Run, Swapped, Unready};
 use crate::finder::{Search, Seed};
 use crate::snapshot::{host, GpuSelection};
 use crate::units;
-
-/// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
-pub(super) struct Run {
-    pub(super) peak: Peak,
-    pub(super) calls: u32,
-    pub(super) notes: Vec<String>,
-}
 
 /// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
 /// they reach, the modules and optimizers whose tensors are swapped for fakes.
@@ -50,9 +41,9 @@ impl<'py> Reach<'py> {
     }
 }
 
-/// Runs `step(batch)` under fake tensors on `memory`, a second time (up to `calls`) when the
-/// first call created optimizer state, since later steps hold it through their forward pass.
-/// Whatever happens, everything the step reaches is put back as it was (`StepState`).
+/// Runs `step(batch)` under fake tensors on `memory` ([`estimate_run::run`]), a second time (up
+/// to `calls`) when the first call created optimizer state, since later steps hold it through
+/// their forward pass. Whatever happens, everything the step reaches is put back as it was.
 pub(super) fn run_estimate<'py>(
     py: Python<'py>,
     step: &Bound<'py, PyAny>,
@@ -61,154 +52,90 @@ pub(super) fn run_estimate<'py>(
     reach: &Reach<'py>,
     calls: u32,
 ) -> PyResult<Run> {
-    let state = StepState::save(py, &reach.roots, &reach.assigned)?;
-    let run = run_on_fakes(py, step, batch, memory, reach, calls, &state);
-    let left = state.restore()?;
-    match run {
-        Ok(mut run) => {
-            run.notes.extend(left);
-            Ok(run)
-        }
-        Err(error) if !left.is_empty() => {
-            let wrapped = NoEstimate::new_err(format!("{}; {}", error.value(py), left.join("; ")));
-            wrapped.set_cause(py, Some(error));
-            Err(wrapped)
-        }
-        Err(error) => Err(error),
-    }
-}
-
-fn run_on_fakes<'py>(
-    py: Python<'py>,
-    step: &Bound<'py, PyAny>,
-    batch: u64,
-    memory: &Memory,
-    reach: &Reach<'py>,
-    calls: u32,
-    state: &StepState<'py>,
-) -> PyResult<Run> {
     let torch_device = py.import("sys")?.getattr("modules")?.get_item("torch")?.getattr("device")?;
     let target = match memory {
         Memory::Cuda(index) => torch_device.call1(("cuda", *index))?,
         _ => torch_device.call1(("cpu",))?,
     };
-    let mut fakes = Fakes::swap_in(py, &reach.owners, target).map_err(|error| {
-        let wrapped = NoEstimate::new_err(format!(
-            "no estimate was made: the model's tensors could not be swapped for fakes ({})",
-            error.value(py)
-        ));
-        wrapped.set_cause(py, Some(error));
+    let mut world = PythonEstimate { py, step, batch, memory, reach, calls, target, state: None, fakes: None };
+    estimate_run::run(&mut world, &memory.label())
+}
+
+/// An estimate's world: the step and what it reaches, its saved state and its fakes while they are swapped in.
+struct PythonEstimate<'a, 'py> {
+    py: Python<'py>,
+    step: &'a Bound<'py, PyAny>,
+    batch: u64,
+    memory: &'a Memory,
+    reach: &'a Reach<'py>,
+    calls: u32,
+    target: Bound<'py, PyAny>,
+    state: Option<StepState<'py>>,
+    fakes: Option<Fakes<'py>>,
+}
+
+impl<'py> Estimating for PythonEstimate<'_, 'py> {
+    type Error = PyErr;
+
+    fn save_state(&mut self) -> PyResult<()> {
+        self.state = Some(StepState::save(self.py, &self.reach.roots, &self.reach.assigned)?);
+        Ok(())
+    }
+
+    fn swap_in_fakes(&mut self) -> PyResult<Swapped> {
+        let (py, state) = (self.py, self.state.as_ref().expect("the state is saved first"));
+        let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone()).map_err(|error| {
+            let wrapped = NoEstimate::new_err(format!(
+                "no estimate was made: the model's tensors could not be swapped for fakes ({})",
+                error.value(py)
+            ));
+            wrapped.set_cause(py, Some(error));
+            wrapped
+        })?;
+        // On an error `fakes` is dropped here, which puts the real tensors back.
+        state.fake_device_tensors(&fakes.mode)?;
+        let swapped =
+            Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.loaded, scalers: state.scalers };
+        self.fakes = Some(fakes);
+        Ok(swapped)
+    }
+
+    fn run_ledger(&mut self) -> PyResult<(Peak, (u32, Vec<String>))> {
+        let (py, step, batch) = (self.py, self.step, self.batch);
+        let fakes = self.fakes.as_ref().expect("the fakes are swapped in first");
+        // What the step returns is kept until the ledger is read: an output outlives the step.
+        let mut returned = Vec::new();
+        let ran = ledger_mode::run(fakes, self.memory, &self.target, |ledgered: &Ledgered| {
+            call_step(self.calls, || {
+                let state_before = ledgered.optimizer_state_entries()?;
+                returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
+                Ok(ledgered.optimizer_state_entries()? > state_before)
+            })
+        });
+        drop(returned);
+        ran
+    }
+
+    fn swap_out_fakes(&mut self) -> PyResult<()> {
+        self.fakes.take().map_or(Ok(()), |mut fakes| fakes.restore())
+    }
+
+    fn restore_state(&mut self) -> PyResult<Vec<String>> {
+        self.state.take().expect("the state is saved first").restore()
+    }
+
+    fn not_restored(&self, error: PyErr, left: Vec<String>) -> PyErr {
+        let wrapped = NoEstimate::new_err(format!("{}; {}", error.value(self.py), left.join("; ")));
+        wrapped.set_cause(self.py, Some(error));
         wrapped
-    })?;
-    state.fake_device_tensors(&fakes.mode)?;
-    let swapped =
-        Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.from_meta.len(), scalers: state.scalers };
-    // What the step returns is kept until the ledger is read: an output outlives the step.
-    let mut returned = Vec::new();
-    let ran = ledger_mode::run(&fakes, memory, |ledgered: &Ledgered| {
-        call_step(calls, || {
-            let state_before = ledgered.optimizer_state_entries()?;
-            returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
-            Ok(ledgered.optimizer_state_entries()? > state_before)
-        })
-    });
-    drop(returned);
-    let restored = fakes.restore();
-    let (peak, (calls, mut notes)) = ran?;
-    restored?;
-    notes.extend(swapped.notes(&memory.label()));
-    Ok(Run { peak, calls, notes })
+    }
 }
 
-/// Where the step's modules and optimizers can be found from: the step itself (a closure's
-/// cells, a bound method's object, a partial's arguments, a callable object) and the globals
-/// its code and the functions it reaches load.
-/// Also the globals the step's code assigns to (`global` names), with the namespace they are in.
+/// Where the step's modules and optimizers can be found from, and the globals its code assigns
+/// to (`global` names) with the namespace they are in: `gpuexp.step_roots` reads them from the
+/// step's code objects, which is only driving Python objects.
 fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<(Roots<'py>, Vec<AssignedGlobal<'py>>)> {
-    const MOST_FUNCTIONS: usize = 64;
-    let types = py.import("types")?;
-    let function_type = types.getattr("FunctionType")?.cast_into::<PyType>()?;
-    let code_type = types.getattr("CodeType")?.cast_into::<PyType>()?;
-    let instructions = py.import("dis")?.getattr("get_instructions")?;
-    let mut roots = vec![("step".to_string(), step.clone())];
-    let mut assigned = Vec::new();
-    let mut pending = vec![step.clone()];
-    let mut seen = HashSet::new();
-    while let Some(callable) = pending.pop() {
-        if !seen.insert(callable.as_ptr() as usize) || seen.len() > MOST_FUNCTIONS {
-            continue;
-        }
-        for inner in ["__func__", "__wrapped__", "func"] {
-            if let Ok(inner) = callable.getattr(inner) {
-                if inner.is_callable() {
-                    pending.push(inner);
-                }
-            }
-        }
-        for arguments in ["args", "keywords"] {
-            if let Ok(values) = callable.getattr(arguments) {
-                roots.push((format!("step.{arguments}"), values));
-            }
-        }
-        if !callable.is_instance(&function_type)? {
-            if let Ok(call) = callable.get_type().getattr("__call__") {
-                pending.push(call);
-            }
-            continue;
-        }
-        let globals = callable.getattr("__globals__")?.cast_into::<PyDict>()?;
-        let (mut names, mut stored) = (Vec::new(), Vec::new());
-        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names, &mut stored)?;
-        assigned.extend(stored.into_iter().map(|name| (globals.clone(), name)));
-        for name in names {
-            if let Some(value) = globals.get_item(&name)? {
-                if value.is_instance(&function_type)? {
-                    pending.push(value.clone());
-                }
-                roots.push((name, value));
-            }
-        }
-        let closure = callable.getattr("__closure__")?;
-        if !closure.is_none() {
-            for cell in closure.try_iter()? {
-                if let Ok(contents) = cell?.getattr("cell_contents") {
-                    if contents.is_instance(&function_type)? {
-                        pending.push(contents);
-                    }
-                }
-            }
-        }
-    }
-    Ok((roots, assigned))
-}
-
-/// The globals a code object and the code nested in it (inner functions, lambdas) load; not
-/// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).
-fn global_names(
-    code: &Bound<PyAny>,
-    code_type: &Bound<PyType>,
-    instructions: &Bound<PyAny>,
-    loaded: &mut Vec<String>,
-    stored: &mut Vec<String>,
-) -> PyResult<()> {
-    for instruction in instructions.call1((code,))?.try_iter()? {
-        let instruction = instruction?;
-        let operation: String = instruction.getattr("opname")?.extract()?;
-        let into = match operation.as_str() {
-            "LOAD_GLOBAL" | "LOAD_NAME" => &mut *loaded,
-            "STORE_GLOBAL" | "DELETE_GLOBAL" => &mut *stored,
-            _ => continue,
-        };
-        if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
-            into.push(name);
-        }
-    }
-    for constant in code.getattr("co_consts")?.cast_into::<PyTuple>()?.iter() {
-        if constant.is_instance(code_type)? {
-            global_names(&constant, code_type, instructions, loaded, stored)?;
-        }
-    }
-    Ok(())
+    py.import("gpuexp.step_roots")?.call_method1("step_roots", (step,))?.extract()
 }
 
 /// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
