@@ -348,6 +348,26 @@ class LedgerRun:
         """How many parameters have optimizer state: it grows when a step creates it."""
         return sum(len(optimizer.state) for optimizer in self._optimizers)
 
+    def call_step(self, step, batch, returned):
+        """Calls ``step(batch)``, keeping what it returns in ``returned`` (an output outlives the
+        step); whether the call created optimizer state. Its error is raised as ``NoEstimate``,
+        naming the operator it failed at."""
+        from gpuexp._core import NoEstimate
+
+        before = self.optimizer_state_entries()
+        try:
+            returned.append(step(batch))
+        except NoEstimate:
+            raise
+        except BaseException as error:  # noqa: BLE001  (each is raised again, as NoEstimate)
+            operator = getattr(error, "func", None)
+            if operator is None:
+                operator = self.last_op
+            raise self._books.failed_at(
+                None if operator is None else str(operator), type(error).__name__, _text(error)
+            ) from error
+        return self.optimizer_state_entries() > before
+
     def mark_gradients_and_state(self):
         """Marks every gradient and optimizer state there is once the step has run."""
         for param in self._params:
@@ -427,6 +447,14 @@ class LedgerRun:
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
+
+
+def _text(error):
+    """``str(error)``, or nothing where that raises."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def fake_device_tensors(mode, dicts, lists, globals_):

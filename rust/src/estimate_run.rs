@@ -3,8 +3,9 @@
 //! call when the first created the optimizer's state, why it failed, and notes on what the fakes
 //! could not show.
 
-use crate::estimate::Peak;
+use crate::estimate::{Peak, Room, Rounding};
 use crate::holders_walk::Memory;
+use crate::snapshot::host;
 
 /// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
 #[derive(Debug, PartialEq)]
@@ -83,6 +84,32 @@ pub fn memory(torch: bool, cuda_initialised: bool, device: Option<u32>) -> Resul
              move the model there first, or estimate on device='cpu'"
         ))),
     }
+}
+
+/// How the allocator of `memory` sizes a storage: a GPU's caching allocator, or the host exactly.
+pub fn rounding(memory: &Memory) -> Rounding {
+    match memory {
+        Memory::Cuda(_) => Rounding::CudaCaching,
+        _ => Rounding::Exact,
+    }
+}
+
+/// What a GPU leaves the step: torch's `allocated` now, and NVML's `free` (None: unreadable)
+/// plus torch's cache (`reserved` less `allocated`); against `limit=` too.
+pub fn gpu_room(device: String, allocated: u64, reserved: u64, free: Option<u64>, limit: Option<u64>) -> Room {
+    let cache = reserved.saturating_sub(allocated);
+    Room { device, now: allocated, free: free.map(|f| f + cache), limit }
+}
+
+/// What the host leaves the step: its available memory, with the process's RSS in use now.
+pub fn host_room(limit: Option<u64>) -> Room {
+    let reading = host::read();
+    Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit }
+}
+
+/// Why no estimate was made: the model's tensors could not be swapped for fakes (`why`).
+pub fn not_swapped(why: &str) -> String {
+    format!("no estimate was made: the model's tensors could not be swapped for fakes ({why})")
 }
 
 /// Calls the step (`call` answers whether that call created optimizer state) until a call
@@ -235,6 +262,15 @@ mod tests {
     fn calls(created: &[bool], most: u32) -> (u32, Vec<String>) {
         let mut answers = created.iter();
         call_step(most, || Ok::<_, ()>(*answers.next().expect("called past the answers"))).unwrap()
+    }
+
+    #[test]
+    fn a_gpu_leaves_its_free_memory_and_torchs_cache_and_rounds_as_its_allocator() {
+        let room = gpu_room("cuda:0".into(), 100, 150, Some(1000), None);
+        assert_eq!((room.now, room.free), (100, Some(1050)));
+        assert_eq!(gpu_room("cuda:0".into(), 100, 150, None, Some(5)).free, None, "NVML unreadable");
+        assert_eq!(rounding(&Memory::Cuda(0)), Rounding::CudaCaching);
+        assert_eq!(rounding(&Memory::Host), Rounding::Exact);
     }
 
     #[test]

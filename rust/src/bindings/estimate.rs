@@ -8,19 +8,19 @@ use std::time::Instant;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
-use super::ledger_mode::{self, Ledgered};
+use super::ledger_mode;
 use super::snapshot::take_snapshot;
 use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
 use crate::estimate::{Estimate, Peak, Room};
 use crate::estimate_run::{self, call_step, Estimating, Run, Swapped, Unready};
-use crate::finder::{Search, Seed};
-use crate::snapshot::{host, GpuSelection};
-use crate::units;
+use crate::finder::Search;
+use crate::snapshot::GpuSelection;
 
 /// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
 /// they reach, the modules and optimizers whose tensors are swapped for fakes.
@@ -84,14 +84,8 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
 
     fn swap_in_fakes(&mut self) -> PyResult<Swapped> {
         let (py, state) = (self.py, self.state.as_ref().expect("the state is saved first"));
-        let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone()).map_err(|error| {
-            let wrapped = NoEstimate::new_err(format!(
-                "no estimate was made: the model's tensors could not be swapped for fakes ({})",
-                error.value(py)
-            ));
-            wrapped.set_cause(py, Some(error));
-            wrapped
-        })?;
+        let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone())
+            .map_err(|error| no_estimate(py, estimate_run::not_swapped(&error.value(py).to_string()), error))?;
         // On an error `fakes` is dropped here, which puts the real tensors back.
         state.fake_device_tensors(&fakes.mode)?;
         let swapped =
@@ -104,13 +98,9 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
         let (py, step, batch) = (self.py, self.step, self.batch);
         let fakes = self.fakes.as_ref().expect("the fakes are swapped in first");
         // What the step returns is kept until the ledger is read: an output outlives the step.
-        let mut returned = Vec::new();
-        let ran = ledger_mode::run(fakes, self.memory, &self.target, |ledgered: &Ledgered| {
-            call_step(self.calls, || {
-                let state_before = ledgered.optimizer_state_entries()?;
-                returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
-                Ok(ledgered.optimizer_state_entries()? > state_before)
-            })
+        let returned = PyList::empty(py);
+        let ran = ledger_mode::run(fakes, self.memory, &self.target, |ledgered| {
+            call_step(self.calls, || ledgered.call_method1("call_step", (step, batch, &returned))?.extract())
         });
         drop(returned);
         ran
@@ -125,10 +115,15 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
     }
 
     fn not_restored(&self, error: PyErr, left: Vec<String>) -> PyErr {
-        let wrapped = NoEstimate::new_err(format!("{}; {}", error.value(self.py), left.join("; ")));
-        wrapped.set_cause(self.py, Some(error));
-        wrapped
+        no_estimate(self.py, format!("{}; {}", error.value(self.py), left.join("; ")), error)
     }
+}
+
+/// A `NoEstimate` saying `message`, caused by `error`.
+fn no_estimate(py: Python, message: String, error: PyErr) -> PyErr {
+    let wrapped = NoEstimate::new_err(message);
+    wrapped.set_cause(py, Some(error));
+    wrapped
 }
 
 /// Where the step's modules and optimizers can be found from, and the globals its code assigns
@@ -146,13 +141,9 @@ fn room(py: Python, memory: &Memory, limit: Option<u64>) -> PyResult<Room> {
             let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![*index]));
             let stats = torch.read_stats(*index)?;
             let free = snapshot.gpus.iter().find(|g| g.torch_index == *index).map(|g| g.free);
-            let cache = stats.reserved.saturating_sub(stats.allocated);
-            Ok(Room { device: memory.label(), now: stats.allocated, free: free.map(|f| f + cache), limit })
+            Ok(estimate_run::gpu_room(memory.label(), stats.allocated, stats.reserved, free, limit))
         }
-        _ => {
-            let reading = host::read();
-            Ok(Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit })
-        }
+        _ => Ok(estimate_run::host_room(limit)),
     }
 }
 
@@ -243,42 +234,28 @@ pub(super) fn estimate(
     Ok(EstimatePy(Estimate::new(batch_size, run.calls, run.peak, &room, seconds, run.notes)))
 }
 
-/// Starts `search` from estimates of `step` on cuda:`index`. A step that can't run under fake
-/// tensors leaves the search to its trials, and the search's table says why.
+/// Starts `search` from estimates of `step` on cuda:`index` ([`Search::seed_by`]). A step that
+/// can't run under fake tensors leaves the search to its trials, and the search's table says why.
 pub(super) fn seed_search(py: Python, search: &mut Search, step: &Bound<PyAny>, index: u32, progress: bool) {
-    let started = Instant::now();
-    let seeded = estimates(py, search, step, index, progress);
-    match seeded {
-        Ok(estimates) => search.seed(Seed { estimates, seconds: started.elapsed().as_secs_f64() }),
-        Err(error) => search.unseeded = Some(format!("{}; searched by trials", error.value(py))),
-    }
-}
-
-fn estimates(
-    py: Python,
-    search: &Search,
-    step: &Bound<PyAny>,
-    index: u32,
-    progress: bool,
-) -> PyResult<Vec<(u64, u64)>> {
-    let memory = Memory::Cuda(index);
-    let reach = Reach::of(py, step)?;
-    let now = room(py, &memory, None)?.now;
-    let mut estimates = Vec::new();
-    while let Some(batch) = search.next_estimate(&estimates) {
-        let started = Instant::now();
-        let run = run_estimate(py, step, batch, &memory, &reach, search.settings.steps_per_trial)?;
-        let peak = now + run.peak.above_start;
+    let (started, memory, steps) = (Instant::now(), Memory::Cuda(index), search.settings.steps_per_trial);
+    let mut ready = None;
+    let mut estimate = |batch| -> PyResult<(u64, u32)> {
+        if ready.is_none() {
+            ready = Some((Reach::of(py, step)?, room(py, &memory, None)?.now));
+        }
+        let (reach, now) = ready.as_ref().expect("made above");
+        let run = run_estimate(py, step, batch, &memory, reach, steps)?;
+        Ok((now + run.peak.above_start, run.calls))
+    };
+    let shown = |line: String| -> PyResult<()> {
         if progress {
-            let line = format!(
-                "gpuexp: estimate at batch size {batch}: torch peak {} ({} calls under fake tensors, {:.2} s)",
-                units::bytes(peak),
-                run.calls,
-                started.elapsed().as_secs_f64()
-            );
             py.import("builtins")?.call_method1("print", (line,))?;
         }
-        estimates.push((batch, peak));
-    }
-    Ok(estimates)
+        Ok(())
+    };
+    search.seed_by(
+        started,
+        |batch| estimate(batch).map_err(|e| e.value(py).to_string()),
+        |line| shown(line).map_err(|e| e.value(py).to_string()),
+    );
 }

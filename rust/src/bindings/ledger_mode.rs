@@ -10,31 +10,27 @@ use pyo3::types::PyModule;
 use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
-use crate::estimate::{Category, Entry, Peak, Phase, Rounding};
+use crate::estimate::{Category, Entry, Peak, Phase};
 use crate::estimate_books::Books;
 use crate::estimate_run;
 
-/// Runs `body` with the ledger's dispatch mode inside the fake mode of `fakes`; the peak it found.
+/// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
+/// inside the fake mode of `fakes`; the peak it found.
 pub(super) fn run<'py, T>(
     fakes: &Fakes<'py>,
     memory: &Memory,
     target: &Bound<'py, PyAny>,
-    body: impl FnOnce(&Ledgered<'py>) -> PyResult<T>,
+    body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> PyResult<(Peak, T)> {
     let py = fakes.py;
-    let rounding = match memory {
-        Memory::Cuda(_) => Rounding::CudaCaching,
-        _ => Rounding::Exact,
-    };
-    let books = Bound::new(py, BooksPy(Books::new(rounding)))?;
-    let run = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
-    let ledgered = Ledgered { run };
-    let mode = ledgered.run.getattr("mode")?;
+    let books = Bound::new(py, BooksPy(Books::new(estimate_run::rounding(memory))))?;
+    let ledgered = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
+    let mode = ledgered.getattr("mode")?;
     let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
-    let marked = ledgered.run.call_method0("mark_gradients_and_state");
+    let marked = ledgered.call_method0("mark_gradients_and_state");
     let peak = books.borrow().0.ledger.peak();
     // The hooks go whatever happened: the optimizer's are global.
-    ledgered.run.call_method0("close")?;
+    ledgered.call_method0("close")?;
     let outcome = outcome?;
     marked?;
     Ok((peak, outcome))
@@ -57,46 +53,13 @@ fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
     py.import("gpuexp.fake_step")
 }
 
-/// A step run in progress: `gpuexp.fake_step.LedgerRun`, whose dispatch mode and hooks report to
-/// the books.
-pub(super) struct Ledgered<'py> {
-    run: Bound<'py, PyAny>,
-}
-
-impl Ledgered<'_> {
-    /// How many parameters have optimizer state: it grows when a step creates it.
-    pub(super) fn optimizer_state_entries(&self) -> PyResult<usize> {
-        self.run.call_method0("optimizer_state_entries")?.extract()
-    }
-
-    /// The step's error as `NoEstimate`, naming the operator it failed at.
-    pub(super) fn no_estimate(&self, py: Python, error: PyErr) -> PyErr {
-        if error.is_instance_of::<NoEstimate>(py) {
-            return error;
-        }
-        let value = error.value(py);
-        let operator = value
-            .getattr("func")
-            .ok()
-            .filter(|f| !f.is_none())
-            .or_else(|| self.run.getattr("last_op").ok().filter(|op| !op.is_none()))
-            .map(|op| op.to_string());
-        let kind = value.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        let message = value.str().map(|s| s.to_string()).unwrap_or_default();
-        let wrapped = NoEstimate::new_err(estimate_run::failed_at(operator.as_deref(), &kind, &message));
-        wrapped.set_cause(py, Some(error));
-        wrapped
-    }
-}
-
 /// The core's [`Books`] of one estimate, as `LedgerRun` reports to them. Storages are known by
 /// `id()` (their address) while they live; a category by its label.
 #[pyclass(name = "EstimateBooks", module = "gpuexp._core")]
 struct BooksPy(Books);
 
 fn category(label: &str) -> PyResult<Category> {
-    let known = Category::ALL.into_iter().find(|c| c.label() == label);
-    known.ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
+    Category::labelled(label).ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
 }
 
 #[pymethods]
@@ -133,6 +96,10 @@ impl BooksPy {
     /// The error that stops an estimate whose step uses a real tensor requiring grad of `shape`.
     fn unknown_parameter(&self, py: Python, shape: &str) -> Py<PyAny> {
         NoEstimate::new_err(estimate_run::unknown_parameter(shape)).into_value(py).into_any()
+    }
+    /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before its first).
+    fn failed_at(&self, py: Python, operator: Option<&str>, kind: &str, message: &str) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::failed_at(operator, kind, message)).into_value(py).into_any()
     }
     /// The error that stops an estimate at cuDNN's RNN (`crate::cudnn_rnn`).
     fn cudnn_rnn_refusal(&self, py: Python, mode: i64) -> Py<PyAny> {
