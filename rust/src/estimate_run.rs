@@ -15,6 +15,9 @@ pub struct Run {
     pub notes: Vec<String>,
 }
 
+/// What the step's run under the ledger found: the peak, and the calls made with their notes.
+pub type Ran = (Peak, (u32, Vec<String>));
+
 /// The world of one estimate, a method per step; [`run`] calls them in their fixed order.
 pub trait Estimating {
     type Error;
@@ -24,7 +27,7 @@ pub trait Estimating {
     fn swap_in_fakes(&mut self) -> Result<Swapped, Self::Error>;
     /// Runs the step under the ledger, its calls made by [`call_step`]: the peak, the calls and
     /// their notes.
-    fn run_ledger(&mut self) -> Result<(Peak, (u32, Vec<String>)), Self::Error>;
+    fn run_ledger(&mut self) -> Result<Ran, Self::Error>;
     /// Puts the real tensors back.
     fn swap_out_fakes(&mut self) -> Result<(), Self::Error>;
     /// Puts back every container the step changed: notes on what could not be.
@@ -217,7 +220,7 @@ mod tests {
         fn swap_in_fakes(&mut self) -> Result<Swapped, String> {
             self.step("swap in fakes").map(|()| Swapped { scalers: 1, ..Swapped::default() })
         }
-        fn run_ledger(&mut self) -> Result<(Peak, (u32, Vec<String>)), String> {
+        fn run_ledger(&mut self) -> Result<Ran, String> {
             self.step("run ledger").map(|()| (Ledger::new(Rounding::Exact).peak(), (2, vec!["ran".into()])))
         }
         fn swap_out_fakes(&mut self) -> Result<(), String> {

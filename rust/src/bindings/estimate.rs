@@ -17,8 +17,8 @@ use super::ledger_mode;
 use super::snapshot::take_snapshot;
 use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
-use crate::estimate::{Estimate, Peak, Room};
-use crate::estimate_run::{self, call_step, Estimating, Run, Swapped, Unready};
+use crate::estimate::{Estimate, Room};
+use crate::estimate_run::{self, call_step, Estimating, Ran, Run, Swapped, Unready};
 use crate::finder::Search;
 use crate::snapshot::GpuSelection;
 
@@ -94,7 +94,7 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
         Ok(swapped)
     }
 
-    fn run_ledger(&mut self) -> PyResult<(Peak, (u32, Vec<String>))> {
+    fn run_ledger(&mut self) -> PyResult<Ran> {
         let (py, step, batch) = (self.py, self.step, self.batch);
         let fakes = self.fakes.as_ref().expect("the fakes are swapped in first");
         // What the step returns is kept until the ledger is read: an output outlives the step.
