@@ -2,7 +2,8 @@
 step under fake tensors: the model's tensors and its optimizers' state swapped for fakes
 (``Fakes``), the dispatch mode that enters each operator's storages in the core's ledger
 (``LedgerMode``), the hooks that mark gradients, optimizer state and the optimizer's step
-(``mark_hooks``), and a GradScaler's inf check skipped (``assume_finite_gradients``).
+(``mark_hooks``), what they report to the core's books (``LedgerRun``), and a GradScaler's inf
+check skipped (``assume_finite_gradients``).
 
 This is torch instrumentation, so it is Python (docs/ARCHITECTURE.md, "Where torch
 instrumentation goes"): it subclasses, hooks and stands in for torch's own code, written the way
@@ -14,6 +15,7 @@ refuses to start without it.
 
 import collections
 import sys
+import weakref
 
 # Fake tensors' probe of the GPU context, under its names in torch's versions.
 _CONTEXT_PROBES = ("init_gpu_context", "init_cuda_context")
@@ -272,3 +274,219 @@ def assume_finite_gradients(scaler):
         return optimizer.step(*args, **kwargs)
 
     scaler.__dict__["_maybe_opt_step"] = step
+
+
+class LedgerRun:
+    """The books of one estimate kept while its step runs: each storage on ``target`` (the
+    ``torch.device`` of the estimate) that exists before the step, or that an operator makes, is
+    reported to ``books`` (the core's ``estimate_books::Books``, through
+    ``rust/src/bindings/ledger_mode.rs``) with a weak reference that reports its freeing; torch's
+    hooks report gradients, optimizer state and the optimizer's step. ``mode`` is the dispatch
+    mode to enter inside ``fakes.mode``; ``close()`` removes the hooks and the weak references.
+    On an error, what was installed so far is removed before it raises."""
+
+    def __init__(self, fakes, books, target):
+        torch = sys.modules["torch"]
+        self._books, self._target = books, target
+        self._tensor, self._fake_tensor = fakes.tensor, fakes.fake_tensor
+        self._params, self._optimizers, self._from_meta = fakes.params, fakes.optimizers, fakes.from_meta
+        self._current_node = torch._C._current_autograd_node
+        self._weakrefs, self._hooks = [], []
+        self._aliases = {}  # per operator: whether each of its returns aliases an input
+        self.last_op = None  # the operator running or last run: an error names it
+        self.mode = None
+        try:
+            for param in fakes.params:
+                self._enter_existing(param, "parameters")
+                self._enter_existing(param.grad, "gradients")
+            for buffer in fakes.buffers:
+                self._enter_existing(buffer, "buffers")
+            for tensor in self._state_tensors(self._optimizers):
+                self._enter_existing(tensor, "optimizer state")
+            self._hooks = mark_hooks(fakes.params, self._before_step, self._after_step, self._accumulated)
+            self.mode = ledger_mode(self._dispatch)
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_target(self, tensor):
+        try:
+            # A fake tensor's device is a plain attribute; `device` would dispatch to the fake mode.
+            device = tensor.fake_device if hasattr(tensor, "fake_device") else tensor.device
+            return bool(device == self._target)
+        except Exception:  # noqa: BLE001  (a tensor whose device can't be read is not on the target)
+            return False
+
+    def _enter_existing(self, tensor, category):
+        if tensor is None or not self._on_target(tensor):
+            return
+        storage = tensor.untyped_storage()
+        entry = self._books.existing(id(storage), storage.nbytes(), category, id(tensor) in self._from_meta)
+        if entry is not None:
+            self._watch(storage, entry)
+
+    def _watch(self, storage, entry):
+        """Tells the books when ``storage`` is freed: a weak reference whose callback runs as it dies."""
+        books, key = self._books, id(storage)
+        self._weakrefs.append(weakref.ref(storage, lambda _: books.freed(key, entry)))
+
+    def _state_tensors(self, optimizers):
+        """The tensors in the (fake) state of ``optimizers``."""
+        tensor = self._tensor
+        found = []
+        for optimizer in optimizers:
+            for values in optimizer.state.values():
+                if isinstance(values, dict):
+                    found.extend(value for value in values.values() if isinstance(value, tensor))
+        return found
+
+    def _mark(self, tensor, category):
+        if tensor is not None:
+            self._books.mark(id(tensor.untyped_storage()), category)
+
+    def optimizer_state_entries(self):
+        """How many parameters have optimizer state: it grows when a step creates it."""
+        return sum(len(optimizer.state) for optimizer in self._optimizers)
+
+    def call_step(self, step, batch, returned):
+        """Calls ``step(batch)``, keeping what it returns in ``returned`` (an output outlives the
+        step); whether the call created optimizer state. Its error is raised as ``NoEstimate``,
+        naming the operator it failed at."""
+        from gpuexp._core import NoEstimate
+
+        before = self.optimizer_state_entries()
+        try:
+            returned.append(step(batch))
+        except NoEstimate:
+            raise
+        except BaseException as error:  # noqa: BLE001  (each is raised again, as NoEstimate)
+            operator = getattr(error, "func", None)
+            if operator is None:
+                operator = self.last_op
+            raise self._books.failed_at(
+                None if operator is None else str(operator), type(error).__name__, _text(error)
+            ) from error
+        return self.optimizer_state_entries() > before
+
+    def mark_gradients_and_state(self):
+        """Marks every gradient and optimizer state there is once the step has run."""
+        for param in self._params:
+            self._mark(param.grad, "gradients")
+        for tensor in self._state_tensors(self._optimizers):
+            self._mark(tensor, "optimizer state")
+
+    # The optimizer's step is its own phase, and marks the state it made; each gradient is
+    # marked as it is accumulated, since the step may free it (`zero_grad`) before it ends.
+    def _before_step(self, optimizer):
+        self._books.enter_optimizer()
+
+    def _after_step(self, optimizer):
+        for tensor in self._state_tensors([optimizer]):
+            self._mark(tensor, "optimizer state")
+        self._books.leave_optimizer()
+
+    def _accumulated(self, param):
+        self._mark(param.grad, "gradients")
+
+    def _dispatch(self, func, args, kwargs):
+        """Each operator of the step: runs it (in the fake mode below) and enters the storages it made."""
+        self._books.operator(self._current_node() is not None)
+        self.last_op = func
+        self._refuse_real_leaves(args, kwargs)
+        name = getattr(func, "__name__", "")
+        if isinstance(name, str) and name.startswith("_cudnn_rnn."):
+            # `_cudnn_rnn(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, ...)`
+            mode = args[6] if len(args) > 6 and isinstance(args[6], int) else -1
+            raise self._books.cudnn_rnn_refusal(mode)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self._enter_outputs(func, out)
+        return out
+
+    def _refuse_real_leaves(self, args, kwargs):
+        """A real tensor that requires grad would tie the step's graph to the real model, and
+        backward would set its ``.grad`` to a fake: a parameter the walk did not find stops the estimate."""
+        tensor, fake = self._tensor, self._fake_tensor
+        values = list(args) + list(kwargs.values()) if kwargs else args
+        for value in values:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, tensor) and not isinstance(item, fake) and item.requires_grad:
+                    raise self._books.unknown_parameter(str(item.shape))
+
+    def _returns_aliased(self, func):
+        known = self._aliases.get(func)
+        if known is None:
+            try:
+                returns = func._schema.returns
+            except Exception:  # noqa: BLE001  (an operator without a schema aliases nothing)
+                returns = ()
+            known = self._aliases[func] = [ret.alias_info is not None for ret in returns]
+        return known
+
+    def _enter_outputs(self, func, out):
+        """Enters each storage an operator's outputs hold, with whether the schema marks that
+        output an alias (the books decide what that means)."""
+        aliased = self._returns_aliased(func)
+        positions = list(out) if len(aliased) > 1 and isinstance(out, tuple) else [out]
+        tensor, books = self._tensor, self._books
+        for position, value in enumerate(positions):
+            alias = aliased[position] if position < len(aliased) else False
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if not (isinstance(item, tensor) and self._on_target(item)):
+                    continue
+                try:
+                    storage = item.untyped_storage()
+                except Exception:  # noqa: BLE001, S112  (a tensor without storage made none)
+                    continue
+                entry = books.output(id(storage), storage.nbytes(), alias)
+                if entry is not None:
+                    self._watch(storage, entry)
+
+    def close(self):
+        """Removes the hooks and drops the weak references, so that nothing reports any more."""
+        self._weakrefs.clear()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+
+def _text(error):
+    """``str(error)``, or nothing where that raises."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def fake_device_tensors(mode, dicts, lists, globals_):
+    """Swaps the real GPU tensors held in the containers the estimate saved (a GradScaler's scale,
+    an EMA copy, a metric on the GPU) for fakes of ``mode``: ``dicts`` and ``lists`` by their items,
+    ``globals_`` as ``(namespace, name, value)``. Given to the fake mode as they are, small ones
+    would become constants that it computes with for real, on the device. The estimate puts the
+    real ones back with the containers."""
+    tensor = sys.modules["torch"].Tensor
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fakes = {}  # id of a real tensor: its fake, so a tensor held twice stays one
+
+    def fake_of(value):
+        if not isinstance(value, tensor) or isinstance(value, FakeTensor) or value.device.type != "cuda":
+            return None
+        fake = fakes.get(id(value))
+        if fake is None:
+            fake = fakes[id(value)] = mode.from_tensor(value)
+        return fake
+
+    for container in dicts:
+        for key, value in list(container.items()):
+            fake = fake_of(value)
+            if fake is not None:
+                container[key] = fake
+    for container in lists:
+        for index, value in enumerate(container):
+            fake = fake_of(value)
+            if fake is not None:
+                container[index] = fake
+    for namespace, name, value in globals_:
+        fake = fake_of(value)
+        if fake is not None:
+            namespace[name] = fake

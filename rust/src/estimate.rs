@@ -33,6 +33,11 @@ impl Category {
         Category::Temporaries,
     ];
 
+    /// The category whose [`label`](Category::label) is `label`.
+    pub fn labelled(label: &str) -> Option<Category> {
+        Category::ALL.into_iter().find(|c| c.label() == label)
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Category::Parameters => "parameters",

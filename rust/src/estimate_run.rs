@@ -1,7 +1,66 @@
-//! How an estimate runs its step under fake tensors: on which memory, a second call when the
-//! first created the optimizer's state, why it failed, and notes on what the fakes could not show.
+//! How an estimate runs its step under fake tensors: on which memory, in which order (the state
+//! saved, the fakes swapped in, the step run under the ledger, everything put back), a second
+//! call when the first created the optimizer's state, why it failed, and notes on what the fakes
+//! could not show.
 
+use crate::estimate::{Peak, Room, Rounding};
 use crate::holders_walk::Memory;
+use crate::snapshot::host;
+
+/// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
+#[derive(Debug, PartialEq)]
+pub struct Run {
+    pub peak: Peak,
+    pub calls: u32,
+    pub notes: Vec<String>,
+}
+
+/// What the step's run under the ledger found: the peak, and the calls made with their notes.
+pub type Ran = (Peak, (u32, Vec<String>));
+
+/// The world of one estimate, a method per step; [`run`] calls them in their fixed order.
+pub trait Estimating {
+    type Error;
+    /// Saves every container the step reaches, to be put back whatever happens.
+    fn save_state(&mut self) -> Result<(), Self::Error>;
+    /// Swaps the model's tensors for fakes (on an error, none stays swapped); what the swap met.
+    fn swap_in_fakes(&mut self) -> Result<Swapped, Self::Error>;
+    /// Runs the step under the ledger, its calls made by [`call_step`]: the peak, the calls and
+    /// their notes.
+    fn run_ledger(&mut self) -> Result<Ran, Self::Error>;
+    /// Puts the real tensors back.
+    fn swap_out_fakes(&mut self) -> Result<(), Self::Error>;
+    /// Puts back every container the step changed: notes on what could not be.
+    fn restore_state(&mut self) -> Result<Vec<String>, Self::Error>;
+    /// `error`, saying also what was not put back (`left`).
+    fn not_restored(&self, error: Self::Error, left: Vec<String>) -> Self::Error;
+}
+
+/// One estimate on `device` ("cuda:0", "host"): the state is saved first and put back last,
+/// whatever happened between; fakes swapped in are swapped out before it.
+pub fn run<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> {
+    world.save_state()?;
+    let run = run_on_fakes(world, device);
+    let left = world.restore_state()?;
+    match run {
+        Ok(mut run) => {
+            run.notes.extend(left);
+            Ok(run)
+        }
+        Err(error) if !left.is_empty() => Err(world.not_restored(error, left)),
+        Err(error) => Err(error),
+    }
+}
+
+fn run_on_fakes<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> {
+    let swapped = world.swap_in_fakes()?;
+    let ran = world.run_ledger();
+    let swapped_out = world.swap_out_fakes();
+    let (peak, (calls, mut notes)) = ran?;
+    swapped_out?;
+    notes.extend(swapped.notes(device));
+    Ok(Run { peak, calls, notes })
+}
 
 /// Why an estimate can't start.
 #[derive(Debug, PartialEq, Eq)]
@@ -28,6 +87,32 @@ pub fn memory(torch: bool, cuda_initialised: bool, device: Option<u32>) -> Resul
              move the model there first, or estimate on device='cpu'"
         ))),
     }
+}
+
+/// How the allocator of `memory` sizes a storage: a GPU's caching allocator, or the host exactly.
+pub fn rounding(memory: &Memory) -> Rounding {
+    match memory {
+        Memory::Cuda(_) => Rounding::CudaCaching,
+        _ => Rounding::Exact,
+    }
+}
+
+/// What a GPU leaves the step: torch's `allocated` now, and NVML's `free` (None: unreadable)
+/// plus torch's cache (`reserved` less `allocated`); against `limit=` too.
+pub fn gpu_room(device: String, allocated: u64, reserved: u64, free: Option<u64>, limit: Option<u64>) -> Room {
+    let cache = reserved.saturating_sub(allocated);
+    Room { device, now: allocated, free: free.map(|f| f + cache), limit }
+}
+
+/// What the host leaves the step: its available memory, with the process's RSS in use now.
+pub fn host_room(limit: Option<u64>) -> Room {
+    let reading = host::read();
+    Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit }
+}
+
+/// Why no estimate was made: the model's tensors could not be swapped for fakes (`why`).
+pub fn not_swapped(why: &str) -> String {
+    format!("no estimate was made: the model's tensors could not be swapped for fakes ({why})")
 }
 
 /// Calls the step (`call` answers whether that call created optimizer state) until a call
@@ -107,10 +192,88 @@ impl Swapped {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::estimate::{Ledger, Rounding};
+
+    /// Records each step of an estimate; fails at `failing`, and leaves `left` unrestored.
+    #[derive(Default)]
+    struct Recorded {
+        steps: Vec<&'static str>,
+        failing: Option<&'static str>,
+        left: Vec<String>,
+    }
+
+    impl Recorded {
+        fn step(&mut self, name: &'static str) -> Result<(), String> {
+            self.steps.push(name);
+            if self.failing == Some(name) {
+                return Err(format!("{name} failed"));
+            }
+            Ok(())
+        }
+    }
+
+    impl Estimating for Recorded {
+        type Error = String;
+        fn save_state(&mut self) -> Result<(), String> {
+            self.step("save state")
+        }
+        fn swap_in_fakes(&mut self) -> Result<Swapped, String> {
+            self.step("swap in fakes").map(|()| Swapped { scalers: 1, ..Swapped::default() })
+        }
+        fn run_ledger(&mut self) -> Result<Ran, String> {
+            self.step("run ledger").map(|()| (Ledger::new(Rounding::Exact).peak(), (2, vec!["ran".into()])))
+        }
+        fn swap_out_fakes(&mut self) -> Result<(), String> {
+            self.step("swap out fakes")
+        }
+        fn restore_state(&mut self) -> Result<Vec<String>, String> {
+            self.step("restore state").map(|()| self.left.clone())
+        }
+        fn not_restored(&self, error: String, left: Vec<String>) -> String {
+            format!("{error}; {}", left.join("; "))
+        }
+    }
+
+    const ORDER: [&str; 5] = ["save state", "swap in fakes", "run ledger", "swap out fakes", "restore state"];
+
+    #[test]
+    fn an_estimate_saves_swaps_runs_and_puts_back_in_that_order() {
+        let mut world = Recorded { left: vec!["left".into()], ..Recorded::default() };
+        let run = super::run(&mut world, "cuda:0").unwrap();
+        assert_eq!(world.steps, ORDER);
+        assert_eq!(run.calls, 2);
+        assert_eq!(run.notes[0], "ran");
+        assert!(run.notes[1].starts_with("GradScaler"), "{:?}", run.notes);
+        assert_eq!(run.notes[2], "left", "what was not put back is noted last");
+    }
+
+    #[test]
+    fn whatever_fails_what_was_done_is_undone() {
+        for (failing, steps) in [
+            ("run ledger", &ORDER[..]),
+            ("swap in fakes", &["save state", "swap in fakes", "restore state"][..]),
+            ("save state", &ORDER[..1]),
+        ] {
+            let mut world = Recorded { failing: Some(failing), ..Recorded::default() };
+            assert_eq!(super::run(&mut world, "cpu"), Err(format!("{failing} failed")));
+            assert_eq!(world.steps, steps, "{failing}");
+        }
+        let mut world = Recorded { failing: Some("run ledger"), left: vec!["a dict".into()], ..Recorded::default() };
+        assert_eq!(super::run(&mut world, "cpu"), Err("run ledger failed; a dict".into()));
+    }
 
     fn calls(created: &[bool], most: u32) -> (u32, Vec<String>) {
         let mut answers = created.iter();
         call_step(most, || Ok::<_, ()>(*answers.next().expect("called past the answers"))).unwrap()
+    }
+
+    #[test]
+    fn a_gpu_leaves_its_free_memory_and_torchs_cache_and_rounds_as_its_allocator() {
+        let room = gpu_room("cuda:0".into(), 100, 150, Some(1000), None);
+        assert_eq!((room.now, room.free), (100, Some(1050)));
+        assert_eq!(gpu_room("cuda:0".into(), 100, 150, None, Some(5)).free, None, "NVML unreadable");
+        assert_eq!(rounding(&Memory::Cuda(0)), Rounding::CudaCaching);
+        assert_eq!(rounding(&Memory::Host), Rounding::Exact);
     }
 
     #[test]

@@ -4,32 +4,23 @@
 //! entered in the core's [`Ledger`] by a dispatch mode. Nothing is allocated on the device; the
 //! real tensors are never touched, and everything swapped is put back.
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::PyList;
 
 use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::{reachable_owners, Memory};
-use super::ledger_mode::{self, Ledgered};
+use super::ledger_mode;
 use super::snapshot::take_snapshot;
 use super::step_state::{AssignedGlobal, Roots, StepState};
 use super::torch::PyTorch;
-use crate::estimate::{Estimate, Peak, Room};
-use crate::estimate_run::{self, call_step, Swapped, Unready};
-use crate::finder::{Search, Seed};
-use crate::snapshot::{host, GpuSelection};
-use crate::units;
-
-/// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
-pub(super) struct Run {
-    pub(super) peak: Peak,
-    pub(super) calls: u32,
-    pub(super) notes: Vec<String>,
-}
+use crate::estimate::{Estimate, Room};
+use crate::estimate_run::{self, call_step, Estimating, Ran, Run, Swapped, Unready};
+use crate::finder::Search;
+use crate::snapshot::GpuSelection;
 
 /// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
 /// they reach, the modules and optimizers whose tensors are swapped for fakes.
@@ -50,9 +41,9 @@ impl<'py> Reach<'py> {
     }
 }
 
-/// Runs `step(batch)` under fake tensors on `memory`, a second time (up to `calls`) when the
-/// first call created optimizer state, since later steps hold it through their forward pass.
-/// Whatever happens, everything the step reaches is put back as it was (`StepState`).
+/// Runs `step(batch)` under fake tensors on `memory` ([`estimate_run::run`]), a second time (up
+/// to `calls`) when the first call created optimizer state, since later steps hold it through
+/// their forward pass. Whatever happens, everything the step reaches is put back as it was.
 pub(super) fn run_estimate<'py>(
     py: Python<'py>,
     step: &Bound<'py, PyAny>,
@@ -61,154 +52,85 @@ pub(super) fn run_estimate<'py>(
     reach: &Reach<'py>,
     calls: u32,
 ) -> PyResult<Run> {
-    let state = StepState::save(py, &reach.roots, &reach.assigned)?;
-    let run = run_on_fakes(py, step, batch, memory, reach, calls, &state);
-    let left = state.restore()?;
-    match run {
-        Ok(mut run) => {
-            run.notes.extend(left);
-            Ok(run)
-        }
-        Err(error) if !left.is_empty() => {
-            let wrapped = NoEstimate::new_err(format!("{}; {}", error.value(py), left.join("; ")));
-            wrapped.set_cause(py, Some(error));
-            Err(wrapped)
-        }
-        Err(error) => Err(error),
-    }
-}
-
-fn run_on_fakes<'py>(
-    py: Python<'py>,
-    step: &Bound<'py, PyAny>,
-    batch: u64,
-    memory: &Memory,
-    reach: &Reach<'py>,
-    calls: u32,
-    state: &StepState<'py>,
-) -> PyResult<Run> {
     let torch_device = py.import("sys")?.getattr("modules")?.get_item("torch")?.getattr("device")?;
     let target = match memory {
         Memory::Cuda(index) => torch_device.call1(("cuda", *index))?,
         _ => torch_device.call1(("cpu",))?,
     };
-    let mut fakes = Fakes::swap_in(py, &reach.owners, target).map_err(|error| {
-        let wrapped = NoEstimate::new_err(format!(
-            "no estimate was made: the model's tensors could not be swapped for fakes ({})",
-            error.value(py)
-        ));
-        wrapped.set_cause(py, Some(error));
-        wrapped
-    })?;
-    state.fake_device_tensors(&fakes.mode)?;
-    let swapped =
-        Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.from_meta.len(), scalers: state.scalers };
-    // What the step returns is kept until the ledger is read: an output outlives the step.
-    let mut returned = Vec::new();
-    let ran = ledger_mode::run(&fakes, memory, |ledgered: &Ledgered| {
-        call_step(calls, || {
-            let state_before = ledgered.optimizer_state_entries()?;
-            returned.push(step.call1((batch,)).map_err(|error| ledgered.no_estimate(py, error))?);
-            Ok(ledgered.optimizer_state_entries()? > state_before)
-        })
-    });
-    drop(returned);
-    let restored = fakes.restore();
-    let (peak, (calls, mut notes)) = ran?;
-    restored?;
-    notes.extend(swapped.notes(&memory.label()));
-    Ok(Run { peak, calls, notes })
+    let mut world = PythonEstimate { py, step, batch, memory, reach, calls, target, state: None, fakes: None };
+    estimate_run::run(&mut world, &memory.label())
 }
 
-/// Where the step's modules and optimizers can be found from: the step itself (a closure's
-/// cells, a bound method's object, a partial's arguments, a callable object) and the globals
-/// its code and the functions it reaches load.
-/// Also the globals the step's code assigns to (`global` names), with the namespace they are in.
+/// An estimate's world: the step and what it reaches, its saved state and its fakes while they are swapped in.
+struct PythonEstimate<'a, 'py> {
+    py: Python<'py>,
+    step: &'a Bound<'py, PyAny>,
+    batch: u64,
+    memory: &'a Memory,
+    reach: &'a Reach<'py>,
+    calls: u32,
+    target: Bound<'py, PyAny>,
+    state: Option<StepState<'py>>,
+    fakes: Option<Fakes<'py>>,
+}
+
+impl<'py> Estimating for PythonEstimate<'_, 'py> {
+    type Error = PyErr;
+
+    fn save_state(&mut self) -> PyResult<()> {
+        self.state = Some(StepState::save(self.py, &self.reach.roots, &self.reach.assigned)?);
+        Ok(())
+    }
+
+    fn swap_in_fakes(&mut self) -> PyResult<Swapped> {
+        let (py, state) = (self.py, self.state.as_ref().expect("the state is saved first"));
+        let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone())
+            .map_err(|error| no_estimate(py, estimate_run::not_swapped(&error.value(py).to_string()), error))?;
+        // On an error `fakes` is dropped here, which puts the real tensors back.
+        state.fake_device_tensors(&fakes.mode)?;
+        let swapped =
+            Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.loaded, scalers: state.scalers };
+        self.fakes = Some(fakes);
+        Ok(swapped)
+    }
+
+    fn run_ledger(&mut self) -> PyResult<Ran> {
+        let (py, step, batch) = (self.py, self.step, self.batch);
+        let fakes = self.fakes.as_ref().expect("the fakes are swapped in first");
+        // What the step returns is kept until the ledger is read: an output outlives the step.
+        let returned = PyList::empty(py);
+        let ran = ledger_mode::run(fakes, self.memory, &self.target, |ledgered| {
+            call_step(self.calls, || ledgered.call_method1("call_step", (step, batch, &returned))?.extract())
+        });
+        drop(returned);
+        ran
+    }
+
+    fn swap_out_fakes(&mut self) -> PyResult<()> {
+        self.fakes.take().map_or(Ok(()), |mut fakes| fakes.restore())
+    }
+
+    fn restore_state(&mut self) -> PyResult<Vec<String>> {
+        self.state.take().expect("the state is saved first").restore()
+    }
+
+    fn not_restored(&self, error: PyErr, left: Vec<String>) -> PyErr {
+        no_estimate(self.py, format!("{}; {}", error.value(self.py), left.join("; ")), error)
+    }
+}
+
+/// A `NoEstimate` saying `message`, caused by `error`.
+fn no_estimate(py: Python, message: String, error: PyErr) -> PyErr {
+    let wrapped = NoEstimate::new_err(message);
+    wrapped.set_cause(py, Some(error));
+    wrapped
+}
+
+/// Where the step's modules and optimizers can be found from, and the globals its code assigns
+/// to (`global` names) with the namespace they are in: `gpuexp.step_roots` reads them from the
+/// step's code objects, which is only driving Python objects.
 fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<(Roots<'py>, Vec<AssignedGlobal<'py>>)> {
-    const MOST_FUNCTIONS: usize = 64;
-    let types = py.import("types")?;
-    let function_type = types.getattr("FunctionType")?.cast_into::<PyType>()?;
-    let code_type = types.getattr("CodeType")?.cast_into::<PyType>()?;
-    let instructions = py.import("dis")?.getattr("get_instructions")?;
-    let mut roots = vec![("step".to_string(), step.clone())];
-    let mut assigned = Vec::new();
-    let mut pending = vec![step.clone()];
-    let mut seen = HashSet::new();
-    while let Some(callable) = pending.pop() {
-        if !seen.insert(callable.as_ptr() as usize) || seen.len() > MOST_FUNCTIONS {
-            continue;
-        }
-        for inner in ["__func__", "__wrapped__", "func"] {
-            if let Ok(inner) = callable.getattr(inner) {
-                if inner.is_callable() {
-                    pending.push(inner);
-                }
-            }
-        }
-        for arguments in ["args", "keywords"] {
-            if let Ok(values) = callable.getattr(arguments) {
-                roots.push((format!("step.{arguments}"), values));
-            }
-        }
-        if !callable.is_instance(&function_type)? {
-            if let Ok(call) = callable.get_type().getattr("__call__") {
-                pending.push(call);
-            }
-            continue;
-        }
-        let globals = callable.getattr("__globals__")?.cast_into::<PyDict>()?;
-        let (mut names, mut stored) = (Vec::new(), Vec::new());
-        global_names(&callable.getattr("__code__")?, &code_type, &instructions, &mut names, &mut stored)?;
-        assigned.extend(stored.into_iter().map(|name| (globals.clone(), name)));
-        for name in names {
-            if let Some(value) = globals.get_item(&name)? {
-                if value.is_instance(&function_type)? {
-                    pending.push(value.clone());
-                }
-                roots.push((name, value));
-            }
-        }
-        let closure = callable.getattr("__closure__")?;
-        if !closure.is_none() {
-            for cell in closure.try_iter()? {
-                if let Ok(contents) = cell?.getattr("cell_contents") {
-                    if contents.is_instance(&function_type)? {
-                        pending.push(contents);
-                    }
-                }
-            }
-        }
-    }
-    Ok((roots, assigned))
-}
-
-/// The globals a code object and the code nested in it (inner functions, lambdas) load; not
-/// every name in `co_names`, which has attribute names too (`opt.step` is no global `step`).
-fn global_names(
-    code: &Bound<PyAny>,
-    code_type: &Bound<PyType>,
-    instructions: &Bound<PyAny>,
-    loaded: &mut Vec<String>,
-    stored: &mut Vec<String>,
-) -> PyResult<()> {
-    for instruction in instructions.call1((code,))?.try_iter()? {
-        let instruction = instruction?;
-        let operation: String = instruction.getattr("opname")?.extract()?;
-        let into = match operation.as_str() {
-            "LOAD_GLOBAL" | "LOAD_NAME" => &mut *loaded,
-            "STORE_GLOBAL" | "DELETE_GLOBAL" => &mut *stored,
-            _ => continue,
-        };
-        if let Ok(name) = instruction.getattr("argval")?.extract::<String>() {
-            into.push(name);
-        }
-    }
-    for constant in code.getattr("co_consts")?.cast_into::<PyTuple>()?.iter() {
-        if constant.is_instance(code_type)? {
-            global_names(&constant, code_type, instructions, loaded, stored)?;
-        }
-    }
-    Ok(())
+    py.import("gpuexp.step_roots")?.call_method1("step_roots", (step,))?.extract()
 }
 
 /// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
@@ -219,13 +141,9 @@ fn room(py: Python, memory: &Memory, limit: Option<u64>) -> PyResult<Room> {
             let (snapshot, torch) = take_snapshot(py, &GpuSelection::Only(vec![*index]));
             let stats = torch.read_stats(*index)?;
             let free = snapshot.gpus.iter().find(|g| g.torch_index == *index).map(|g| g.free);
-            let cache = stats.reserved.saturating_sub(stats.allocated);
-            Ok(Room { device: memory.label(), now: stats.allocated, free: free.map(|f| f + cache), limit })
+            Ok(estimate_run::gpu_room(memory.label(), stats.allocated, stats.reserved, free, limit))
         }
-        _ => {
-            let reading = host::read();
-            Ok(Room { device: "cpu".into(), now: reading.rss, free: Some(reading.available), limit })
-        }
+        _ => Ok(estimate_run::host_room(limit)),
     }
 }
 
@@ -316,42 +234,28 @@ pub(super) fn estimate(
     Ok(EstimatePy(Estimate::new(batch_size, run.calls, run.peak, &room, seconds, run.notes)))
 }
 
-/// Starts `search` from estimates of `step` on cuda:`index`. A step that can't run under fake
-/// tensors leaves the search to its trials, and the search's table says why.
+/// Starts `search` from estimates of `step` on cuda:`index` ([`Search::seed_by`]). A step that
+/// can't run under fake tensors leaves the search to its trials, and the search's table says why.
 pub(super) fn seed_search(py: Python, search: &mut Search, step: &Bound<PyAny>, index: u32, progress: bool) {
-    let started = Instant::now();
-    let seeded = estimates(py, search, step, index, progress);
-    match seeded {
-        Ok(estimates) => search.seed(Seed { estimates, seconds: started.elapsed().as_secs_f64() }),
-        Err(error) => search.unseeded = Some(format!("{}; searched by trials", error.value(py))),
-    }
-}
-
-fn estimates(
-    py: Python,
-    search: &Search,
-    step: &Bound<PyAny>,
-    index: u32,
-    progress: bool,
-) -> PyResult<Vec<(u64, u64)>> {
-    let memory = Memory::Cuda(index);
-    let reach = Reach::of(py, step)?;
-    let now = room(py, &memory, None)?.now;
-    let mut estimates = Vec::new();
-    while let Some(batch) = search.next_estimate(&estimates) {
-        let started = Instant::now();
-        let run = run_estimate(py, step, batch, &memory, &reach, search.settings.steps_per_trial)?;
-        let peak = now + run.peak.above_start;
+    let (started, memory, steps) = (Instant::now(), Memory::Cuda(index), search.settings.steps_per_trial);
+    let mut ready = None;
+    let mut estimate = |batch| -> PyResult<(u64, u32)> {
+        if ready.is_none() {
+            ready = Some((Reach::of(py, step)?, room(py, &memory, None)?.now));
+        }
+        let (reach, now) = ready.as_ref().expect("made above");
+        let run = run_estimate(py, step, batch, &memory, reach, steps)?;
+        Ok((now + run.peak.above_start, run.calls))
+    };
+    let shown = |line: String| -> PyResult<()> {
         if progress {
-            let line = format!(
-                "gpuexp: estimate at batch size {batch}: torch peak {} ({} calls under fake tensors, {:.2} s)",
-                units::bytes(peak),
-                run.calls,
-                started.elapsed().as_secs_f64()
-            );
             py.import("builtins")?.call_method1("print", (line,))?;
         }
-        estimates.push((batch, peak));
-    }
-    Ok(estimates)
+        Ok(())
+    };
+    search.seed_by(
+        started,
+        |batch| estimate(batch).map_err(|e| e.value(py).to_string()),
+        |line| shown(line).map_err(|e| e.value(py).to_string()),
+    );
 }

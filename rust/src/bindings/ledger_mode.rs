@@ -1,33 +1,36 @@
-//! The dispatch mode that keeps an estimate's books: every storage an operator makes on the
-//! device is entered in the core's [`Ledger`], and a weak reference to it tells the ledger when
-//! it is freed. Hooks mark gradients and optimizer state, and the optimizer's step as a phase.
+//! The books of an estimate as `gpuexp.fake_step.LedgerRun` reaches them: that dispatch mode and
+//! its hooks (torch instrumentation, so Python) report each storage made, grown, freed or found
+//! to be a gradient in plain calls, and the core's [`Books`] decide what each means. Here too the
+//! step runs inside the fake mode and the ledger's mode, and an error names its operator.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
-
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyCFunction, PyDict, PyList, PyModule, PyTuple, PyType};
+use pyo3::types::PyModule;
 
 use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
-use crate::estimate::{Category, Entry, Peak, Phase, Rounding};
+use crate::estimate::{Category, Entry, Peak, Phase};
 use crate::estimate_books::Books;
 use crate::estimate_run;
-use crate::locks::lock;
 
-/// Runs `body` with the ledger's dispatch mode inside the fake mode of `fakes`; the peak it found.
+/// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
+/// inside the fake mode of `fakes`; the peak it found.
 pub(super) fn run<'py, T>(
     fakes: &Fakes<'py>,
     memory: &Memory,
-    body: impl FnOnce(&Ledgered<'py>) -> PyResult<T>,
+    target: &Bound<'py, PyAny>,
+    body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> PyResult<(Peak, T)> {
-    let ledgered = Ledgered::open(fakes, memory)?;
-    let outcome = within(&fakes.mode, || within(&ledgered.mode, || body(&ledgered)));
-    let marked = ledgered.mark_gradients_and_state();
-    let peak = books(&ledgered.shared).books.ledger.peak();
+    let py = fakes.py;
+    let books = Bound::new(py, BooksPy(Books::new(estimate_run::rounding(memory))))?;
+    let ledgered = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
+    let mode = ledgered.getattr("mode")?;
+    let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
+    let marked = ledgered.call_method0("mark_gradients_and_state");
+    let peak = books.borrow().0.ledger.peak();
     // The hooks go whatever happened: the optimizer's are global.
-    ledgered.close()?;
+    ledgered.call_method0("close")?;
     let outcome = outcome?;
     marked?;
     Ok((peak, outcome))
@@ -45,343 +48,61 @@ fn within<T>(mode: &Bound<PyAny>, inner: impl FnOnce() -> PyResult<T>) -> PyResu
     Ok(outcome)
 }
 
-/// What the dispatch mode and the hooks share: the core's books, and the weak references that
-/// tell them when a storage is freed.
-struct Shared {
-    books: Books,
-    weakrefs: Vec<Py<PyAny>>,
-    last_op: Option<Py<PyAny>>,
-    /// Per operator: whether each of its returns aliases an input (a view, an in-place result).
-    aliases: HashMap<usize, Vec<bool>>,
-}
-
-type Locked = Arc<Mutex<Shared>>;
-
-/// The books, locked. Never held across a call into Python: a storage freed there calls back.
-fn books(shared: &Locked) -> MutexGuard<'_, Shared> {
-    lock(shared)
-}
-
-/// What the dispatch closure needs of Python, kept as it is called on torch's threads too.
-struct Context {
-    target: Py<PyAny>,
-    tensor: Py<PyType>,
-    fake_tensor: Py<PyType>,
-    current_node: Py<PyAny>,
-    weakref: Py<PyAny>,
-}
-
-/// A step run in progress: the ledger, the hooks that mark gradients and optimizer state, and
-/// the dispatch mode.
-pub(super) struct Ledgered<'py> {
-    py: Python<'py>,
-    shared: Locked,
-    context: Arc<Context>,
-    params: Vec<Bound<'py, PyAny>>,
-    optimizers: Vec<Bound<'py, PyAny>>,
-    hooks: Vec<Bound<'py, PyAny>>,
-    mode: Bound<'py, PyAny>,
-    /// Fakes of tensors on the `meta` device: loaded before the step, not allocated now.
-    from_meta: HashSet<usize>,
-}
-
-impl<'py> Ledgered<'py> {
-    fn open(fakes: &Fakes<'py>, memory: &Memory) -> PyResult<Ledgered<'py>> {
-        let py = fakes.py;
-        let (target, rounding) = match memory {
-            Memory::Cuda(index) => (fakes.torch.getattr("device")?.call1(("cuda", *index))?, Rounding::CudaCaching),
-            _ => (fakes.torch.getattr("device")?.call1(("cpu",))?, Rounding::Exact),
-        };
-        let context = Arc::new(Context {
-            target: target.unbind(),
-            tensor: fakes.tensor.clone().unbind(),
-            fake_tensor: fakes.fake_tensor.clone().unbind(),
-            current_node: fakes.torch.getattr("_C")?.getattr("_current_autograd_node")?.unbind(),
-            weakref: py.import("weakref")?.getattr("ref")?.unbind(),
-        });
-        let shared = Arc::new(Mutex::new(Shared {
-            books: Books::new(rounding),
-            weakrefs: Vec::new(),
-            last_op: None,
-            aliases: HashMap::new(),
-        }));
-        let mut ledgered = Ledgered {
-            py,
-            shared,
-            context,
-            params: fakes.params.clone(),
-            optimizers: fakes.optimizers.clone(),
-            hooks: Vec::new(),
-            mode: py.None().into_bound(py),
-            from_meta: fakes.from_meta.clone(),
-        };
-        match ledgered.prepare(fakes) {
-            Ok(()) => Ok(ledgered),
-            Err(error) => {
-                ledgered.close()?;
-                Err(error)
-            }
-        }
-    }
-
-    /// Enters what exists in the ledger, installs the hooks and makes the dispatch mode.
-    fn prepare(&mut self, fakes: &Fakes<'py>) -> PyResult<()> {
-        for param in &fakes.params {
-            self.enter_existing(param, Category::Parameters)?;
-            self.enter_existing(&param.getattr("grad")?, Category::Gradients)?;
-        }
-        for buffer in &fakes.buffers {
-            self.enter_existing(buffer, Category::Buffers)?;
-        }
-        for tensor in self.state_tensors()? {
-            self.enter_existing(&tensor, Category::OptimizerState)?;
-        }
-        self.install_hooks()?;
-        self.mode = self.dispatch_mode()?;
-        Ok(())
-    }
-
-    fn on_target(&self, tensor: &Bound<'py, PyAny>) -> bool {
-        on_target(&self.context, tensor)
-    }
-
-    fn enter_existing(&self, tensor: &Bound<'py, PyAny>, category: Category) -> PyResult<()> {
-        if tensor.is_none() || !self.on_target(tensor) {
-            return Ok(());
-        }
-        let storage = tensor.call_method0("untyped_storage")?;
-        let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-        let loaded = self.from_meta.contains(&(tensor.as_ptr() as usize));
-        let entry = books(&self.shared).books.existing(storage.as_ptr() as usize, nbytes, category, loaded);
-        entry.map_or(Ok(()), |entry| watch(&self.shared, &self.context, &storage, entry))
-    }
-
-    /// The tensors in the (fake) state of every swapped optimizer.
-    fn state_tensors(&self) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let tensor = self.context.tensor.bind(self.py);
-        let mut found = Vec::new();
-        for optimizer in &self.optimizers {
-            for values in optimizer.getattr("state")?.cast::<PyDict>()?.values() {
-                let Ok(values) = values.cast_into::<PyDict>() else { continue };
-                found.extend(values.values().iter().filter(|v| v.is_instance(tensor).unwrap_or(false)));
-            }
-        }
-        Ok(found)
-    }
-
-    /// How many parameters have optimizer state: it grows when a step creates it.
-    pub(super) fn optimizer_state_entries(&self) -> PyResult<usize> {
-        self.optimizers.iter().map(|o| o.getattr("state")?.len()).sum()
-    }
-
-    fn mark_gradients_and_state(&self) -> PyResult<()> {
-        for param in &self.params {
-            mark_storage(&self.shared, &param.getattr("grad")?, Category::Gradients)?;
-        }
-        for tensor in self.state_tensors()? {
-            mark_storage(&self.shared, &tensor, Category::OptimizerState)?;
-        }
-        Ok(())
-    }
-
-    /// The optimizer's step is its own phase, and marks the state it made; each gradient is
-    /// marked as it is accumulated, since the step may free it (`zero_grad`) before it ends.
-    /// Torch's hooks are `gpuexp.fake_step`'s; these are their bodies.
-    fn install_hooks(&mut self) -> PyResult<()> {
-        let py = self.py;
-        let shared = self.shared.clone();
-        // Hooks return None: a tuple would be taken for new arguments, `()` included.
-        let before = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> Py<PyAny> {
-            books(&shared).books.ledger.enter(Phase::Optimizer);
-            args.py().None()
-        })?;
-        let (shared, context) = (self.shared.clone(), self.context.clone());
-        let after = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
-            let optimizer = args.get_item(0)?;
-            let tensor = context.tensor.bind(args.py());
-            for values in optimizer.getattr("state")?.cast::<PyDict>()?.values() {
-                let Ok(values) = values.cast_into::<PyDict>() else { continue };
-                for value in values.values().iter().filter(|v| v.is_instance(tensor).unwrap_or(false)) {
-                    mark_storage(&shared, &value, Category::OptimizerState)?;
-                }
-            }
-            books(&shared).books.ledger.enter(Phase::Forward);
-            Ok(args.py().None())
-        })?;
-        let shared = self.shared.clone();
-        let accumulated = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
-            mark_storage(&shared, &args.get_item(0)?.getattr("grad")?, Category::Gradients)?;
-            Ok(args.py().None())
-        })?;
-        let hooks = fake_step(py)?.call_method1("mark_hooks", (&self.params, before, after, accumulated))?;
-        self.hooks = hooks.extract()?;
-        Ok(())
-    }
-
-    /// `gpuexp.fake_step`'s `TorchDispatchMode`, whose every operator is [`dispatch`] over the books.
-    fn dispatch_mode(&self) -> PyResult<Bound<'py, PyAny>> {
-        let (shared, context) = (self.shared.clone(), self.context.clone());
-        let dispatch = PyCFunction::new_closure(self.py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
-            dispatch(&shared, &context, args)
-        })?;
-        fake_step(self.py)?.call_method1("ledger_mode", (dispatch,))
-    }
-
-    /// The step's error as `NoEstimate`, naming the operator it failed at.
-    pub(super) fn no_estimate(&self, py: Python, error: PyErr) -> PyErr {
-        if error.is_instance_of::<NoEstimate>(py) {
-            return error;
-        }
-        let value = error.value(py);
-        let operator = value
-            .getattr("func")
-            .ok()
-            .filter(|f| !f.is_none())
-            .or_else(|| books(&self.shared).last_op.as_ref().map(|op| op.bind(py).clone()))
-            .map(|op| op.to_string());
-        let kind = value.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        let message = value.str().map(|s| s.to_string()).unwrap_or_default();
-        let wrapped = NoEstimate::new_err(estimate_run::failed_at(operator.as_deref(), &kind, &message));
-        wrapped.set_cause(py, Some(error));
-        wrapped
-    }
-
-    /// Removes the hooks and drops the weak references, so that nothing calls back any more.
-    fn close(self) -> PyResult<()> {
-        let weakrefs = std::mem::take(&mut books(&self.shared).weakrefs);
-        drop(weakrefs);
-        self.hooks.iter().try_for_each(|hook| hook.call_method0("remove").map(drop))
-    }
-}
-
-fn on_target(context: &Context, tensor: &Bound<PyAny>) -> bool {
-    let py = tensor.py();
-    // A fake tensor's device is a plain attribute; `device` would dispatch to the fake mode.
-    let device = tensor.getattr("fake_device").or_else(|_| tensor.getattr("device"));
-    device.and_then(|d| d.eq(context.target.bind(py))).unwrap_or(false)
-}
-
-fn mark_storage(shared: &Locked, tensor: &Bound<PyAny>, category: Category) -> PyResult<()> {
-    if tensor.is_none() {
-        return Ok(());
-    }
-    let storage = tensor.call_method0("untyped_storage")?.as_ptr() as usize;
-    books(shared).books.mark(storage, category);
-    Ok(())
-}
-
-/// Tells the ledger when `storage` is freed: a weak reference whose callback runs as it dies.
-fn watch(shared: &Locked, context: &Context, storage: &Bound<PyAny>, entry: Entry) -> PyResult<()> {
-    let py = storage.py();
-    let (callback_books, key) = (shared.clone(), storage.as_ptr() as usize);
-    let freed = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> Py<PyAny> {
-        books(&callback_books).books.freed(key, entry);
-        args.py().None()
-    })?;
-    let weakref = context.weakref.bind(py).call1((storage, freed))?;
-    books(shared).weakrefs.push(weakref.unbind());
-    Ok(())
-}
-
 /// `gpuexp.fake_step`'s torch instrumentation, which torch calls back.
 fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
     py.import("gpuexp.fake_step")
 }
 
-/// `dispatch(func, args, kwargs)`, each operator of the step: runs it (in the fake mode below)
-/// and enters the storages it made.
-fn dispatch(shared: &Locked, context: &Context, call: &Bound<PyTuple>) -> PyResult<Py<PyAny>> {
-    let py = call.py();
-    let func = call.get_item(0)?;
-    let args = call.get_item(1)?.cast_into::<PyTuple>()?;
-    let kwargs = call.get_item(2).ok().filter(|k| !k.is_none()).map(|k| k.cast_into::<PyDict>()).transpose()?;
-    let in_backward = !context.current_node.bind(py).call0()?.is_none();
-    let previous = {
-        let mut shared = books(shared);
-        shared.books.operator(in_backward);
-        shared.last_op.replace(func.clone().unbind())
-    };
-    drop(previous);
-    refuse_real_leaves(context, &args, kwargs.as_ref())?;
-    refuse_cudnn_rnn(&func, &args)?;
-    let out = func.call(&args, kwargs.as_ref())?;
-    enter_outputs(shared, context, &func, &out)?;
-    Ok(out.unbind())
+/// The core's [`Books`] of one estimate, as `LedgerRun` reports to them. Storages are known by
+/// `id()` (their address) while they live; a category by its label.
+#[pyclass(name = "EstimateBooks", module = "gpuexp._core")]
+struct BooksPy(Books);
+
+fn category(label: &str) -> PyResult<Category> {
+    Category::labelled(label).ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
 }
 
-/// A real tensor that requires grad would tie the step's graph to the real model, and backward
-/// would set its `.grad` to a fake: a parameter the walk did not find stops the estimate.
-fn refuse_real_leaves(context: &Context, args: &Bound<PyTuple>, kwargs: Option<&Bound<PyDict>>) -> PyResult<()> {
-    let py = args.py();
-    let (tensor, fake) = (context.tensor.bind(py), context.fake_tensor.bind(py));
-    let check = |value: &Bound<PyAny>| -> PyResult<()> {
-        if value.is_instance(tensor)? && !value.is_instance(fake)? && value.getattr("requires_grad")?.is_truthy()? {
-            let shape = value.getattr("shape")?.str()?.to_string();
-            return Err(NoEstimate::new_err(estimate_run::unknown_parameter(&shape)));
-        }
+#[pymethods]
+impl BooksPy {
+    /// A storage that exists before the step; the entry to watch, or None ([`Books::existing`]).
+    fn existing(&mut self, storage: usize, nbytes: u64, category_name: &str, loaded: bool) -> PyResult<Option<Entry>> {
+        Ok(self.0.existing(storage, nbytes, category(category_name)?, loaded))
+    }
+    /// An operator runs ([`Books::operator`]).
+    fn operator(&mut self, in_backward: bool) {
+        self.0.operator(in_backward);
+    }
+    /// A storage an operator's output holds; the entry to watch, or None ([`Books::output`]).
+    fn output(&mut self, storage: usize, nbytes: u64, alias: bool) -> Option<Entry> {
+        self.0.output(storage, nbytes, alias)
+    }
+    /// A watched storage died.
+    fn freed(&mut self, storage: usize, entry: Entry) {
+        self.0.freed(storage, entry);
+    }
+    /// A storage turned out to be a gradient or optimizer state.
+    fn mark(&mut self, storage: usize, category_name: &str) -> PyResult<()> {
+        self.0.mark(storage, category(category_name)?);
         Ok(())
-    };
-    let values = args.iter().chain(kwargs.into_iter().flat_map(|k| k.values().iter()));
-    for value in values {
-        if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
-            value.try_iter()?.try_for_each(|item| check(&item?))?;
-        } else {
-            check(&value)?;
-        }
     }
-    Ok(())
-}
-
-/// cuDNN sizes an RNN's workspace at run time, by the algorithm it picks for the shapes, and no
-/// fake implementation can know it (see `crate::cudnn_rnn`).
-fn refuse_cudnn_rnn(func: &Bound<PyAny>, args: &Bound<PyTuple>) -> PyResult<()> {
-    let name: String = func.getattr("__name__").and_then(|n| n.extract()).unwrap_or_default();
-    if !name.starts_with("_cudnn_rnn.") {
-        return Ok(());
+    /// The optimizer's step began: its own phase until it ends.
+    fn enter_optimizer(&mut self) {
+        self.0.ledger.enter(Phase::Optimizer);
     }
-    // `_cudnn_rnn(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size, ...)`
-    let mode: i64 = args.get_item(6).and_then(|m| m.extract()).unwrap_or(-1);
-    Err(NoEstimate::new_err(crate::cudnn_rnn::refusal(mode)))
-}
-
-fn aliases(shared: &Locked, func: &Bound<PyAny>) -> PyResult<Vec<bool>> {
-    let key = func.as_ptr() as usize;
-    if let Some(known) = books(shared).aliases.get(&key) {
-        return Ok(known.clone());
+    /// The optimizer's step ended.
+    fn leave_optimizer(&mut self) {
+        self.0.ledger.enter(Phase::Forward);
     }
-    let mut aliased = Vec::new();
-    if let Ok(returns) = func.getattr("_schema").and_then(|s| s.getattr("returns")) {
-        for ret in returns.try_iter()? {
-            aliased.push(!ret?.getattr("alias_info")?.is_none());
-        }
+    /// The error that stops an estimate whose step uses a real tensor requiring grad of `shape`.
+    fn unknown_parameter(&self, py: Python, shape: &str) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::unknown_parameter(shape)).into_value(py).into_any()
     }
-    books(shared).aliases.insert(key, aliased.clone());
-    Ok(aliased)
-}
-
-/// Enters each storage an operator's outputs hold ([`Books::output`]), with whether the schema
-/// marks that output an alias.
-fn enter_outputs(shared: &Locked, context: &Context, func: &Bound<PyAny>, out: &Bound<PyAny>) -> PyResult<()> {
-    let aliased = aliases(shared, func)?;
-    let several = aliased.len() > 1 && out.is_instance_of::<PyTuple>();
-    let positions: Vec<Bound<PyAny>> =
-        if several { out.try_iter()?.collect::<PyResult<_>>()? } else { vec![out.clone()] };
-    let tensor = context.tensor.bind(out.py());
-    for (position, value) in positions.iter().enumerate() {
-        let alias = aliased.get(position).copied().unwrap_or(false);
-        let items: Vec<Bound<PyAny>> = if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
-            value.try_iter()?.collect::<PyResult<_>>()?
-        } else {
-            vec![value.clone()]
-        };
-        for item in items.iter().filter(|i| i.is_instance(tensor).unwrap_or(false) && on_target(context, i)) {
-            let Ok(storage) = item.call_method0("untyped_storage") else { continue };
-            let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
-            let made = books(shared).books.output(storage.as_ptr() as usize, nbytes, alias);
-            if let Some(entry) = made {
-                watch(shared, context, &storage, entry)?;
-            }
-        }
+    /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before its first).
+    fn failed_at(&self, py: Python, operator: Option<&str>, kind: &str, message: &str) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::failed_at(operator, kind, message)).into_value(py).into_any()
     }
-    Ok(())
+    /// The error that stops an estimate at cuDNN's RNN (`crate::cudnn_rnn`).
+    fn cudnn_rnn_refusal(&self, py: Python, mode: i64) -> Py<PyAny> {
+        NoEstimate::new_err(crate::cudnn_rnn::refusal(mode)).into_value(py).into_any()
+    }
 }

@@ -293,51 +293,23 @@ impl<'py> StepState<'py> {
         Ok(StepState { scalers: saving.scalers, step, saving })
     }
 
-    /// Swaps the real GPU tensors held in the saved containers (a GradScaler's scale, an EMA
-    /// copy, a metric on the GPU) for fakes of `mode`. Given to the fake mode as they are, small
-    /// ones would become constants that it computes with for real, on the device; `restore`
-    /// puts the real ones back with the containers.
+    /// Swaps the real GPU tensors held in the saved containers for fakes of `mode`
+    /// (`gpuexp.fake_step.fake_device_tensors`); `restore` puts the real ones back with the containers.
     pub(super) fn fake_device_tensors(&self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
-        let mut fakes = std::collections::HashMap::new();
-        let kinds = &self.step.kinds;
-        let mut fake_of = |value: &Bound<'py, PyAny>| -> PyResult<Option<Bound<'py, PyAny>>> {
-            let real = value.is_instance(&kinds.tensor)? && !value.is_instance(&kinds.fake)?;
-            if !real || value.getattr("device")?.getattr("type")?.extract::<String>()? != "cuda" {
-                return Ok(None);
-            }
-            let key = value.as_ptr() as usize;
-            if let Some(fake) = fakes.get(&key) {
-                return Ok(Some(Bound::clone(fake)));
-            }
-            let fake = mode.call_method1("from_tensor", (value,))?;
-            fakes.insert(key, fake.clone());
-            Ok(Some(fake))
-        };
+        let py = mode.py();
+        let (dicts, lists, globals) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
         for saved in &self.saving.saved {
             match saved {
-                Saved::Dict(dict, _) => {
-                    for (key, value) in dict.copy()?.iter() {
-                        if let Some(fake) = fake_of(&value)? {
-                            dict.set_item(key, fake)?;
-                        }
-                    }
-                }
-                Saved::List(list, _) => {
-                    for (index, value) in list.iter().enumerate() {
-                        if let Some(fake) = fake_of(&value)? {
-                            list.set_item(index, fake)?;
-                        }
-                    }
-                }
-                Saved::Global { globals, name, before: Some(value) } => {
-                    if let Some(fake) = fake_of(value)? {
-                        globals.set_item(name, fake)?;
-                    }
+                Saved::Dict(dict, _) => dicts.append(dict)?,
+                Saved::List(list, _) => lists.append(list)?,
+                Saved::Global { globals: namespace, name, before: Some(value) } => {
+                    globals.append((namespace, name, value))?
                 }
                 _ => {}
             }
         }
-        Ok(())
+        let fake_step = py.import("gpuexp.fake_step")?;
+        fake_step.call_method1("fake_device_tensors", (mode, dicts, lists, globals)).map(drop)
     }
 
     /// Puts back every container the step changed ([`step_state::restore`]); the notes.

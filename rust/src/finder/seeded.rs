@@ -3,6 +3,8 @@
 //! place the answer: one a little below the predicted size, where an estimate a few percent low
 //! still fits, and one at the size its exact measurement corrects to.
 
+use std::time::Instant;
+
 use serde::Serialize;
 
 use super::{Line, Next, Outcome, Role, Search};
@@ -68,6 +70,38 @@ impl Search {
         let settled = estimates.len() > 2 && (predicted as f64 - last as f64).abs() <= last as f64 * SETTLED;
         let known = estimates.iter().any(|(batch, _)| *batch == predicted);
         (predicted > 0 && !settled && !known).then_some(predicted)
+    }
+
+    /// Starts the search from estimates of the step: `estimate(batch)` answers the predicted
+    /// torch peak at `batch` and the calls it ran, and `progress` is given a line on each.
+    /// `started`: when preparing them began. An estimate that fails leaves the search to its
+    /// trials, and its table says why.
+    pub fn seed_by<E: std::fmt::Display>(
+        &mut self,
+        started: Instant,
+        mut estimate: impl FnMut(u64) -> Result<(u64, u32), E>,
+        mut progress: impl FnMut(String) -> Result<(), E>,
+    ) {
+        let mut estimates = Vec::new();
+        while let Some(batch) = self.next_estimate(&estimates) {
+            let at = Instant::now();
+            let answered = estimate(batch).and_then(|(peak, calls)| {
+                let seconds = at.elapsed().as_secs_f64();
+                let line = format!(
+                    "gpuexp: estimate at batch size {batch}: torch peak {} ({calls} calls under fake tensors, {seconds:.2} s)",
+                    bytes(peak)
+                );
+                progress(line).map(|()| peak)
+            });
+            match answered {
+                Ok(peak) => estimates.push((batch, peak)),
+                Err(error) => {
+                    self.unseeded = Some(format!("{error}; searched by trials"));
+                    return;
+                }
+            }
+        }
+        self.seed(Seed { estimates, seconds: started.elapsed().as_secs_f64() });
     }
 
     /// Starts the search from the estimates: their line and the size it predicts.
@@ -222,6 +256,24 @@ mod tests {
             }
         }
         panic!("the search did not end: {search:?}")
+    }
+
+    #[test]
+    fn estimates_seed_the_search_with_a_line_each_and_a_failed_one_leaves_it_to_trials() {
+        let mut search = Search::new(settings(8 * GIB, 0.0)).unwrap();
+        let mut lines = Vec::new();
+        let progress = |line: String| -> Result<(), String> {
+            lines.push(line);
+            Ok(())
+        };
+        search.seed_by(Instant::now(), |batch| Ok::<_, String>((batch * MIB, 1)), progress);
+        let estimates = &search.seed.as_ref().expect("seeded").estimates;
+        assert_eq!(lines.len(), estimates.len());
+        assert!(lines[0].starts_with("gpuexp: estimate at batch size 8: torch peak 8"), "{lines:?}");
+        let mut failed = Search::new(settings(8 * GIB, 0.0)).unwrap();
+        failed.seed_by(Instant::now(), |_| Err("no estimate was made: x".to_string()), |_| Ok(()));
+        assert_eq!(failed.unseeded.as_deref(), Some("no estimate was made: x; searched by trials"));
+        assert!(failed.seed.is_none());
     }
 
     fn true_max(capacity: u64, peak: &dyn Fn(u64) -> u64) -> u64 {
