@@ -279,7 +279,7 @@ def assume_finite_gradients(scaler):
 class LedgerRun:
     """The books of one estimate kept while its step runs: each storage on ``target`` (the
     ``torch.device`` of the estimate) that exists before the step, or that an operator makes, is
-    reported to ``books`` (the core's ``estimate_books::Books``, through
+    reported to ``books`` (the core's ``estimate_books::LedgerBooks``, through
     ``rust/src/bindings/ledger_mode.rs``) with a weak reference that reports its freeing; torch's
     hooks report gradients, optimizer state and the optimizer's step. ``mode`` is the dispatch
     mode to enter inside ``fakes.mode``; ``close()`` removes the hooks and the weak references.

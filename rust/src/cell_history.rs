@@ -22,7 +22,7 @@ pub trait CellWorld {
 }
 
 /// The cell log's share while it holds one.
-struct Share {
+struct CellLogShare {
     /// The ring buffer's size when gpuexp started the recording (None: the user's).
     max_entries: Option<u64>,
     /// When the running cell's window opened, in Unix microseconds (torch's `time_us` clock).
@@ -33,9 +33,9 @@ struct Share {
 }
 
 /// A forked child holds no share of the parent's recording (torch_history forgets it too).
-static SHARE: PerProcess<Option<Share>> = PerProcess::new(|| None);
+static SHARE: PerProcess<Option<CellLogShare>> = PerProcess::new(|| None);
 
-fn share() -> Guard<'static, Option<Share>> {
+fn share() -> Guard<'static, Option<CellLogShare>> {
     SHARE.lock()
 }
 
@@ -63,7 +63,7 @@ pub fn begin_cell(world: &dyn CellWorld, carried: bool) -> Vec<String> {
         // Torch without a CUDA GPU: the log stays as it is, and the next cell asks again.
         return Vec::new();
     }
-    *share() = Some(Share { max_entries: window.max_entries, cell_opened_us: now, last_end_us: None });
+    *share() = Some(CellLogShare { max_entries: window.max_entries, cell_opened_us: now, last_end_us: None });
     notes
 }
 

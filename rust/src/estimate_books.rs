@@ -7,15 +7,15 @@ use std::collections::HashMap;
 
 use crate::estimate::{Category, Entry, Ledger, Phase, Rounding};
 
-pub struct Books {
+pub struct LedgerBooks {
     pub ledger: Ledger,
     /// A live storage's address → its entry.
     entries: HashMap<usize, Entry>,
 }
 
-impl Books {
-    pub fn new(rounding: Rounding) -> Books {
-        Books { ledger: Ledger::new(rounding), entries: HashMap::new() }
+impl LedgerBooks {
+    pub fn new(rounding: Rounding) -> LedgerBooks {
+        LedgerBooks { ledger: Ledger::new(rounding), entries: HashMap::new() }
     }
 
     /// A storage that exists before the step (`loaded`: one that will, a `meta` tensor's). The
@@ -78,7 +78,7 @@ mod tests {
 
     #[test]
     fn a_storage_is_entered_once_and_views_make_nothing() {
-        let mut books = Books::new(Rounding::Exact);
+        let mut books = LedgerBooks::new(Rounding::Exact);
         assert!(books.existing(1, 100, Category::Parameters, false).is_some());
         assert_eq!(books.existing(1, 100, Category::Parameters, false), None, "a tied weight");
         assert_eq!(books.output(2, 50, true), None, "a view of an unknown storage made nothing");
@@ -90,7 +90,7 @@ mod tests {
 
     #[test]
     fn a_freed_address_taken_by_a_newer_storage_keeps_the_newer_entry() {
-        let mut books = Books::new(Rounding::Exact);
+        let mut books = LedgerBooks::new(Rounding::Exact);
         let old = books.output(7, 10, false).unwrap();
         books.freed(7, old);
         let new = books.output(7, 20, false).unwrap();
@@ -101,7 +101,7 @@ mod tests {
 
     #[test]
     fn the_phase_follows_autograd_but_the_optimizer_keeps_its_own() {
-        let mut books = Books::new(Rounding::Exact);
+        let mut books = LedgerBooks::new(Rounding::Exact);
         books.operator(true);
         assert_eq!(books.ledger.phase(), Phase::Backward);
         books.operator(false);

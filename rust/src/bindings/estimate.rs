@@ -24,20 +24,20 @@ use crate::snapshot::GpuSelection;
 
 /// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
 /// they reach, the modules and optimizers whose tensors are swapped for fakes.
-pub(super) struct Reach<'py> {
+pub(super) struct StepReach<'py> {
     roots: Roots<'py>,
     assigned: Vec<AssignedGlobal<'py>>,
     owners: Vec<Bound<'py, PyAny>>,
 }
 
-impl<'py> Reach<'py> {
+impl<'py> StepReach<'py> {
     /// Only the modules and optimizers the step reaches are swapped, so the categories are the
     /// step's own; a parameter it uses that is not found stops the estimate (`ledger_mode`),
     /// never a real tensor's gradient set.
-    pub(super) fn of(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<Reach<'py>> {
+    pub(super) fn of(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<StepReach<'py>> {
         let (roots, assigned) = step_roots(py, step)?;
         let owners = reachable_owners(py, roots.clone())?;
-        Ok(Reach { roots, assigned, owners })
+        Ok(StepReach { roots, assigned, owners })
     }
 }
 
@@ -49,7 +49,7 @@ pub(super) fn run_estimate<'py>(
     step: &Bound<'py, PyAny>,
     batch: u64,
     memory: &Memory,
-    reach: &Reach<'py>,
+    reach: &StepReach<'py>,
     calls: u32,
 ) -> PyResult<Run> {
     let torch_device = py.import("sys")?.getattr("modules")?.get_item("torch")?.getattr("device")?;
@@ -67,7 +67,7 @@ struct PythonEstimate<'a, 'py> {
     step: &'a Bound<'py, PyAny>,
     batch: u64,
     memory: &'a Memory,
-    reach: &'a Reach<'py>,
+    reach: &'a StepReach<'py>,
     calls: u32,
     target: Bound<'py, PyAny>,
     state: Option<StepState<'py>>,
@@ -227,7 +227,7 @@ pub(super) fn estimate(
     check_step(&step, "estimate(train_step, 64)")?;
     let memory = estimated_memory(py, memory)?;
     let started = Instant::now();
-    let reach = Reach::of(py, &step)?;
+    let reach = StepReach::of(py, &step)?;
     let run = run_estimate(py, &step, batch_size, &memory, &reach, steps)?;
     let room = room(py, &memory, limit)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -241,7 +241,7 @@ pub(super) fn seed_search(py: Python, search: &mut Search, step: &Bound<PyAny>, 
     let mut ready = None;
     let mut estimate = |batch| -> PyResult<(u64, u32)> {
         if ready.is_none() {
-            ready = Some((Reach::of(py, step)?, room(py, &memory, None)?.now));
+            ready = Some((StepReach::of(py, step)?, room(py, &memory, None)?.now));
         }
         let (reach, now) = ready.as_ref().expect("made above");
         let run = run_estimate(py, step, batch, &memory, reach, steps)?;

@@ -1,6 +1,6 @@
 //! The books of an estimate as `gpuexp.fake_step.LedgerRun` reaches them: that dispatch mode and
 //! its hooks (torch instrumentation, so Python) report each storage made, grown, freed or found
-//! to be a gradient in plain calls, and the core's [`Books`] decide what each means. Here too the
+//! to be a gradient in plain calls, and the core's [`LedgerBooks`] decide what each means. Here too the
 //! step runs inside the fake mode and the ledger's mode, and an error names its operator.
 
 use pyo3::exceptions::PyValueError;
@@ -11,7 +11,7 @@ use super::error::NoEstimate;
 use super::fakes::Fakes;
 use super::holders::Memory;
 use crate::estimate::{Category, Entry, Peak, Phase};
-use crate::estimate_books::Books;
+use crate::estimate_books::LedgerBooks;
 use crate::estimate_run;
 
 /// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
@@ -23,7 +23,7 @@ pub(super) fn run<'py, T>(
     body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> PyResult<(Peak, T)> {
     let py = fakes.py;
-    let books = Bound::new(py, BooksPy(Books::new(estimate_run::rounding(memory))))?;
+    let books = Bound::new(py, BooksPy(LedgerBooks::new(estimate_run::rounding(memory))))?;
     let ledgered = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
     let mode = ledgered.getattr("mode")?;
     let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
@@ -53,10 +53,10 @@ fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
     py.import("gpuexp.fake_step")
 }
 
-/// The core's [`Books`] of one estimate, as `LedgerRun` reports to them. Storages are known by
+/// The core's [`LedgerBooks`] of one estimate, as `LedgerRun` reports to them. Storages are known by
 /// `id()` (their address) while they live; a category by its label.
 #[pyclass(name = "EstimateBooks", module = "gpuexp._core")]
-struct BooksPy(Books);
+struct BooksPy(LedgerBooks);
 
 fn category(label: &str) -> PyResult<Category> {
     Category::labelled(label).ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
@@ -64,15 +64,15 @@ fn category(label: &str) -> PyResult<Category> {
 
 #[pymethods]
 impl BooksPy {
-    /// A storage that exists before the step; the entry to watch, or None ([`Books::existing`]).
+    /// A storage that exists before the step; the entry to watch, or None ([`LedgerBooks::existing`]).
     fn existing(&mut self, storage: usize, nbytes: u64, category_name: &str, loaded: bool) -> PyResult<Option<Entry>> {
         Ok(self.0.existing(storage, nbytes, category(category_name)?, loaded))
     }
-    /// An operator runs ([`Books::operator`]).
+    /// An operator runs ([`LedgerBooks::operator`]).
     fn operator(&mut self, in_backward: bool) {
         self.0.operator(in_backward);
     }
-    /// A storage an operator's output holds; the entry to watch, or None ([`Books::output`]).
+    /// A storage an operator's output holds; the entry to watch, or None ([`LedgerBooks::output`]).
     fn output(&mut self, storage: usize, nbytes: u64, alias: bool) -> Option<Entry> {
         self.0.output(storage, nbytes, alias)
     }
