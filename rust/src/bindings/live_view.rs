@@ -7,7 +7,6 @@ use pyo3::prelude::*;
 use super::registry::registry;
 use super::snapshot::take_live_snapshot;
 use crate::live_view::schedule::Schedule;
-use crate::live_view::LiveView;
 
 static SCHEDULE: Schedule = Schedule::new();
 
@@ -31,9 +30,7 @@ pub(super) fn live_view(py: Python, window: u64, width: usize) -> Option<(String
     }
     let selection = registry().open_cell_selection()?;
     let (now, _) = take_live_snapshot(py, &selection);
-    let mut registry = registry();
-    let record = registry.running_cell(window, &now)?;
-    let view = LiveView::build(&record, &now, |index| registry.limit_on(index), registry.cell_log_all_gpus);
+    let view = registry().live_view(window, &now)?;
     Some((view.to_line(width), view.grid().to_text(), view.to_html()))
 }
 
