@@ -7,9 +7,9 @@ use pyo3::types::{PyBool, PyDict};
 
 use super::cell_trace;
 use super::host_trace;
-use super::live_view::schedule;
 use super::registry::registry;
 use super::report::ReportPy;
+use crate::live_view::schedule::SCHEDULE;
 use crate::peak_sampler;
 use crate::scope::settings::{self, Change, LiveViewAfter};
 use crate::snapshot::host;
@@ -40,7 +40,7 @@ pub(super) fn config<'py>(
         flight_recorder,
     };
     if let Some(after) = live_view_after_s {
-        schedule().set_after(live_view_after(&after)?);
+        SCHEDULE.set_after(live_view_after(&after)?);
     }
     if let Some(ms) = sample_interval_ms {
         let interval = settings::sample_interval(ms)?;
@@ -62,7 +62,7 @@ pub(super) fn config<'py>(
     }
     settings.set_item("flight_recorder", registry.flight_recorder)?;
     settings.set_item("trace_sampling", super::trace_sampling::enabled())?;
-    settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
+    settings.set_item("live_view_after_s", SCHEDULE.after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     drop(registry);
     if change.stops_cuda_trace() {

@@ -6,13 +6,7 @@ use pyo3::prelude::*;
 
 use super::registry::registry;
 use super::snapshot::take_live_snapshot;
-use crate::live_view::schedule::Schedule;
-
-static SCHEDULE: Schedule = Schedule::new();
-
-pub(super) fn schedule() -> &'static Schedule {
-    &SCHEDULE
-}
+use crate::live_view::schedule::SCHEDULE;
 
 /// Blocks until a running cell's view is due: (the cell's window, whether the view is new);
 /// None once `live_view_stop` ran.

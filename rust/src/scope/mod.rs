@@ -9,6 +9,7 @@ use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
 mod attached;
+pub mod cell_log;
 mod cells;
 pub mod lifecycle;
 mod peaks;
