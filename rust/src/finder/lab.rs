@@ -157,6 +157,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_usable_memory_is_the_limit_or_what_torch_holds_and_what_is_free() {
+        use crate::snapshot::testing::{gpu, host, torch};
+        use crate::snapshot::GpuReading;
+        let now = host(1.0, 0, 0).with_gpu(GpuReading {
+            free: 6 * MIB,
+            torch: Some(torch(0, 4 * MIB, 0, 0)),
+            ..gpu(2, "GPU-2")
+        });
+        assert_eq!(Settings::usable_on(&now, 2, None), Ok(10 * MIB));
+        assert_eq!(Settings::usable_on(&now, 2, Some(3 * MIB)), Ok(3 * MIB));
+        let Err(Error::InvalidArgument(message)) = Settings::usable_on(&now, 0, None) else { panic!("cuda:0 found") };
+        assert!(message.starts_with("cuda:0 is not a visible GPU"), "{message}");
+    }
+
+    #[test]
     fn a_trial_fits_runs_out_of_memory_or_stops_the_search() {
         let oom = |e: &Error| matches!(e, Error::Nvml(m) if m == "oom");
         let end = |ran, peaks| TrialEnd::<Error>::of(ran, oom, peaks, 3);
