@@ -67,7 +67,8 @@ impl<'py> CellWorld for PyCells<'py> {
     }
 }
 
-/// Opens the window of a cell about to run (the `pre_run_cell` event).
+/// Opens the window of a cell about to run (the `pre_run_cell` event): where the previous
+/// logged cell ended when nothing came in between, so that a cell reads memory once, at its end.
 #[pyfunction]
 pub(super) fn begin_cell(py: Python) {
     cell_log::begin_cell(&mut PyCells(py), &SCHEDULE);
