@@ -32,6 +32,18 @@ impl Param {
         }
     }
 
+    /// `params={key: float}`: a finite float. JSON, where reports go, has no NaN nor infinity:
+    /// stored, they would read back as null.
+    pub fn finite(key: &str, float: f64) -> crate::error::Result<Param> {
+        if !float.is_finite() {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "params={{{key:?}: {float}}}: a param must be a finite number (JSON, where reports go, \
+                 has no {float}); pass it as text, e.g. params={{{key:?}: \"{float}\"}}"
+            )));
+        }
+        Ok(Param::Float(float))
+    }
+
     /// The value as a number, for plotting against it.
     pub fn number(&self) -> Option<f64> {
         match self {
@@ -130,6 +142,20 @@ impl<'de> Deserialize<'de> for Params {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_float_param_is_finite_or_refused_with_the_fix() {
+        assert_eq!(Param::finite("lr", 3e-4), Ok(Param::Float(3e-4)));
+        let Err(crate::error::Error::InvalidArgument(message)) = Param::finite("lr", f64::INFINITY) else {
+            panic!("infinity passed")
+        };
+        assert_eq!(
+            message,
+            "params={\"lr\": inf}: a param must be a finite number (JSON, where reports go, has no inf); \
+             pass it as text, e.g. params={\"lr\": \"inf\"}"
+        );
+        assert!(Param::finite("lr", f64::NAN).is_err());
+    }
 
     fn json(params: &Params) -> String {
         serde_json::to_string(params).unwrap()

@@ -5,13 +5,18 @@
 use pyo3::prelude::*;
 
 use super::cell_trace;
-use super::live_view::schedule;
 use super::registry::registry;
 use super::report::CellRecordPy;
 use super::snapshot::{
     opening_snapshot, other_readings, reset_counters, take_cell_snapshot, take_snapshot, update_sampler,
 };
-use crate::snapshot::GpuSelection;
+use super::torch::PyTorch;
+use crate::live_view::schedule::SCHEDULE;
+use crate::report::CellRecord;
+use crate::scope::cell_log::{self, CellWorld};
+use crate::scope::Registry;
+use crate::snapshot::{GpuSelection, Snapshot};
+use std::sync::{Arc, MutexGuard};
 
 #[pyfunction]
 pub(super) fn cell_log_active() -> bool {
@@ -23,16 +28,42 @@ pub(super) fn cell_log_active() -> bool {
 #[pyfunction]
 #[pyo3(signature = (on, every_cell=false))]
 pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
-    {
-        let mut registry = registry();
-        registry.standalone_log = on;
-        registry.cell_log_every_cell = on && every_cell;
-        registry.forget_cell_end();
+    let went_off = registry().set_standalone_log(on, every_cell);
+    if went_off {
+        PyCells(py).settle();
     }
-    if !on {
-        update_sampler(py, None);
-        cell_trace::settle(py);
-        super::recorder::settle(py);
+}
+
+/// The cell log's steps over torch and NVML, for the core's sequence.
+struct PyCells<'py>(Python<'py>);
+
+impl<'py> CellWorld for PyCells<'py> {
+    type Torch = PyTorch<'py>;
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        registry()
+    }
+    fn other_readings(&self) -> u64 {
+        other_readings()
+    }
+    fn opening_snapshot(&mut self, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+        opening_snapshot(self.0, selection, take_cell_snapshot)
+    }
+    fn cell_snapshot(&mut self, selection: &GpuSelection) -> (Snapshot, PyTorch<'py>) {
+        take_cell_snapshot(self.0, selection)
+    }
+    fn reset_counters(&mut self, torch: &PyTorch<'py>, at: &Snapshot) {
+        reset_counters(torch, at);
+    }
+    fn begin_trace(&mut self, carried: bool) {
+        cell_trace::begin_cell(self.0, carried);
+    }
+    fn end_trace(&mut self, record: Arc<CellRecord>) -> Arc<CellRecord> {
+        cell_trace::end_cell(self.0, record)
+    }
+    fn settle(&mut self) {
+        update_sampler(self.0, None);
+        cell_trace::settle(self.0);
+        super::recorder::settle(self.0);
     }
 }
 
@@ -40,16 +71,7 @@ pub(super) fn set_standalone_log(py: Python, on: bool, every_cell: bool) {
 /// logged cell ended when nothing came in between, so that a cell reads memory once, at its end.
 #[pyfunction]
 pub(super) fn begin_cell(py: Python) {
-    let selection = registry().cell_selection();
-    let carried = registry().begin_cell_where_last_ended(&selection, other_readings());
-    let window = carried.unwrap_or_else(|| {
-        let (start, torch) = opening_snapshot(py, &selection, take_cell_snapshot);
-        let window = registry().begin_cell(start.clone());
-        reset_counters(&torch, &start);
-        window
-    });
-    cell_trace::begin_cell(py, carried.is_some());
-    schedule().cell_began(window);
+    cell_log::begin_cell(&mut PyCells(py), &SCHEDULE);
 }
 
 /// Closes the running cell's window and records it (the `post_run_cell` event). Returns the
@@ -57,28 +79,9 @@ pub(super) fn begin_cell(py: Python) {
 /// and the window of the cell's live view if one was drawn: the caller replaces it.
 #[pyfunction]
 pub(super) fn end_cell(py: Python, execution_count: u64) -> (Option<CellRecordPy>, Option<u64>) {
-    let drawn = schedule().cell_ended();
-    let Some(selection) = registry().open_cell_selection() else { return (None, drawn) };
-    let (end, torch) = take_cell_snapshot(py, &selection);
-    let record = registry().end_cell(execution_count, &end);
-    // The trace is read without the registry held: naming a site calls into Python.
-    let record = record.map(|record| cell_trace::end_cell(py, record));
-    let (shown, next_selection) = {
-        let registry = registry();
-        let shown = record
-            .filter(|r| registry.shows(r))
-            .map(|record| CellRecordPy { record, all_gpus: registry.cell_log_all_gpus });
-        (shown, registry.cell_log_active().then(|| registry.cell_selection()))
-    };
-    if let Some(next_selection) = next_selection {
-        // The end's peaks are in every open window now: the next cell's window starts here.
-        reset_counters(&torch, &end);
-        registry().keep_cell_end(end, next_selection, other_readings());
-    }
-    update_sampler(py, None);
-    cell_trace::settle(py);
-    super::recorder::settle(py);
-    (shown, drawn)
+    let ended = cell_log::end_cell(&mut PyCells(py), &SCHEDULE, execution_count);
+    let all_gpus = registry().cell_log_all_gpus;
+    (ended.shown.map(|record| CellRecordPy { record, all_gpus }), ended.drawn)
 }
 
 /// Every cell record of this kernel, oldest first.

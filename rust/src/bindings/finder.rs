@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use super::estimate::{check_step, seed_search};
@@ -14,7 +14,7 @@ use super::ranks;
 use super::registry::registry;
 use super::snapshot::{reset_counters, take_snapshot};
 use super::torch::{apply_limit, release, restore_limit, PyTorch};
-use crate::finder::{self, Lab, Outcome, Role, Search, Settings, Trial};
+use crate::finder::{self, Lab, Outcome, Role, Search, Settings, Trial, TrialEnd};
 use crate::snapshot::GpuSelection;
 use crate::teardown;
 
@@ -202,10 +202,9 @@ fn run_trial(
     let seconds = started.elapsed().as_secs_f64();
     let (end, _) = take_snapshot(py, &GpuSelection::AllVisible);
     let peaks = registry().close_torch_window(window, &end, index);
-    let outcome = match (ran, peaks) {
-        (Ok(()), Some((peak, reserved))) => Outcome::Fit { peak, reserved },
-        (Ok(()), None) => return Err(PyValueError::new_err(format!("cuda:{index} is not a visible GPU"))),
-        (Err(error), _) if is_oom(py, &error) => {
+    let outcome = match TrialEnd::of(ran, |error| is_oom(py, error), peaks, index) {
+        TrialEnd::Fit(outcome) => outcome,
+        TrialEnd::OutOfMemory(error) => {
             // As the OOM rescue does: the failed step's frames must let go of its tensors.
             let held = interrupts::hold(py);
             let dropped = adapter.call_method1("drop_exception", (error.value(py),)).map(drop);
@@ -215,7 +214,7 @@ fn run_trial(
             dropped.and(released)?;
             Outcome::OutOfMemory
         }
-        (Err(error), _) => return Err(error),
+        TrialEnd::Failed(error) => return Err(error),
     };
     Ok(Trial { batch, outcome, seconds, role })
 }
@@ -226,12 +225,7 @@ fn is_oom(py: Python, error: &PyErr) -> bool {
 
 /// What a step's torch peak may use on a GPU (see [`Settings::usable`]).
 fn usable_memory(py: Python, device: u32, limit: Option<u64>) -> PyResult<u64> {
-    let (now, _) = take_snapshot(py, &GpuSelection::AllVisible);
-    let gpu =
-        now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
-            PyValueError::new_err(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
-        })?;
-    Ok(Settings::usable(limit, gpu.torch.unwrap_or_default().reserved, gpu.free))
+    Ok(Settings::usable_on(&take_snapshot(py, &GpuSelection::AllVisible).0, device, limit)?)
 }
 
 /// gc and torch's cache, between trials and after a failed one (cuBLAS's workspaces stay).

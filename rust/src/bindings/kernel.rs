@@ -2,16 +2,16 @@
 
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
 use super::cell_trace;
 use super::host_trace;
-use super::live_view::schedule;
 use super::registry::registry;
 use super::report::ReportPy;
+use crate::live_view::schedule::SCHEDULE;
 use crate::peak_sampler;
+use crate::scope::settings::{self, Change, LiveViewAfter};
 use crate::snapshot::host;
 
 /// Reads and changes settings; returns them all. `host_peak` is read-only: "exact" where the
@@ -32,37 +32,25 @@ pub(super) fn config<'py>(
     flight_recorder: Option<bool>,
     trace_sampling: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let trace = trace.as_ref().map(host_trace::trace_kinds).transpose()?;
+    let change = Change {
+        cell_log_all_gpus,
+        oom_rescue,
+        cell_log_min_change,
+        trace: trace.as_ref().map(host_trace::trace_kinds).transpose()?,
+        flight_recorder,
+    };
     if let Some(after) = live_view_after_s {
-        schedule().set_after(live_view_after(&after)?);
+        SCHEDULE.set_after(live_view_after(&after)?);
     }
     if let Some(ms) = sample_interval_ms {
-        let interval = std::time::Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
-            PyValueError::new_err(format!(
-                "sample_interval_ms must be a positive number of milliseconds, e.g. gpuexp.config(sample_interval_ms=1); got {ms}"
-            ))
-        })?;
+        let interval = settings::sample_interval(ms)?;
         py.detach(|| peak_sampler::set_interval(interval))?;
     }
     if let Some(sampled) = trace_sampling {
         super::trace_sampling::set_enabled(sampled);
     }
     let mut registry = registry();
-    if let Some(all) = cell_log_all_gpus {
-        registry.cell_log_all_gpus = all;
-    }
-    if let Some(rescue) = oom_rescue {
-        registry.oom_rescue = rescue;
-    }
-    if let Some(min_change) = cell_log_min_change {
-        registry.cell_log_min_change = min_change;
-    }
-    if let Some(trace) = trace {
-        registry.trace_by_default = trace;
-    }
-    if let Some(on) = flight_recorder {
-        registry.flight_recorder = on;
-    }
+    registry.configure(&change);
     let settings = PyDict::new(py);
     settings.set_item("sample_interval_ms", peak_sampler::interval().as_secs_f64() * 1e3)?;
     settings.set_item("cell_log_all_gpus", registry.cell_log_all_gpus)?;
@@ -74,31 +62,25 @@ pub(super) fn config<'py>(
     }
     settings.set_item("flight_recorder", registry.flight_recorder)?;
     settings.set_item("trace_sampling", super::trace_sampling::enabled())?;
-    settings.set_item("live_view_after_s", schedule().after().map(|after| after.as_secs_f64()))?;
+    settings.set_item("live_view_after_s", SCHEDULE.after().map(|after| after.as_secs_f64()))?;
     settings.set_item("host_peak", if host::peak_reset_supported() { "exact" } else { "sampled" })?;
     drop(registry);
-    if trace.is_some_and(|kinds| !kinds.cuda()) {
+    if change.stops_cuda_trace() {
         cell_trace::settle(py);
     }
-    if flight_recorder == Some(false) {
+    if change.stops_flight_recorder() {
         super::recorder::settle(py);
     }
     Ok(settings)
 }
 
-/// False: no live view; seconds: how long a cell runs before it shows one.
+/// `live_view_after_s=` as [`LiveViewAfter`] decides it.
 fn live_view_after(value: &Bound<PyAny>) -> PyResult<Option<Duration>> {
-    let bad = || {
-        PyValueError::new_err(format!(
-            "live_view_after_s is the seconds a cell runs before its live view shows, e.g. \
-             gpuexp.config(live_view_after_s=2), or None to turn it off; got {value}"
-        ))
+    let given = match value.cast::<PyBool>() {
+        Ok(flag) => LiveViewAfter::Flag(flag.is_true()),
+        Err(_) => value.extract().map_or(LiveViewAfter::Other, LiveViewAfter::Seconds),
     };
-    if let Ok(flag) = value.cast::<PyBool>() {
-        return if flag.is_true() { Err(bad()) } else { Ok(None) };
-    }
-    let seconds: f64 = value.extract().map_err(|_| bad())?;
-    Duration::try_from_secs_f64(seconds).map(Some).map_err(|_| bad())
+    Ok(given.after(&value.to_string())?)
 }
 
 /// Stops the sampler thread (at interpreter exit, and when a kernel shuts down).

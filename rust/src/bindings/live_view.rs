@@ -6,14 +6,7 @@ use pyo3::prelude::*;
 
 use super::registry::registry;
 use super::snapshot::take_live_snapshot;
-use crate::live_view::schedule::Schedule;
-use crate::live_view::LiveView;
-
-static SCHEDULE: Schedule = Schedule::new();
-
-pub(super) fn schedule() -> &'static Schedule {
-    &SCHEDULE
-}
+use crate::live_view::schedule::SCHEDULE;
 
 /// Blocks until a running cell's view is due: (the cell's window, whether the view is new);
 /// None once `live_view_stop` ran.
@@ -31,9 +24,7 @@ pub(super) fn live_view(py: Python, window: u64, width: usize) -> Option<(String
     }
     let selection = registry().open_cell_selection()?;
     let (now, _) = take_live_snapshot(py, &selection);
-    let mut registry = registry();
-    let record = registry.running_cell(window, &now)?;
-    let view = LiveView::build(&record, &now, |index| registry.limit_on(index), registry.cell_log_all_gpus);
+    let view = registry().live_view(window, &now)?;
     Some((view.to_line(width), view.grid().to_text(), view.to_html()))
 }
 

@@ -60,9 +60,7 @@ fn nccl_communicator(py: Python) -> Option<bool> {
 pub(super) fn observe_nccl(py: Python, snapshot: &Snapshot) {
     let Some(communicator) = nccl_communicator(py) else { return };
     let Some((index, _)) = own_gpu(py) else { return };
-    let Some(gpu) = snapshot.gpus.iter().find(|g| g.torch_index == index) else { return };
-    let (Some(process), Some(torch)) = (gpu.process_used, gpu.torch) else { return };
-    NCCL.lock().observe(index, process.saturating_sub(torch.reserved), communicator);
+    NCCL.lock().observe_in(snapshot, index, communicator);
 }
 
 /// NCCL's share of the residual on `index`, where this process measured it.

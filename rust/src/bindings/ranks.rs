@@ -3,7 +3,7 @@
 //! return at once (`check`, `get` of a present key, `multi_set`, `compare_set`). Which store a
 //! rank uses, when it is opened and what a failure costs are the core's (`ranks::publishing`).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::fork::PerProcess;
 use std::time::Duration;
@@ -15,23 +15,12 @@ use pyo3::types::PyDict;
 use super::report::{json_to_python, ReportPy};
 use crate::finder::Search;
 use crate::ranks::{
-    self, Distributed, GatherError, Gathered, ProcessStores, RankIdentity, RankStore, RankStores, StoreAddress,
+    self, Distributed, GatherError, Gathered, Pending, ProcessStores, RankIdentity, RankStore, RankStores,
+    StoreAddress, STORE_TIMEOUT, VALIDATE_TIMEOUT,
 };
 use crate::report::Report;
 use crate::scope::ScopeId;
 use crate::snapshot::nvml;
-
-/// How long a store operation may wait for the store's lock or connection.
-const STORE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a rank tries to reach a TCPStore's port: one that is gone (a kernel restarted)
-/// refuses at once, and is not tried again in that process.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// How long a TCPStore has to answer gpuexp's ping: a loaded server answers in milliseconds;
-/// a listener that is no TCPStore never does.
-const PING_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long torch's client then has to connect and be validated: 64 ranks opening at once on
-/// a loaded 2-core box took more than 3 s.
-const VALIDATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// torch.distributed where torch is imported and built with it.
 fn distributed(py: Python) -> Option<Bound<PyAny>> {
@@ -183,23 +172,16 @@ fn rank_stores(py: Python<'_>) -> RankStores<'static, PyDistributed<'_>> {
 
 fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult<Bound<'py, PyAny>> {
     let py = dist.py();
+    // torch's FileStore retries opening a file in a missing directory for 300 s; its TCPStore
+    // client retries a refused connection, and waits on one that never answers, until its
+    // timeout: the core's check tells a store that is gone, or none at all, from a busy one.
+    interruptible(py, ranks::check_before_opening(address))?.map_err(PyRuntimeError::new_err)?;
     let store = match address {
-        StoreAddress::Directory(dir) => {
-            // torch's FileStore retries opening a file in a missing directory for 300 s.
-            let dir = dir.clone();
-            interruptible(py, move || ranks::check_store_directory(&dir))?.map_err(PyRuntimeError::new_err)?;
+        StoreAddress::Directory(_) => {
             let file = address.file().expect("a directory has a file");
             dist.getattr("FileStore")?.call1((file.to_string_lossy().as_ref(), -1))?
         }
         StoreAddress::Tcp { host, port } => {
-            // torch's client retries a refused connection, and waits on one that never answers,
-            // until its timeout: a connection and a ping of gpuexp's own tell a store that is
-            // gone, or no store at all, from one that is busy.
-            let (checked_host, checked_port) = (host.clone(), *port);
-            interruptible(py, move || {
-                ranks::check_tcp_store(&checked_host, checked_port, CONNECT_TIMEOUT, PING_TIMEOUT)
-            })?
-            .map_err(PyRuntimeError::new_err)?;
             let kwargs = PyDict::new(py);
             kwargs.set_item("wait_for_workers", false)?;
             kwargs.set_item("timeout", timedelta(py, VALIDATE_TIMEOUT)?)?;
@@ -210,26 +192,14 @@ fn open_named<'py>(dist: &Bound<'py, PyAny>, address: &StoreAddress) -> PyResult
     Ok(store)
 }
 
-/// Runs a check that may wait (a disk, the network) on a thread of its own, with the GIL released,
-/// and raises Ctrl-C as soon as it comes: the caller does not wait for the check's own timeout.
-/// An abandoned check ends by itself at that timeout.
+/// Runs `check` on a thread of its own ([`Pending`]) with the GIL released, and raises Ctrl-C as
+/// soon as it comes.
 fn interruptible<T: Send + 'static>(py: Python, check: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
-    let (answer, answered) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("gpuexp-store-check".into())
-        .spawn(move || {
-            let _ = answer.send(check());
-        })
-        .map_err(|e| PyRuntimeError::new_err(format!("could not start a thread to check the store: {e}")))?;
-    // In a mutex only so that the detached closure may borrow it: one thread ever receives.
-    let answered = Mutex::new(answered);
+    let pending = Pending::start(check).map_err(PyRuntimeError::new_err)?;
     loop {
-        match py.detach(|| answered.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(Duration::from_millis(50))) {
-            Ok(value) => return Ok(value),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(PyRuntimeError::new_err("the store check ended without an answer"))
-            }
+        match py.detach(|| pending.wait(Duration::from_millis(50))).map_err(PyRuntimeError::new_err)? {
+            Some(value) => return Ok(value),
+            None => py.check_signals()?,
         }
     }
 }
@@ -311,13 +281,8 @@ pub(super) fn host_ranks_store(py: Python, address: &str, port: u16) -> PyResult
 /// In a rank of an initialised process group: waits for every rank's answer and takes the
 /// largest size that fits on every rank. Returns whether there was a group to agree with.
 pub(super) fn agree_across_ranks(py: Python, search: &mut Search, timeout: f64) -> PyResult<bool> {
-    let answer = search.batch_size;
-    let Some(agreement) = rank_stores(py).agree(answer, timeout)? else { return Ok(false) };
-    if let Some(overruled) = agreement.overrules(answer) {
-        search.verdict.push_str(&overruled);
-    }
-    search.batch_size = agreement.agreed;
-    search.ranks = Some(agreement);
+    let Some(agreement) = rank_stores(py).agree(search.batch_size, timeout)? else { return Ok(false) };
+    search.take_agreement(agreement);
     Ok(true)
 }
 

@@ -338,14 +338,7 @@ fn params_from(dict: &Bound<PyDict>) -> PyResult<Params> {
         } else if let Ok(int) = value.extract::<i64>() {
             Param::Int(int)
         } else if let Ok(float) = value.extract::<f64>() {
-            // JSON has no NaN nor infinity: stored, they would read back as null.
-            if !float.is_finite() {
-                return Err(PyValueError::new_err(format!(
-                    "params={{{key:?}: {float}}}: a param must be a finite number (JSON, where reports go, \
-                     has no {float}); pass it as text, e.g. params={{{key:?}: \"{float}\"}}"
-                )));
-            }
-            Param::Float(float)
+            Param::finite(&key, float)?
         } else {
             return Err(PyTypeError::new_err(format!(
                 "params={{{key:?}: {}}}: a param is a number, a string or a bool, e.g. params={{\"bs\": 64}}",

@@ -5,6 +5,7 @@
 
 use super::{Next, Outcome, Role, Search, Settings, Trial};
 use crate::error::Error;
+use crate::snapshot::Snapshot;
 use crate::units;
 
 /// What the search acts on.
@@ -51,6 +52,37 @@ impl Settings {
     pub fn usable(limit: Option<u64>, torch_reserved: u64, free: u64) -> u64 {
         limit.unwrap_or(torch_reserved + free)
     }
+
+    /// [`Settings::usable`] on the GPU of torch index `device` as `now` finds it.
+    pub fn usable_on(now: &Snapshot, device: u32, limit: Option<u64>) -> crate::error::Result<u64> {
+        let gpu = now.gpus.iter().find(|g| g.torch_index == device).ok_or_else(|| {
+            Error::InvalidArgument(format!("cuda:{device} is not a visible GPU (or NVML cannot read it)"))
+        })?;
+        Ok(Settings::usable(limit, gpu.torch.unwrap_or_default().reserved, gpu.free))
+    }
+}
+
+/// How a trial's steps ended, as the lab saw them: the outcome, or the error that stops the
+/// search. An out-of-memory error is an outcome, handed back so the lab frees what it holds.
+pub enum TrialEnd<E> {
+    Fit(Outcome),
+    OutOfMemory(E),
+    Failed(E),
+}
+
+impl<E: From<Error>> TrialEnd<E> {
+    /// `ran`: whether every step ran, `is_oom` telling an out-of-memory error from any other;
+    /// `peaks`: torch's (peak, reserved) on `device` over the trial, None where it has none.
+    pub fn of(ran: Result<(), E>, is_oom: impl FnOnce(&E) -> bool, peaks: Option<(u64, u64)>, device: u32) -> Self {
+        match (ran, peaks) {
+            (Ok(()), Some((peak, reserved))) => TrialEnd::Fit(Outcome::Fit { peak, reserved }),
+            (Ok(()), None) => {
+                TrialEnd::Failed(Error::InvalidArgument(format!("cuda:{device} is not a visible GPU")).into())
+            }
+            (Err(error), _) if is_oom(&error) => TrialEnd::OutOfMemory(error),
+            (Err(error), _) => TrialEnd::Failed(error),
+        }
+    }
 }
 
 /// Runs the search: estimates first (`estimate`), then the trials under `limit`; the cap comes
@@ -94,6 +126,16 @@ fn run_trials<L: Lab>(search: &mut Search, lab: &mut L) -> Result<(), L::Error> 
 }
 
 impl Search {
+    /// Takes the ranks' agreement: the largest size that fits on every rank, and in the verdict
+    /// where that overrules this rank's own answer.
+    pub fn take_agreement(&mut self, agreement: crate::ranks::Agreement) {
+        if let Some(overruled) = agreement.overrules(self.batch_size) {
+            self.verdict.push_str(&overruled);
+        }
+        self.batch_size = agreement.agreed;
+        self.ranks = Some(agreement);
+    }
+
     /// A trial in one line, numbered after those recorded so far.
     pub fn trial_line(&self, trial: &Trial) -> String {
         let outcome = match trial.outcome {
@@ -113,6 +155,32 @@ impl Search {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_usable_memory_is_the_limit_or_what_torch_holds_and_what_is_free() {
+        use crate::snapshot::testing::{gpu, host, torch};
+        use crate::snapshot::GpuReading;
+        let now = host(1.0, 0, 0).with_gpu(GpuReading {
+            free: 6 * MIB,
+            torch: Some(torch(0, 4 * MIB, 0, 0)),
+            ..gpu(2, "GPU-2")
+        });
+        assert_eq!(Settings::usable_on(&now, 2, None), Ok(10 * MIB));
+        assert_eq!(Settings::usable_on(&now, 2, Some(3 * MIB)), Ok(3 * MIB));
+        let Err(Error::InvalidArgument(message)) = Settings::usable_on(&now, 0, None) else { panic!("cuda:0 found") };
+        assert!(message.starts_with("cuda:0 is not a visible GPU"), "{message}");
+    }
+
+    #[test]
+    fn a_trial_fits_runs_out_of_memory_or_stops_the_search() {
+        let oom = |e: &Error| matches!(e, Error::Nvml(m) if m == "oom");
+        let end = |ran, peaks| TrialEnd::<Error>::of(ran, oom, peaks, 3);
+        assert!(matches!(end(Ok(()), Some((5, 8))), TrialEnd::Fit(Outcome::Fit { peak: 5, reserved: 8 })));
+        assert!(matches!(end(Err(Error::Nvml("oom".into())), None), TrialEnd::OutOfMemory(_)));
+        assert!(matches!(end(Err(Error::Nvml("other".into())), Some((5, 8))), TrialEnd::Failed(Error::Nvml(_))));
+        let TrialEnd::Failed(Error::InvalidArgument(message)) = end(Ok(()), None) else { panic!("no peaks passed") };
+        assert_eq!(message, "cuda:3 is not a visible GPU");
+    }
 
     const MIB: u64 = 1 << 20;
 

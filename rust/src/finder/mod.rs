@@ -13,7 +13,7 @@ use crate::units::bytes;
 
 mod lab;
 mod seeded;
-pub use lab::{find, Lab};
+pub use lab::{find, Lab, TrialEnd};
 pub use seeded::Seed;
 
 /// How one trial of the step went.

@@ -71,6 +71,9 @@ impl Default for Schedule {
     }
 }
 
+/// This process's schedule, which the drawing thread of `gpuexp.live` waits on.
+pub static SCHEDULE: Schedule = Schedule::new();
+
 impl Schedule {
     pub const fn new() -> Schedule {
         Schedule {

@@ -34,7 +34,10 @@ pub use agree::{agree, Agreement};
 pub use device::{rank_device, Because, DeviceClues};
 pub use nccl::NcclShare;
 pub use publishing::{Distributed, ProcessStores, RankStores};
-pub use store::{check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, StoreAddress};
+pub use store::{
+    check_before_opening, check_store_directory, check_tcp_store, kernel_store_dir, remove_kernel_store_dir, Pending,
+    StoreAddress, STORE_TIMEOUT, VALIDATE_TIMEOUT,
+};
 pub use table::{Gathered, RankRow};
 
 use crate::fork::{Guard, PerProcess};

@@ -34,6 +34,15 @@ impl NcclShare {
         }
     }
 
+    /// A reading of `device`'s residual as `snapshot` finds it, where it read both NVML's figure
+    /// for this process and torch's.
+    pub fn observe_in(&mut self, snapshot: &crate::snapshot::Snapshot, device: u32, communicator: bool) {
+        let Some(gpu) = snapshot.gpus.iter().find(|g| g.torch_index == device) else { return };
+        if let (Some(process), Some(torch)) = (gpu.process_used, gpu.torch) {
+            self.observe(device, process.saturating_sub(torch.reserved), communicator);
+        }
+    }
+
     /// NCCL's share on `device`, where a reading before and one after its communicator were taken.
     pub fn on(&self, device: u32) -> Option<u64> {
         self.grown.filter(|(d, _)| *d == device).map(|(_, grown)| grown)
@@ -43,6 +52,25 @@ impl NcclShare {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::testing::{gpu, host, torch};
+    use crate::snapshot::GpuReading;
+
+    #[test]
+    fn a_snapshot_s_residual_is_nvml_s_process_figure_less_torch_reserved() {
+        let reading = |process: Option<u64>| GpuReading {
+            process_used: process,
+            torch: Some(torch(0, 100 * MIB, 0, 100 * MIB)),
+            ..gpu(1, "GPU-1")
+        };
+        let mut share = NcclShare::default();
+        share.observe_in(&host(1.0, 0, 0).with_gpu(reading(Some(300 * MIB))), 1, false);
+        share.observe_in(&host(2.0, 0, 0).with_gpu(reading(None)), 1, true);
+        assert_eq!(share.on(1), None, "a reading without NVML's figure is no reading");
+        share.observe_in(&host(3.0, 0, 0).with_gpu(reading(Some(700 * MIB))), 0, true);
+        assert_eq!(share.on(1), None, "another device is not in the snapshot");
+        share.observe_in(&host(4.0, 0, 0).with_gpu(reading(Some(700 * MIB))), 1, true);
+        assert_eq!(share.on(1), Some(400 * MIB));
+    }
 
     const MIB: u64 = 1 << 20;
 

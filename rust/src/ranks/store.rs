@@ -6,6 +6,8 @@ use crate::fork::PerProcess;
 use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{STORE_ENV, STORE_FILE};
@@ -68,6 +70,58 @@ impl std::fmt::Display for StoreAddress {
 // open for 300 s, and a TCPStore client of an address that accepts but never answers (no
 // TCPStore there) retries for its whole timeout, warning at every try. These checks answer in
 // at most a few seconds, so a rank's experiment opens with one note instead.
+
+/// How long a store operation may wait for the store's lock or connection.
+pub const STORE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a rank tries to reach a TCPStore's port: one that is gone (a kernel restarted)
+/// refuses at once, and is not tried again in that process.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a TCPStore has to answer gpuexp's ping: a loaded server answers in milliseconds;
+/// a listener that is no TCPStore never does.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long torch's client then has to connect and be validated: 64 ranks opening at once on
+/// a loaded 2-core box took more than 3 s.
+pub const VALIDATE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The check that runs before torch opens the store at `address`, ready to run on a thread of
+/// its own ([`Pending`]).
+pub fn check_before_opening(
+    address: &StoreAddress,
+) -> impl FnOnce() -> std::result::Result<(), String> + Send + 'static {
+    let address = address.clone();
+    move || match &address {
+        StoreAddress::Directory(dir) => check_store_directory(dir),
+        StoreAddress::Tcp { host, port } => check_tcp_store(host, *port, CONNECT_TIMEOUT, PING_TIMEOUT),
+    }
+}
+
+/// A check that may wait (a disk, the network) running on a thread of its own, so that its
+/// caller keeps answering Ctrl-C meanwhile instead of waiting for the check's own timeout. An
+/// abandoned check ends by itself at that timeout.
+pub struct Pending<T>(Mutex<Receiver<T>>);
+
+impl<T: Send + 'static> Pending<T> {
+    pub fn start(check: impl FnOnce() -> T + Send + 'static) -> std::result::Result<Pending<T>, String> {
+        let (answer, answered) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("gpuexp-store-check".into())
+            .spawn(move || {
+                let _ = answer.send(check());
+            })
+            .map_err(|e| format!("could not start a thread to check the store: {e}"))?;
+        // In a mutex only so that a waiter on another thread may borrow it: one thread ever receives.
+        Ok(Pending(Mutex::new(answered)))
+    }
+
+    /// The check's answer, waiting at most `tick` for it: None while it still runs.
+    pub fn wait(&self, tick: Duration) -> std::result::Result<Option<T>, String> {
+        match crate::locks::unpoisoned(self.0.lock()).recv_timeout(tick) {
+            Ok(value) => Ok(Some(value)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err("the store check ended without an answer".into()),
+        }
+    }
+}
 
 /// Whether a FileStore can live in `dir`: it exists, is a directory, and this user can create
 /// files in it.
@@ -222,6 +276,28 @@ pub fn remove_kernel_store_dir() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pending_check_answers_once_done_and_says_when_it_died() {
+        let (go, wait) = mpsc::channel::<()>();
+        let pending = Pending::start(move || {
+            wait.recv().unwrap();
+            7
+        })
+        .unwrap();
+        assert_eq!(pending.wait(Duration::from_millis(10)), Ok(None), "still running");
+        go.send(()).unwrap();
+        assert_eq!(pending.wait(Duration::from_secs(10)), Ok(Some(7)));
+        let died: Pending<u8> = Pending::start(|| panic!("the check died")).unwrap();
+        assert_eq!(died.wait(Duration::from_secs(10)), Err("the store check ended without an answer".into()));
+    }
+
+    #[test]
+    fn the_check_before_opening_a_missing_directory_names_the_fix() {
+        let check = check_before_opening(&StoreAddress::Directory("/nonexistent/gpuexp-h11".into()));
+        let message = check().unwrap_err();
+        assert!(message.starts_with("file:///nonexistent/gpuexp-h11:") && message.contains(STORE_ENV), "{message}");
+    }
 
     #[test]
     fn store_addresses_name_a_directory_or_a_tcp_store() {

@@ -1,66 +1,29 @@
 //! The scope registry: open scopes nest by time, each keeps its start snapshot and its peaks,
 //! and finished scopes stay in this kernel's history.
 
-use std::any::Any;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::report::{CellRecord, Details, Params, Report, Span};
 use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
+mod attached;
+pub mod cell_log;
+mod cells;
+mod finishing;
 pub mod lifecycle;
+mod opening;
+mod peaks;
+pub mod settings;
 mod unreachable;
+pub use attached::Attached;
+use cells::CellEnd;
+pub use cells::OpenCell;
+pub use peaks::PeakBook;
 pub use unreachable::{Dropped, Finish, Identities, SafePoint, Sighting, Unreachable};
 
 pub type ScopeId = u64;
-
-/// Peaks of nested windows over process-wide counters that can only be reset as a whole
-/// (the kernel's VmHWM, torch's one peak per device). Before any reset, the counters' peaks
-/// are folded into every open window, so opening an inner window never erases an outer peak.
-#[derive(Default, Debug)]
-pub struct PeakBook {
-    windows: BTreeMap<u64, HashMap<Gauge, u64>>,
-}
-
-impl PeakBook {
-    /// Folds a snapshot's values and counter peaks into every open window.
-    pub fn observe(&mut self, snapshot: &Snapshot) {
-        let gauges = snapshot.gauges();
-        for peaks in self.windows.values_mut() {
-            for (gauge, _, peak) in &gauges {
-                // Looked up before inserting: a window already has most gauges, and cloning the
-                // key for `entry` on every snapshot would allocate for nothing.
-                match peaks.get_mut(gauge) {
-                    Some(seen) => *seen = (*seen).max(*peak),
-                    None => {
-                        peaks.insert(gauge.clone(), *peak);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Opens a window at `snapshot`, which must be taken just before the caller resets the
-    /// counters: what they saw until then belongs to the windows already open.
-    pub fn open(&mut self, window: u64, snapshot: &Snapshot) {
-        self.observe(snapshot);
-        let start = snapshot.gauges().into_iter().map(|(gauge, current, _)| (gauge, current)).collect();
-        self.windows.insert(window, start);
-    }
-
-    pub fn peak(&self, window: u64, gauge: &Gauge) -> Option<u64> {
-        self.windows.get(&window)?.get(gauge).copied()
-    }
-
-    pub fn close(&mut self, window: u64) {
-        self.windows.remove(&window);
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.windows.is_empty()
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -112,34 +75,6 @@ pub struct Scope {
     attached: Attached,
 }
 
-/// The bindings' handles of an open scope, opaque to the core: the scope's one record carries
-/// them, so that a forked child, which drops the registry, drops them too. Taken out of the
-/// registry before anything acts on them: dropping them may run Python code, which may call
-/// back into the registry.
-#[derive(Default)]
-pub struct Attached(Option<Box<dyn Any + Send>>);
-
-impl Attached {
-    pub fn new<H: Send + 'static>(handles: H) -> Attached {
-        Attached(Some(Box::new(handles)))
-    }
-
-    /// The handles, when they are of type `H` and still attached.
-    pub fn get<H: 'static>(&self) -> Option<&H> {
-        self.0.as_ref()?.downcast_ref()
-    }
-
-    pub fn take<H: 'static>(self) -> Option<H> {
-        self.0?.downcast().ok().map(|handles| *handles)
-    }
-}
-
-impl std::fmt::Debug for Attached {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() { "Attached(..)" } else { "Attached(None)" })
-    }
-}
-
 /// What a scope opens with.
 pub struct Opening {
     pub name: String,
@@ -151,23 +86,6 @@ pub struct Opening {
     pub handles: BTreeSet<String>,
     pub params: Option<Params>,
     pub owner: Owner,
-}
-
-/// The cell being run while the log is on.
-#[derive(Clone, Debug)]
-pub struct OpenCell {
-    pub window: u64,
-    pub start: Snapshot,
-    pub notes: Vec<String>,
-}
-
-/// Where the last logged cell ended, the counters reset there: the next cell starts from it
-/// instead of reading memory again, unless gpuexp read it in between (`mark` tells).
-#[derive(Clone, Debug)]
-struct CellEnd {
-    snapshot: Snapshot,
-    selection: GpuSelection,
-    mark: u64,
 }
 
 /// Where a scope stands when someone asks to finish it.
@@ -479,110 +397,6 @@ impl Registry {
         });
         self.peaks.close(window);
         peaks
-    }
-
-    /// Opens the cell's peak window at `start`, taken just before the counters are reset;
-    /// returns the window, which names the cell to its live view.
-    pub fn begin_cell(&mut self, start: Snapshot) -> u64 {
-        if let Some(stale) = self.cell.take() {
-            self.peaks.close(stale.window);
-        }
-        let window = self.next_window();
-        self.peaks.open(window, &start);
-        self.cell = Some(OpenCell { window, start, notes: Vec::new() });
-        window
-    }
-
-    /// Keeps where a logged cell ended, the counters reset just after it, for a next cell that
-    /// asks for `selection`; `mark` counts gpuexp's other readings (see
-    /// [`Registry::begin_cell_where_last_ended`]).
-    pub fn keep_cell_end(&mut self, snapshot: Snapshot, selection: GpuSelection, mark: u64) {
-        self.last_cell_end = Some(CellEnd { snapshot, selection, mark });
-    }
-
-    pub fn forget_cell_end(&mut self) {
-        self.last_cell_end = None;
-    }
-
-    /// Opens the cell's window where the previous logged cell ended, when nothing came in
-    /// between that gpuexp knows of: the same `selection`, and `mark` unchanged, since every
-    /// other reading gpuexp takes (a scope opening, a teardown, a user's snapshot) moves it.
-    /// Memory that code between the two cells moved (a widget's callback, another extension's
-    /// hook) is the new cell's. Returns the window, or None when the caller must read memory.
-    pub fn begin_cell_where_last_ended(&mut self, selection: &GpuSelection, mark: u64) -> Option<u64> {
-        let end = self.last_cell_end.take().filter(|end| end.mark == mark && end.selection == *selection)?;
-        Some(self.begin_cell(Snapshot { taken_at: crate::snapshot::now(), ..end.snapshot }))
-    }
-
-    /// The running cell's figures so far (`now` against its start, with its peaks), for its
-    /// live view; None unless `window` is still the running cell.
-    pub fn running_cell(&mut self, window: u64, now: &Snapshot) -> Option<CellRecord> {
-        let cell = self.cell.as_ref().filter(|c| c.window == window)?;
-        self.peaks.observe(now);
-        let peaks = &self.peaks;
-        Some(CellRecord::build(0, &cell.start, now, |g| peaks.peak(window, g), cell.notes.clone()))
-    }
-
-    /// Whether a finished cell's block shows: with `%gpuexp log all` always, else only when a
-    /// figure moved by `cell_log_min_change`.
-    pub fn shows(&self, record: &CellRecord) -> bool {
-        self.cell_log_every_cell || record.moved_by(self.cell_log_min_change)
-    }
-
-    /// The bytes torch may allocate on a GPU (by torch index): the `limit` of the innermost open
-    /// scope over that GPU that has one.
-    pub fn limit_on(&self, torch_index: u32) -> Option<u64> {
-        let covers = |selection: &GpuSelection| match selection {
-            GpuSelection::AllVisible => true,
-            GpuSelection::Only(devices) => devices.contains(&torch_index),
-            GpuSelection::None => false,
-        };
-        self.open.iter().rev().filter(|s| covers(&s.selection)).find_map(|s| s.limit)
-    }
-
-    /// What the running cell's start snapshot covered: its end snapshot must cover the same.
-    pub fn open_cell_selection(&self) -> Option<GpuSelection> {
-        let cell = self.cell.as_ref()?;
-        Some(if cell.start.gpus.is_empty() { GpuSelection::None } else { GpuSelection::AllVisible })
-    }
-
-    /// Something the record of the running cell should say.
-    pub fn note_cell(&mut self, note: String) {
-        if let Some(cell) = self.cell.as_mut() {
-            if !cell.notes.contains(&note) {
-                cell.notes.push(note);
-            }
-        }
-    }
-
-    /// Closes the running cell's window and records it under the shell's number for the cell.
-    pub fn end_cell(&mut self, execution_count: u64, end: &Snapshot) -> Option<Arc<CellRecord>> {
-        let cell = self.cell.take()?;
-        self.peaks.observe(end);
-        let peaks = &self.peaks;
-        let record = CellRecord::build(execution_count, &cell.start, end, |g| peaks.peak(cell.window, g), cell.notes);
-        self.peaks.close(cell.window);
-        let record = Arc::new(record);
-        self.cells.push(record.clone());
-        Some(record)
-    }
-
-    /// Completes the last cell record with what was read once the cell had ended (the sites
-    /// of its torch peaks, from the trace); returns the record as it now is.
-    pub fn update_last_cell(&mut self, update: impl FnOnce(&mut CellRecord)) -> Option<Arc<CellRecord>> {
-        let last = self.cells.last_mut()?;
-        update(Arc::make_mut(last));
-        Some(last.clone())
-    }
-
-    /// Every cell record of this kernel, oldest first.
-    pub fn cells(&self) -> &[Arc<CellRecord>] {
-        &self.cells
-    }
-
-    /// The records of the cells that ran while the scope was open.
-    pub fn cells_of(&self, scope: &Scope) -> Vec<CellRecord> {
-        self.cells[scope.first_cell.min(self.cells.len())..].iter().map(|c| c.as_ref().clone()).collect()
     }
 }
 
