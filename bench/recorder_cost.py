@@ -189,7 +189,8 @@ def main(argv=None):
               f"({args.pairs} interleaved pairs each):\n"
               f"    a cell's first {gpuexp._core.RECORDER_HISTORY_STEPS} steps (torch's history, no stacks): "
               f"{first:+.2%} (95% {first_low:+.2%} … {first_high:+.2%})\n"
-              f"    every later step (a level at most 4 times a second): {median:+.2%} (95% {low:+.2%} … {high:+.2%}) {verdict}")
+              f"    every later step (a level at most 4 times a second): {median:+.2%} "
+              f"(95% {low:+.2%} … {high:+.2%}) {verdict}")
         if grown is None:
             grown = ring_buffer_bytes(torch, step, batch_size, events)
             print(f"ring buffer of {MAX_ENTRIES} events without stacks: RSS +{grown / 2**20:.1f} MiB, "

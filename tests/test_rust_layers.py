@@ -260,7 +260,6 @@ def rust_lines(path):
     return sum(1 for number, line in enumerate(text.splitlines()) if line.strip() and number not in tested)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 31: the bindings are still being thinned to a quarter")
 def test_the_bindings_are_at_most_a_quarter_of_the_rust():
     counted = [path for path in SRC.rglob("*.rs") if not is_test_file(path)]
     total = sum(rust_lines(path) for path in counted)

@@ -9,7 +9,7 @@ This is torch instrumentation, so it is Python (docs/ARCHITECTURE.md, "Where tor
 instrumentation goes"): it subclasses, hooks and stands in for torch's own code, written the way
 torch documents it. What an operator made, which storage is which and what the step's peak is are
 the core's (``rust/src/estimate.rs``), reached through plain calls
-(``rust/src/bindings/ledger_mode.rs``). Torch is imported already when these run: the estimate
+(``rust/src/bindings/instrumentation/ledger_mode.rs``). Torch is imported already when these run: the estimate
 refuses to start without it.
 """
 
@@ -280,7 +280,7 @@ class LedgerRun:
     """The books of one estimate kept while its step runs: each storage on ``target`` (the
     ``torch.device`` of the estimate) that exists before the step, or that an operator makes, is
     reported to ``books`` (the core's ``estimate_books::LedgerBooks``, through
-    ``rust/src/bindings/ledger_mode.rs``) with a weak reference that reports its freeing; torch's
+    ``rust/src/bindings/instrumentation/ledger_mode.rs``) with a weak reference that reports its freeing; torch's
     hooks report gradients, optimizer state and the optimizer's step. ``mode`` is the dispatch
     mode to enter inside ``fakes.mode``; ``close()`` removes the hooks and the weak references.
     On an error, what was installed so far is removed before it raises."""

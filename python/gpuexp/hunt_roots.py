@@ -1,6 +1,6 @@
 """Where a leak hunt starts outside the notebook's namespace, found by reading the interpreter.
 
-The bindings (``bindings/hunt_roots.rs``) call these and hand what they return to the core,
+The bindings (``bindings/interpreter/hunt_roots.rs``) call these and hand what they return to the core,
 which decides which kind of root each is and their order (``holders_walk``). Nothing here
 decides: each function only reads, and an object that raises when read is passed over, as the
 hunt passes over any object it cannot inspect. A module's globals are read from its dict, never

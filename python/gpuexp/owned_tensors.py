@@ -1,6 +1,6 @@
 """Which tensors torch's modules and optimizers hold, read from their own containers.
 
-The leak hunter (``bindings/holders.rs``) asks this for the modules and optimizers its walk
+The leak hunter (``bindings/api/holders.rs``) asks this for the modules and optimizers its walk
 reached; the core then says what each storage is to training (``report::Role``) and sums them.
 Torch is never imported here: without it there is nothing to read.
 """

@@ -4,7 +4,7 @@ globals its code and the functions it reaches load, read from their code objects
 
 This only reads Python objects, so it is Python (docs/ARCHITECTURE.md, "Where torch
 instrumentation goes"); what is swapped and saved from these roots is decided in the core
-(``rust/src/bindings/estimate.rs`` calls ``step_roots``).
+(``rust/src/bindings/api/estimate.rs`` calls ``step_roots``).
 """
 
 import dis

@@ -1,47 +1,23 @@
-//! The Python module `gpuexp._core`: the only place that knows PyO3. One file per family the
-//! module exposes; `torch`, `namespace` and `snapshot` are what the families share: torch and
-//! the user's namespace reached through Python, and snapshots taken with them.
+//! The Python module `gpuexp._core`: the only place that knows PyO3, in three folders by job:
+//! `api/` (the module's faces: one file per family it exposes), `instrumentation/` (torch's
+//! Python API reached from Rust) and `interpreter/` (the user's namespace, the heap, interrupts,
+//! tracemalloc, forks). docs/ARCHITECTURE.md says which folder a new file goes in.
 
 #[macro_use]
-mod report; // first: the families below use its `shown_as_table!`
-mod cell_log;
-mod cell_trace;
-mod compare;
-mod error;
-mod estimate;
-mod explain;
-mod fakes;
-mod files;
-mod finder;
-mod fit;
-mod fork;
-mod holders;
-mod host_trace;
-mod hunt_roots;
-mod interrupts;
-mod kernel;
-mod ledger_mode;
-mod live_view;
-mod monitor;
-mod namespace;
-mod oom;
-mod python_heap;
-mod rank_gpu;
-mod ranks;
-mod recorder;
-mod registry;
-mod scope;
-mod snapshot;
-mod status;
-mod step_state;
-mod torch;
-mod trace;
-mod trace_opening;
-mod trace_recording;
-mod trace_sampling;
-mod training;
-mod units;
-mod unreachable;
+mod api; // first: its `report` defines `shown_as_table!`
+mod instrumentation;
+mod interpreter;
+
+// Each family by its own name, for the export list below and for `crate::bindings::name` paths.
+use api::report;
+use api::{
+    cell_log, compare, error, estimate, explain, files, finder, fit, holders, kernel, live_view, monitor, oom, ranks,
+    recorder, scope, snapshot, status, trace, training, units, unreachable,
+};
+use instrumentation::{
+    cell_trace, fakes, ledger_mode, rank_gpu, step_state, torch, trace_opening, trace_recording, trace_sampling,
+};
+use interpreter::{fork, host_trace, hunt_roots, interrupts, namespace, python_heap, registry};
 
 /// gpuexp's native core. The public API is the `gpuexp` package; see `_core.pyi` for types.
 #[pyo3::pymodule(name = "_core")]

@@ -220,7 +220,7 @@ pub struct Request {
 }
 
 /// An experiment opened.
-pub struct Opened {
+pub struct OpenedScope {
     pub id: ScopeId,
     pub start: Snapshot,
     pub title: String,

@@ -1,14 +1,14 @@
 //! An experiment's opening: the steps of [`OPEN`] in order, over [`World`].
 
 use super::finishing::{finish_due, finish_one, publish, with_notes};
-use super::lifecycle::{OpenStep, Opened, Request, World, OPEN};
+use super::lifecycle::{OpenStep, OpenedScope, Request, World, OPEN};
 use super::{Attached, Kind, Opening, SafePoint};
 use crate::snapshot::GpuSelection;
 use crate::trace::TraceKinds;
 
 /// Opens an experiment: the steps of [`OPEN`]. A step that fails skips the rest, but the held
 /// interrupts are given back and what already finished is published.
-pub fn open<W: World>(world: &mut W, request: Request) -> Result<Opened, W::Error> {
+pub fn open<W: World>(world: &mut W, request: Request) -> Result<OpenedScope, W::Error> {
     let owner = request.owner;
     let kinds = TraceKinds::for_scope(request.trace, world.registry().trace_by_default, request.gpu)?;
     let mut to_publish = Vec::new();
@@ -137,5 +137,11 @@ pub fn open<W: World>(world: &mut W, request: Request) -> Result<Opened, W::Erro
         return Err(error);
     }
     let (id, title) = opened.expect("Register is a step of every opening");
-    Ok(Opened { id, start: start.expect("StartSnapshot is a step of every opening"), title, replaced, interrupted })
+    Ok(OpenedScope {
+        id,
+        start: start.expect("StartSnapshot is a step of every opening"),
+        title,
+        replaced,
+        interrupted,
+    })
 }

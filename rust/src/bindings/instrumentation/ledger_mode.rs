@@ -1,0 +1,108 @@
+//! The books of an estimate as `gpuexp.fake_step.LedgerRun` reaches them: that dispatch mode and
+//! its hooks (torch instrumentation, so Python) report each storage made, grown, freed or found
+//! to be a gradient in plain calls, and the core's [`LedgerBooks`] decide what each means. Here too the
+//! step runs inside the fake mode and the ledger's mode, and an error names its operator.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyModule;
+
+use crate::bindings::error::NoEstimate;
+use crate::bindings::fakes::Fakes;
+use crate::bindings::holders::Memory;
+use crate::estimate::{Category, Entry, Peak, Phase};
+use crate::estimate_books::LedgerBooks;
+use crate::estimate_run;
+
+/// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
+/// inside the fake mode of `fakes`; the peak it found.
+pub(in crate::bindings) fn run<'py, T>(
+    fakes: &Fakes<'py>,
+    memory: &Memory,
+    target: &Bound<'py, PyAny>,
+    body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<(Peak, T)> {
+    let py = fakes.py;
+    let books = Bound::new(py, BooksPy(LedgerBooks::new(estimate_run::rounding(memory))))?;
+    let ledgered = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
+    let mode = ledgered.getattr("mode")?;
+    let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
+    let marked = ledgered.call_method0("mark_gradients_and_state");
+    let peak = books.borrow().0.ledger.peak();
+    // The hooks go whatever happened: the optimizer's are global.
+    ledgered.call_method0("close")?;
+    let outcome = outcome?;
+    marked?;
+    Ok((peak, outcome))
+}
+
+/// Runs `inner` with `mode` entered. A mode is left only if it was entered: leaving one that was
+/// not would pop another off torch's stack.
+fn within<T>(mode: &Bound<PyAny>, inner: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    mode.call_method0("__enter__")?;
+    let outcome = inner();
+    let none = mode.py().None();
+    let left = mode.call_method1("__exit__", (&none, &none, &none));
+    let outcome = outcome?;
+    left?;
+    Ok(outcome)
+}
+
+/// `gpuexp.fake_step`'s torch instrumentation, which torch calls back.
+fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
+    py.import("gpuexp.fake_step")
+}
+
+/// The core's [`LedgerBooks`] of one estimate, as `LedgerRun` reports to them. Storages are known by
+/// `id()` (their address) while they live; a category by its label.
+#[pyclass(name = "EstimateBooks", module = "gpuexp._core")]
+struct BooksPy(LedgerBooks);
+
+fn category(label: &str) -> PyResult<Category> {
+    Category::labelled(label).ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
+}
+
+#[pymethods]
+impl BooksPy {
+    /// A storage that exists before the step; the entry to watch, or None ([`LedgerBooks::existing`]).
+    fn existing(&mut self, storage: usize, nbytes: u64, category_name: &str, loaded: bool) -> PyResult<Option<Entry>> {
+        Ok(self.0.existing(storage, nbytes, category(category_name)?, loaded))
+    }
+    /// An operator runs ([`LedgerBooks::operator`]).
+    fn operator(&mut self, in_backward: bool) {
+        self.0.operator(in_backward);
+    }
+    /// A storage an operator's output holds; the entry to watch, or None ([`LedgerBooks::output`]).
+    fn output(&mut self, storage: usize, nbytes: u64, alias: bool) -> Option<Entry> {
+        self.0.output(storage, nbytes, alias)
+    }
+    /// A watched storage died.
+    fn freed(&mut self, storage: usize, entry: Entry) {
+        self.0.freed(storage, entry);
+    }
+    /// A storage turned out to be a gradient or optimizer state.
+    fn mark(&mut self, storage: usize, category_name: &str) -> PyResult<()> {
+        self.0.mark(storage, category(category_name)?);
+        Ok(())
+    }
+    /// The optimizer's step began: its own phase until it ends.
+    fn enter_optimizer(&mut self) {
+        self.0.ledger.enter(Phase::Optimizer);
+    }
+    /// The optimizer's step ended.
+    fn leave_optimizer(&mut self) {
+        self.0.ledger.enter(Phase::Forward);
+    }
+    /// The error that stops an estimate whose step uses a real tensor requiring grad of `shape`.
+    fn unknown_parameter(&self, py: Python, shape: &str) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::unknown_parameter(shape)).into_value(py).into_any()
+    }
+    /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before its first).
+    fn failed_at(&self, py: Python, operator: Option<&str>, kind: &str, message: &str) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::failed_at(operator, kind, message)).into_value(py).into_any()
+    }
+    /// The error that stops an estimate at cuDNN's RNN (`crate::cudnn_rnn`).
+    fn cudnn_rnn_refusal(&self, py: Python, mode: i64) -> Py<PyAny> {
+        NoEstimate::new_err(crate::cudnn_rnn::refusal(mode)).into_value(py).into_any()
+    }
+}

@@ -1,0 +1,319 @@
+//! The step's Python objects for the core's state saving ([`crate::step_state`]): what each
+//! object is to the walk, how a container is copied and put back, and the GradScaler's inf check
+//! skipped. The order, the walk and the notes are the core's.
+
+use pyo3::prelude::*;
+use pyo3::types::{
+    PyBool, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple, PyType,
+};
+
+use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
+use crate::step_state::{self, Saving, StepObjects, MOST_ITEMS_WALKED};
+
+/// Objects a walk starts from, each with the name a person knows it by.
+pub(in crate::bindings) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
+
+/// A global name a step assigns to, and the namespace it is in.
+pub(in crate::bindings) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
+
+/// A container as it was before the step, by the identity of what it held.
+pub(in crate::bindings) enum Saved<'py> {
+    /// A dict, or an object's `__dict__`.
+    Dict(Bound<'py, PyDict>, Bound<'py, PyDict>),
+    List(Bound<'py, PyList>, Bound<'py, PyList>),
+    /// A set (refilled with `update`) or a deque (with `extend`): neither is assigned in place.
+    Refilled {
+        container: Bound<'py, PyAny>,
+        items: Bound<'py, PyList>,
+        refill: &'static str,
+    },
+    /// A global name the step assigns to, and its value before (None: it did not exist).
+    Global {
+        globals: Bound<'py, PyDict>,
+        name: String,
+        before: Option<Bound<'py, PyAny>>,
+    },
+}
+
+/// The types the walk treats specially, looked up once.
+struct StepKinds<'py> {
+    tensor: Bound<'py, PyType>,
+    fake: Bound<'py, PyType>,
+    function: Bound<'py, PyType>,
+    method: Bound<'py, PyType>,
+    deque: Bound<'py, PyType>,
+    scaler: Option<Bound<'py, PyType>>,
+}
+
+/// The step's objects, and the globals it assigns to.
+pub(in crate::bindings) struct PythonStep<'py> {
+    kinds: StepKinds<'py>,
+    assigned: Vec<AssignedGlobal<'py>>,
+}
+
+impl<'py> PythonStep<'py> {
+    fn find(py: Python<'py>, assigned: &[AssignedGlobal<'py>]) -> PyResult<PythonStep<'py>> {
+        let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
+        let types = py.import("types")?;
+        let scaler = py.import("torch.amp.grad_scaler").and_then(|m| m.getattr("GradScaler")).ok();
+        let kinds = StepKinds {
+            tensor: torch.getattr("Tensor")?.cast_into()?,
+            fake: py.import("torch._subclasses.fake_tensor")?.getattr("FakeTensor")?.cast_into()?,
+            function: types.getattr("FunctionType")?.cast_into()?,
+            method: types.getattr("MethodType")?.cast_into()?,
+            deque: py.import("collections")?.getattr("deque")?.cast_into()?,
+            scaler: scaler.and_then(|s| s.cast_into().ok()),
+        };
+        Ok(PythonStep { kinds, assigned: assigned.to_vec() })
+    }
+
+    fn is(&self, object: &Bound<'py, PyAny>, kind: &Bound<'py, PyType>) -> bool {
+        object.is_instance(kind).unwrap_or(false)
+    }
+
+    fn attributes(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+        object.getattr("__dict__").ok()?.cast_into::<PyDict>().ok()
+    }
+}
+
+fn is_atom(object: &Bound<PyAny>) -> bool {
+    object.is_none()
+        || object.is_instance_of::<PyBool>()
+        || object.is_instance_of::<PyInt>()
+        || object.is_instance_of::<PyFloat>()
+        || object.is_instance_of::<PyString>()
+        || object.is_instance_of::<PyBytes>()
+        || object.is_instance_of::<PyModule>()
+        || object.is_instance_of::<PyType>()
+}
+
+fn items<'py>(iterable: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>) {
+    if iterable.len().unwrap_or(usize::MAX) > MOST_ITEMS_WALKED {
+        return;
+    }
+    if let Ok(iterator) = iterable.try_iter() {
+        refs.extend(iterator.flatten().enumerate().map(|(i, item)| (Edge::Index(i), item)));
+    }
+}
+
+fn entries<'py>(
+    dict: &Bound<'py, PyDict>,
+    refs: &mut Refs<Bound<'py, PyAny>>,
+    edge: fn(Bound<'py, PyAny>) -> Edge<Bound<'py, PyAny>>,
+) {
+    if dict.len() <= MOST_ITEMS_WALKED {
+        refs.extend(dict.iter().map(|(key, value)| (edge(key), value)));
+    }
+}
+
+impl<'py> Heap for PythonStep<'py> {
+    type Object = Bound<'py, PyAny>;
+
+    fn address(&self, object: &Self::Object) -> usize {
+        object.as_ptr() as usize
+    }
+
+    /// What an object holds that the step may have changed: a container's items, an object's
+    /// attributes, a function's closure, a bound method's object. Tensors, modules, classes and
+    /// plain values are leaves; the globals a function reads are roots already. The containers
+    /// are `Owner`s (saved), the fakes `Buffer`s (named if left after).
+    fn look(&mut self, object: &Self::Object, refs: &mut Refs<Self::Object>) -> Result<Kind, Unreadable> {
+        if is_atom(object) {
+            return Ok(Kind::Leaf);
+        }
+        if object.is_instance(&self.kinds.tensor).unwrap_or(true) {
+            if !self.is(object, &self.kinds.fake) {
+                return Ok(Kind::Leaf);
+            }
+            let buffer = Buffer::Storage(object.as_ptr() as usize);
+            let (shape, device) = (String::new(), String::new());
+            return Ok(Kind::Buffer(Piece { buffer, bytes: 0, kind: "fake tensor", shape, device }));
+        }
+        if let Ok(dict) = object.cast::<PyDict>() {
+            entries(dict, refs, Edge::Key);
+            return Ok(Kind::Owner);
+        }
+        if object.is_instance_of::<PyList>() || object.is_instance_of::<PySet>() || self.is(object, &self.kinds.deque) {
+            items(object, refs);
+            return Ok(Kind::Owner);
+        }
+        if object.is_instance_of::<PyTuple>() || object.is_instance_of::<PyFrozenSet>() {
+            items(object, refs);
+        } else if self.is(object, &self.kinds.function) {
+            let names = object.getattr("__code__").and_then(|c| c.getattr("co_freevars"));
+            if let (Ok(cells), Ok(names)) = (object.getattr("__closure__"), names) {
+                if let (Ok(cells), Ok(names)) = (cells.try_iter(), names.try_iter()) {
+                    for (cell, name) in cells.flatten().zip(names.flatten()) {
+                        if let Ok(contents) = cell.getattr("cell_contents") {
+                            refs.push((Edge::Closure(Name::Of(name)), contents));
+                        }
+                    }
+                }
+            }
+        } else if self.is(object, &self.kinds.method) {
+            if let Ok(owner) = object.getattr("__self__") {
+                refs.push((Edge::Attr(Name::Fixed("__self__")), owner));
+            }
+        } else if let Some(attributes) = PythonStep::attributes(object) {
+            entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)));
+            return Ok(Kind::Owner);
+        }
+        Ok(Kind::Plain)
+    }
+
+    fn text(&self, name: &Self::Object) -> String {
+        name.str().map(|s| s.to_string()).unwrap_or_default()
+    }
+
+    fn is_text(&self, key: &Self::Object) -> bool {
+        key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>()
+    }
+
+    /// A key by its repr where it is text; by its type otherwise: a tensor's repr reads the device.
+    fn describe(&self, key: &Self::Object) -> String {
+        if self.is_text(key) {
+            return key.repr().map(|r| r.to_string()).unwrap_or_default();
+        }
+        format!("<{}>", key.get_type().name().map(|n| n.to_string()).unwrap_or_default())
+    }
+
+    fn call(&self, key: &Self::Object) -> String {
+        self.describe(key)
+    }
+}
+
+impl<'py> StepObjects for PythonStep<'py> {
+    type Saved = Saved<'py>;
+    type Error = PyErr;
+
+    fn save_assigned(&mut self) -> PyResult<Vec<Saved<'py>>> {
+        let mut saved = Vec::new();
+        for (globals, name) in &self.assigned {
+            let before = globals.get_item(name)?;
+            saved.push(Saved::Global { globals: globals.clone(), name: name.clone(), before });
+        }
+        Ok(saved)
+    }
+
+    fn save(&mut self, object: &Self::Object) -> Option<Saved<'py>> {
+        if let Ok(dict) = object.cast::<PyDict>() {
+            return dict.copy().ok().map(|copy| Saved::Dict(dict.clone(), copy));
+        }
+        if let Ok(list) = object.cast::<PyList>() {
+            return Some(Saved::List(list.clone(), PyList::new(object.py(), list.iter()).ok()?));
+        }
+        let refill = if object.is_instance_of::<PySet>() {
+            "update"
+        } else if self.is(object, &self.kinds.deque) {
+            "extend"
+        } else {
+            let attributes = PythonStep::attributes(object)?;
+            return attributes.copy().ok().map(|copy| Saved::Dict(attributes, copy));
+        };
+        let items = PyList::new(object.py(), object.try_iter().ok()?.flatten()).ok()?;
+        Some(Saved::Refilled { container: object.clone(), items, refill })
+    }
+
+    fn restore(&mut self, saved: &Saved<'py>) -> PyResult<()> {
+        match saved {
+            Saved::Dict(dict, before) => {
+                let same = dict.len() == before.len()
+                    && before
+                        .iter()
+                        .all(|(key, value)| dict.get_item(&key).ok().flatten().is_some_and(|now| now.is(&value)));
+                if !same {
+                    dict.clear();
+                    dict.update(before.as_mapping())?;
+                }
+            }
+            Saved::List(list, before) => {
+                if !same_items(list.iter(), before, list.len()) {
+                    list.call_method0("clear")?;
+                    list.call_method1("extend", (before,))?;
+                }
+            }
+            Saved::Global { globals, name, before } => match (before, globals.get_item(name)?) {
+                (Some(before), Some(now)) if before.is(&now) => {}
+                (Some(before), _) => globals.set_item(name, before)?,
+                (None, Some(_)) => globals.del_item(name)?,
+                (None, None) => {}
+            },
+            Saved::Refilled { container, items, refill } => {
+                let now: Vec<_> = container.try_iter()?.flatten().collect();
+                if !same_items(now.iter().cloned(), items, now.len()) {
+                    container.call_method0("clear")?;
+                    container.call_method1(*refill, (items,))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn assigned_now(&mut self) -> PyResult<Roots<'py>> {
+        let mut bound = Vec::new();
+        for (globals, name) in &self.assigned {
+            if let Some(value) = globals.get_item(name)? {
+                bound.push((name.clone(), value));
+            }
+        }
+        Ok(bound)
+    }
+
+    fn is_scaler(&self, object: &Self::Object) -> bool {
+        self.kinds.scaler.as_ref().is_some_and(|scaler| self.is(object, scaler))
+    }
+
+    fn assume_finite_gradients(&mut self, scaler: &Self::Object) -> PyResult<()> {
+        let fake_step = scaler.py().import("gpuexp.fake_step")?;
+        fake_step.call_method1("assume_finite_gradients", (scaler,)).map(drop)
+    }
+}
+
+fn same_items<'py>(now: impl Iterator<Item = Bound<'py, PyAny>>, before: &Bound<'py, PyList>, len: usize) -> bool {
+    len == before.len() && now.zip(before.iter()).all(|(a, b)| a.is(&b))
+}
+
+/// The containers reachable from a step, as they were, until [`StepState::restore`].
+pub(in crate::bindings) struct StepState<'py> {
+    step: PythonStep<'py>,
+    saving: Saving<Saved<'py>, Bound<'py, PyAny>>,
+    /// GradScalers reached: told, for the estimate, that the gradients are finite.
+    pub(in crate::bindings) scalers: usize,
+}
+
+impl<'py> StepState<'py> {
+    /// Saves what the step reaches from `roots` and the globals it assigns ([`step_state::save`]).
+    pub(in crate::bindings) fn save(
+        py: Python<'py>,
+        roots: &Roots<'py>,
+        assigned: &[AssignedGlobal<'py>],
+    ) -> PyResult<StepState<'py>> {
+        let mut step = PythonStep::find(py, assigned)?;
+        let saving = step_state::save(&mut step, roots.clone())?;
+        Ok(StepState { scalers: saving.scalers, step, saving })
+    }
+
+    /// Swaps the real GPU tensors held in the saved containers for fakes of `mode`
+    /// (`gpuexp.fake_step.fake_device_tensors`); `restore` puts the real ones back with the containers.
+    pub(in crate::bindings) fn fake_device_tensors(&self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
+        let py = mode.py();
+        let (dicts, lists, globals) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
+        for saved in &self.saving.saved {
+            match saved {
+                Saved::Dict(dict, _) => dicts.append(dict)?,
+                Saved::List(list, _) => lists.append(list)?,
+                Saved::Global { globals: namespace, name, before: Some(value) } => {
+                    globals.append((namespace, name, value))?
+                }
+                _ => {}
+            }
+        }
+        let fake_step = py.import("gpuexp.fake_step")?;
+        fake_step.call_method1("fake_device_tensors", (mode, dicts, lists, globals)).map(drop)
+    }
+
+    /// Puts back every container the step changed ([`step_state::restore`]); the notes.
+    pub(in crate::bindings) fn restore(mut self) -> PyResult<Vec<String>> {
+        step_state::restore(&mut self.step, self.saving)
+    }
+}
