@@ -12,13 +12,18 @@ from conftest import GPU
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quickstart_runs_whole_and_shows_its_reports():
+def run_notebook(name, timeout):
+    """What notebooks/run.py prints for notebooks/`name`, run whole in a real kernel."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / "quickstart.ipynb")],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / name)],
+        capture_output=True, text=True, timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
+    return done.stdout
+
+
+def test_quickstart_runs_whole_and_shows_its_reports():
+    out = run_notebook("quickstart.ipynb", timeout=600)
     assert "gpuexp · bs=64 · started" in out
     assert "gpuexp · bs=64 · finished" in out and "deleted: " in out
     assert "True False" in out  # `data` survived, `model` did not
@@ -51,18 +56,14 @@ def test_the_demo_explains_itself_without_noise():
 
 
 def test_batch_size_notebook_runs_whole_here_or_says_why_it_skips():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / "batch_size.ipynb")],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = run_notebook("batch_size.ipynb", timeout=900)
     if GPU:
-        assert "CUDA out of memory on cuda:0 · rescued" in done.stdout
-        assert "gpuexp · batch size " in done.stdout and "verdict:" in done.stdout
-        assert "gpuexp · compare · 3 experiments" in done.stdout
+        assert "CUDA out of memory on cuda:0 · rescued" in out
+        assert "gpuexp · batch size " in out and "verdict:" in out
+        assert "gpuexp · compare · 3 experiments" in out
     else:
         # The output lines, not the sources.
-        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 8
+        assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 8
 
 
 @pytest.mark.parametrize("notebook, model", [("hf_trainer_batch_size", "GPT2LMHeadModel"),
@@ -85,18 +86,12 @@ def test_example_notebooks_run_whole_at_tiny_size(notebook, model):
         assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 2
 
 
-@pytest.mark.skipif(not (ROOT / "python" / "gpuexp" / "fit.py").exists(), reason="gpuexp.fit is not on this branch")
 def test_fit_notebook_says_what_to_change_here_and_checks_it_on_a_gpu():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(ROOT / "notebooks" / "fit.ipynb")],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
+    out = run_notebook("fit.ipynb", timeout=900)
     assert "with checkpointed(model, [" in out or "gpuexp.checkpointed(model, [" in out, out[-3000:]
     assert "blocks." in out
     if GPU:
         assert "everything as it was: True | allocated as before: True" in out, out[-3000:]
         assert "gpuexp · bs=64 checkpointed · finished" in out
     else:
-        assert done.stdout.splitlines().count("skipped: this cell needs a CUDA GPU") == 2
+        assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 2
