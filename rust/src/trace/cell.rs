@@ -3,9 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::block::Block;
 use super::parse::AllocationHistory;
 use super::peak::{site_table, SiteRow};
-use super::replay::{replay, Block, Replay};
+use super::replay::{replay, Replay};
 use super::scope::peak_since;
 use super::sites::Attribution;
 use crate::units::bytes;

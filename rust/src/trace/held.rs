@@ -5,9 +5,10 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::block::Block;
 use super::parse::{Action, AllocationHistory, StackId};
 use super::peak::{site_table_checked, SiteTable};
-use super::replay::{Block, Replay};
+use super::replay::Replay;
 use super::sites::{Attribution, Site, SiteKey};
 use crate::error::Result;
 
@@ -141,7 +142,7 @@ pub(super) fn oom_checked(
                 free_event: Some(index),
                 module: None,
                 exact: true,
-                sites: super::sampled::SiteSource::Own,
+                sites: super::block::SiteSource::Own,
             };
             let live: Vec<&Block> = replay.live_at(index).collect();
             Ok(OomSites {

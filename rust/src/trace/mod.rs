@@ -24,6 +24,7 @@
 //! points pass one that never stops.
 
 pub mod annotation;
+pub mod block;
 pub mod cell;
 pub mod diff;
 pub mod file;
@@ -32,6 +33,7 @@ pub mod holders;
 pub mod host;
 pub mod kinds;
 pub mod layout;
+pub mod marks;
 pub mod modules;
 pub mod opening;
 pub mod parse;
@@ -39,25 +41,29 @@ pub mod peak;
 pub mod pickle;
 pub mod replay;
 pub mod sampled;
+pub mod sampling;
 pub mod scope;
 pub mod sites;
 pub mod timeline;
 
 pub use annotation::{annotation, WindowKey};
+pub use block::{Block, SiteSource};
 pub use cell::{cell_peak_sites, cell_top_site, CellPeakSite};
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
 pub use held::{oom, still_held, HeldBlock, OomSites};
 pub use holders::{name_holders, HolderStorages};
 pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
+pub use marks::{Recorded, StepMark};
 pub use modules::{ModuleFamily, ModuleMark, Modules};
 pub use parse::{
     Action, AllocationHistory, BlockState, Event, FrameRef, Gpuexp, Opening, Segment, SegmentBlock, StackId, Stacks,
     Window,
 };
 pub use peak::{peak_sites, site_table, CategoryRow, PeakSites, Rest, SiteRow, SiteTable, TOP_SITES};
-pub use replay::{replay, Block, Completeness, Peak, PeakBounds, Replay};
-pub use sampled::{Recorded, Sampling, SiteSource, StepMark, StepSpan};
+pub use replay::{replay, Completeness, Peak, PeakBounds, Replay};
+pub use sampled::StepSpan;
+pub use sampling::Sampling;
 pub use scope::{peak_since, scope_traces, scope_traces_checked, snapshot_traces, DeviceTrace};
 pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
+use super::marks::{Recorded, StepMark};
 use super::pickle::{self, Finish, Value};
-use super::sampled::{Recorded, StepMark};
 use crate::error::{Error, Result};
 
 /// Which stack an event or block was recorded with: an index into `Stacks`. Stack 0 is the

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::replay::{Block, Completeness, Peak, PeakBounds, Replay};
-use super::sampled::{Sampling, SiteSource};
+use super::block::{Block, SiteSource};
+use super::replay::{Completeness, Peak, PeakBounds, Replay};
+use super::sampling::Sampling;
 use super::sites::{Attribution, SiteKey};
 use crate::error::Result;
 use crate::estimate::Category;
@@ -155,7 +156,7 @@ pub fn peak_sites(replay: &Replay, attribution: &Attribution, top: usize) -> Pea
         completeness: replay.completeness.clone(),
         bounds: replay.peak_bounds(0),
         true_peak: None,
-        sampling: super::sampled::summary(replay, i64::MIN, &live),
+        sampling: super::sampling::summary(replay, i64::MIN, &live),
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::sampled::StackCost;
+use super::sampling::StackCost;
 use super::tests::{attribution, Program};
 use super::*;
 
@@ -172,7 +172,7 @@ fn a_window_counts_only_its_own_steps_and_the_marks_after_the_last_experiment_ar
     let replayed = replay(&snapshot, 0, None);
     assert_eq!(replayed.steps.len(), 4);
     let live = replayed.live_at_peak();
-    let from_second = sampled::summary(&replayed, second, &live).unwrap();
+    let from_second = sampling::summary(&replayed, second, &live).unwrap();
     assert_eq!((from_second.steps, from_second.with_stacks), (2, 0));
     // The sampled step was before this window: its number says so (0).
     assert_eq!(from_second.sites_from_steps, vec![0]);

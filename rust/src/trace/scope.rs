@@ -103,7 +103,7 @@ pub fn scope_traces_checked(
                 completeness: replayed.completeness.clone(),
                 bounds: replayed.peak_bounds(first_event(&replayed, since_us)),
                 true_peak: snapshot.gpuexp.true_peak(torch_index as usize),
-                sampling: super::sampled::summary(&replayed, since_us, &live),
+                sampling: super::sampling::summary(&replayed, since_us, &live),
             };
             let in_scope: Vec<u64> = replayed
                 .live_at_end()

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::block::Block;
+use super::block::SiteSource;
 use super::parse::{FrameRef, StackId, Stacks};
-use super::replay::{Block, Replay};
-use super::sampled::SiteSource;
+use super::replay::Replay;
 use crate::estimate::Category;
 
 /// Which frames are the user's: any whose filename does not contain one of `skip`.

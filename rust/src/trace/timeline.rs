@@ -7,8 +7,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::block::Block;
 use super::parse::StackId;
-use super::replay::{Block, Peak, Replay};
+use super::replay::{Peak, Replay};
 use super::sites::{Attribution, SiteKey};
 use crate::error::Result;
 use crate::grid::escape;
