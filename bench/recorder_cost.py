@@ -11,7 +11,7 @@
    (bench/trace_workloads.py), order alternating, the cost the median of the paired steps' ratio
    with a bootstrap 95% interval (blocks of steps drift with the host; neighbouring steps do
    not), in its two phases: the first steps of a cell, with torch's history (no stacks) and the
-   optimizer step hook, and every later step, with a level read at its end. The gate (+1%) is
+   optimizer step hook, and every later step, with a level read at most four times a second. The gate (+1%) is
    on the later steps: a cell's first `HISTORY_STEPS` steps pay the history's cost.
 And the host memory of a full ring buffer (RSS growth while `MAX_ENTRIES` events are recorded).
 

@@ -52,19 +52,15 @@ pub fn rescue<W: RescueWorld>(
     };
     let gpu_before = failing(&before);
     let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
+    let levelled = recorder::last_level();
     let (since_step, sites, live_blocks) = match (recorded, step) {
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
         // The history was given back after the cell's first steps: levels and the allocator's state.
-        (None, Some(step)) if recorder::last_level().is_some() => {
+        (None, Some(step)) if levelled.is_some() => {
             match gpu_before.as_ref().and_then(|g| Some((g.torch_index, g.torch?))) {
                 Some((index, torch)) => (
-                    recorder::since_level(
-                        recorder::last_level(),
-                        index,
-                        crate::torch_history::now_us(),
-                        torch.allocated,
-                    ),
+                    recorder::since_level(levelled, index, crate::torch_history::now_us(), torch.allocated),
                     None,
                     world.live_in_state(index),
                 ),
