@@ -11,8 +11,9 @@
    (bench/trace_workloads.py), order alternating, the cost the median of the paired steps' ratio
    with a bootstrap 95% interval (blocks of steps drift with the host; neighbouring steps do
    not), in its two phases: the first steps of a cell, with torch's history (no stacks) and the
-   optimizer step hook, and every later step, with a level read at most four times a second. The gate (+1%) is
-   on the later steps: a cell's first `HISTORY_STEPS` steps pay the history's cost.
+   optimizer step hook, and every later step, with a level read at most four times a second.
+   The gate (+1%) is on the later steps: a cell's first `HISTORY_STEPS` steps pay the history's
+   cost.
 And the host memory of a full ring buffer (RSS growth while `MAX_ENTRIES` events are recorded).
 
     python bench/recorder_cost.py [--models mlp12,resnet50,gpt2] [--pairs 150]
