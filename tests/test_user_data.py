@@ -195,16 +195,28 @@ def test_a_name_whose_key_hashes_unlike_its_text_is_deleted_for_real_or_said_not
     kernel.run(
         "class Weird(str):\n    def __hash__(self):\n        return 42\n"
         "class Flaky(str):\n    def __hash__(self):\n        return random.getrandbits(60)\n"
+        "class Sealed(str):\n    sealed = False\n    def __hash__(self):\n"
+        "        if Sealed.sealed:\n            raise TypeError('sealed')\n        return 7\n"
     )
     kernel.run('exp = GPUExperiment("keys")')
-    kernel.run("globals()[Weird('weird')] = np.ones(8)\nglobals()[Flaky('flaky')] = np.ones(8)")
+    kernel.run(
+        "globals()[Weird('weird')] = np.ones(8)\nglobals()[Flaky('flaky')] = np.ones(8)\n"
+        "globals()[Sealed('sealed')] = np.ones(8)\nSealed.sealed = True"
+    )
     kernel.run("del exp")
     report = last_report(kernel)
-    left = kernel.value("sorted(str(k) for k in globals() if k in ('weird', 'flaky'))")
-    assert left == ["flaky"], "the stable key went; the one whose hash changes could not"
-    assert "weird" in report["deleted"]
-    assert "flaky" not in report["deleted"], "never listed as deleted while it is still there"
-    assert [n.split(" ")[0] for n in report["not_deleted"]] == ["flaky"], report["not_deleted"]
+    left = kernel.value("sorted(str(k) for k in globals() if k in ('weird', 'flaky', 'sealed'))")
+    kept = [n.split(" ")[0] for n in report["not_deleted"]]
+    assert "weird" not in left and "weird" in report["deleted"], "a stable odd key goes, and is listed"
+    assert "sealed" in left and "sealed" not in report["deleted"], "a key that cannot be hashed stays"
+    assert "sealed" in kept, report["not_deleted"]
+    # A key whose hash changes is found by `del` only when its probe happens to reach it by identity:
+    # either outcome is right, as long as the report says which one happened.
+    if "flaky" in left:
+        assert "flaky" in kept and "flaky" not in report["deleted"], report
+    else:
+        assert "flaky" in report["deleted"] and "flaky" not in kept, report
+    assert sorted(kept) == sorted(name for name in left), "not_deleted lists exactly what is still bound"
 
 
 def test_names_the_walk_skips_are_listed_as_left(kernel):

@@ -42,7 +42,8 @@ def thread_frames() -> tuple[int, list[tuple[int, str, list[tuple[str | None, An
 
 
 def _text(value: object) -> str | None:
-    return str(value) if isinstance(value, str) else None
+    # `str.__str__`, not `str()`: a subclass's own `__str__` is the user's code, and may raise.
+    return str.__str__(value) if isinstance(value, str) else None
 
 
 def module_globals() -> list[tuple[str, str | None, bool, list[tuple[str, Any]]]]:
@@ -60,7 +61,7 @@ def module_globals() -> list[tuple[str, str | None, bool, list[tuple[str, Any]]]
             continue
         # Not `vars(module)`: a lazy module's own `__getattribute__` would import it.
         globals_ = object.__getattribute__(module, "__dict__")
-        entries = [(str(key), value) for key, value in globals_.items() if isinstance(key, str)]
+        entries = [(text, value) for key, value in globals_.items() if (text := _text(key)) is not None]
         found.append((name, _text(globals_.get("__file__")), is_main, entries))
     return found
 
