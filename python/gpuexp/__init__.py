@@ -147,10 +147,8 @@ def estimate(step, batch_size, *, device=None, limit=None, steps=1):
     whether it fits, a table, ``to_dict()``. Raises ``NoEstimate``, naming the operator, when
     the step can't run under fake tensors: no estimate is made then.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, e.g. estimate(train_step, 64); got {batch_size!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, e.g. estimate(train_step, 64, steps=2); got {steps!r}")
+    experiment.count(batch_size, "batch_size", "estimate(train_step, 64)")
+    experiment.count(steps, "steps", "estimate(train_step, 64, steps=2)")
     limit = experiment.size(limit, "limit")
     return _core.estimate(step, batch_size, memory=_holder_memory(device), limit=limit, steps=steps)
 

@@ -645,6 +645,9 @@ def estimate(
     step: Any, batch_size: int, *, memory: int | None = None, limit: int | None = None, steps: int = 1
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
+def check_step(step: Any, call: str) -> None:
+    """The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
+    `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both."""
 
 # ---- fit: what to change so a step fits ---------------------------------------------------------
 

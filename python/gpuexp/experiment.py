@@ -289,6 +289,14 @@ def size(value, name, *, zero=False):
     raise ValueError(f"{name}={value!r}: write a size such as {name}=\"24GiB\" or a number of bytes{more}")
 
 
+def count(value, name, example):
+    """``value`` when it is a positive int (a batch size, a number of steps), else ValueError
+    naming ``name`` and showing ``example``, a call that passes one."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, e.g. {example}; got {value!r}")
+    return value
+
+
 def _creator_frame():
     """The frame of the code that created the experiment, past the constructors of this class
     and of user subclasses."""

@@ -35,15 +35,13 @@ def fit(step, batch_size, *, limit=None, verify=False, device=None, model=None):
     Returns a ``FitReport`` (tables in text and HTML, ``to_dict()``). Raises ``NoEstimate`` when
     the step itself can't run under fake tensors.
     """
-    if not callable(step):
-        raise TypeError(f"step must be a function of the batch size, e.g. fit(train_step, 64); got {step!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, e.g. fit(train_step, 64); got {batch_size!r}")
+    from . import _holder_memory
+    from .experiment import count, size
+
+    _core.check_step(step, "fit(train_step, 64)")
+    count(batch_size, "batch_size", "fit(train_step, 64)")
     if verify not in (False, True, "checkpoint", "autocast"):
         raise ValueError(f"verify is True, False, 'checkpoint' or 'autocast'; got {verify!r}")
-    from . import _holder_memory
-    from .experiment import size
-
     limit = size(limit, "limit")  # bytes, as estimate takes it
     memory = _holder_memory(device)
     torch = sys.modules.get("torch")

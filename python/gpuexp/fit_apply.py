@@ -14,7 +14,7 @@ import time
 
 from . import _core
 from .devices import device_indices
-from .experiment import size
+from .experiment import count, size
 from .saved_state import RestoreFailed, capture, imported_torch
 from .torch_peaks import watch_torch_peak_resets
 
@@ -200,11 +200,10 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
     GPU only. If restoring fails, ``RestoreFailed`` names what could not be put back.
     """
     torch = imported_torch("verify")
-    if not callable(step):
-        raise TypeError(f"step must be a function of the batch size, e.g. verify(train_step, 64); got {step!r}")
-    for name, value in (("batch_size", batch_size), ("steps", steps), ("repeat", repeat)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    _core.check_step(step, "verify(train_step, 64)")
+    count(batch_size, "batch_size", "verify(train_step, 64)")
+    count(steps, "steps", "verify(train_step, 64, steps=2)")
+    count(repeat, "repeat", "verify(train_step, 64, repeat=3)")
     if not torch.cuda.is_available():
         raise RuntimeError(
             "verify runs the step for real on a GPU and measures torch's CUDA allocator, but torch sees no "

@@ -4,7 +4,7 @@
 import inspect
 
 from .. import _core
-from ..experiment import GPUExperiment, check_name, size
+from ..experiment import GPUExperiment, check_name, count, size
 from ..monitor import seconds
 
 
@@ -63,9 +63,8 @@ def checkpointing(model):
 def settle(callback, name, every_n_steps, experiment):
     """What both callbacks take, checked when the callback is made: the run's name, how often to
     log between epochs, and the ``GPUExperiment`` keywords; no run is open yet."""
-    if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                      or every_n_steps < 1):
-        raise ValueError(f"every_n_steps must be a positive int, e.g. every_n_steps=50; got {every_n_steps!r}")
+    if every_n_steps is not None:
+        count(every_n_steps, "every_n_steps", "every_n_steps=50")
     check_name(name)
     callback.name = name
     callback.every_n_steps = every_n_steps

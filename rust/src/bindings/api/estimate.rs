@@ -156,8 +156,9 @@ fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
     })
 }
 
-/// The one check that `step` is what `estimate` and `find_batch_size` take; `call` shows it
-/// called, e.g. `estimate(train_step, 64)`.
+/// The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
+/// `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both.
+#[pyfunction]
 pub(in crate::bindings) fn check_step(step: &Bound<PyAny>, call: &str) -> PyResult<()> {
     if step.is_callable() {
         return Ok(());
