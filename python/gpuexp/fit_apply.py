@@ -194,8 +194,9 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
     device: the GPU (torch's current one by default). limit: caps torch's allocations while it
         runs (the scope's ``limit``), so that "does it fit 24GiB" is answered for real.
     steps: calls in a row in one run (state carries over within a run). repeat: runs, each
-        from the same restored state; the first warms up and is left out of the time when
-        there are more. The peak is the highest of all runs.
+        from the same restored state; the first warms up and is left out of the time and the
+        peak when there are more (it makes cuBLAS's workspaces, which verify frees first, as a
+        step in a training loop finds them made). The peak is the highest of the others.
     An out-of-memory error ends the runs: ``out_of_memory`` says so, and the state is restored.
     GPU only. If restoring fails, ``RestoreFailed`` names what could not be put back.
     """
@@ -244,14 +245,16 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
                      "something the step made is still referenced (gpuexp.holders() shows what)")
     if interrupted or held:
         raise KeyboardInterrupt("gpuexp held this interrupt until verify had restored the state")
-    kept = times[1:] if len(times) > 1 else times
-    return Verified(label, batch_size, max(peaks) if peaks else None, min(kept) if kept else None,
+    warm_times = times[1:] if len(times) > 1 else times
+    warm_peaks = peaks[1:] if len(peaks) > 1 else peaks
+    return Verified(label, batch_size, max(warm_peaks) if warm_peaks else None,
+                    min(warm_times) if warm_times else None,
                     out_of_memory, leftover, reports[-1], notes)
 
 
 def _allocated_by_tensors(torch, index):
     """torch's allocated bytes on the device without cuBLAS's workspaces. torch makes one per
-    thread and stream the first time a matmul runs there and keeps it (32 to 65 MiB on an H100):
+    thread and stream the first time a matmul runs there and keeps it (32 to 65 MiB on an H200):
     checkpointing's recompute runs the forward's matmuls in autograd's own thread, whose first
     one would otherwise count as memory the step left behind. They are remade when next needed."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
