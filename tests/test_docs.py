@@ -163,3 +163,14 @@ def test_the_api_page_has_every_public_name_each_with_its_text(site):
         page, re.S)]
     assert not empty, f"entries without text on the API page: {empty}"
     assert "_Table" not in page, "the API page names _core.pyi's _Table, which no user can import"
+
+
+def test_the_gpu_suites_four_commands_name_every_gpu_test_file_once():
+    """docs/testing-gpu.md splits `pytest -m gpu` into calls that each fit the device's 10 minutes:
+    a new GPU test file left out of them would never run there."""
+    text = (ROOT / "docs" / "testing-gpu.md").read_text(encoding="utf-8")
+    commands = text.split("## The whole suite within the device's limits", 1)[1]
+    named = re.findall(r"tests/(test_gpu\w*\.py)", commands)
+    files = sorted(path.name for path in (ROOT / "tests").glob("test_gpu*.py"))
+    twice = sorted({n for n in named if named.count(n) > 1})
+    assert sorted(named) == files, f"missing: {set(files) - set(named)}; twice: {twice}"
