@@ -56,7 +56,7 @@ fn finished(fake: &Fake, window: HostWindow<u32>) -> HostFinding {
 
 #[test]
 fn gpuexp_starts_tracemalloc_and_stops_it_after_the_last_experiment() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let fake = Fake { live: Cell::new(100), ..Fake::default() };
     let (first, notes) = open(&fake);
     assert!(notes.is_empty(), "{notes:?}");
@@ -72,7 +72,7 @@ fn gpuexp_starts_tracemalloc_and_stops_it_after_the_last_experiment() {
 
 #[test]
 fn the_users_tracemalloc_is_shared_and_left_running() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let fake = Fake { tracing: Cell::new(true), ..Fake::default() };
     let (window, notes) = open(&fake);
     assert!(notes[0].contains("leaves it running"), "{notes:?}");
@@ -82,7 +82,7 @@ fn the_users_tracemalloc_is_shared_and_left_running() {
 
 #[test]
 fn a_stop_during_the_experiment_leaves_no_table_and_a_restart_is_the_users() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let fake = Fake::default();
     let (window, _) = open(&fake);
     fake.tracing.set(false);
@@ -101,7 +101,7 @@ fn a_stop_during_the_experiment_leaves_no_table_and_a_restart_is_the_users() {
 
 #[test]
 fn an_interrupt_at_finish_ends_only_the_host_table() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let fake = Fake::default();
     let (window, _) = open(&fake);
     fake.interrupt.set(true);

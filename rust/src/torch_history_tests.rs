@@ -60,7 +60,7 @@ impl TorchMemory for Fake {
 
 #[test]
 fn a_traced_experiment_starts_and_stops_the_recording_in_order() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { cuda_initialised: true, ..Fake::default() };
     let (window, notes) = open(&torch);
     assert_eq!(window.unavailable, None);
@@ -75,7 +75,7 @@ fn a_traced_experiment_starts_and_stops_the_recording_in_order() {
 
 #[test]
 fn the_users_recording_is_shared_and_never_stopped() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { cuda_initialised: true, user_recording: true, ..Fake::default() };
     let (window, notes) = open(&torch);
     assert_eq!(window.max_entries, None);
@@ -87,7 +87,7 @@ fn the_users_recording_is_shared_and_never_stopped() {
 
 #[test]
 fn cuda_is_initialised_before_the_recording_starts() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake::default();
     let (_, notes) = open(&torch);
     assert!(notes.iter().any(|n| n.contains("initialised CUDA")), "{notes:?}");
@@ -97,7 +97,7 @@ fn cuda_is_initialised_before_the_recording_starts() {
 
 #[test]
 fn a_failed_start_counts_no_client_and_forgets_the_opening() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { cuda_initialised: true, record_fails: true, ..Fake::default() };
     let (window, _) = open(&torch);
     assert!(window.unavailable.is_some_and(|why| why.contains("did not start recording")));
@@ -107,7 +107,7 @@ fn a_failed_start_counts_no_client_and_forgets_the_opening() {
 
 #[test]
 fn no_torch_says_what_to_trace_instead() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { missing: Some(Missing::Torch), ..Fake::default() };
     let (window, _) = open(&torch);
     assert!(window.unavailable.is_some_and(|why| why.contains("trace=\"host\"")));
@@ -117,7 +117,7 @@ fn no_torch_says_what_to_trace_instead() {
 
 #[test]
 fn unsampled_steps_record_events_and_take_the_hooks_off() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { cuda_initialised: true, ..Fake::default() };
     open(&torch);
     torch.calls();
@@ -131,7 +131,7 @@ fn unsampled_steps_record_events_and_take_the_hooks_off() {
 #[test]
 fn the_flight_recorder_joins_once_without_stacks_and_leaves_once() {
     use crate::recorder::{change_history, HistoryChange};
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::locks::lock(&TURN);
     let torch = Fake { cuda_initialised: true, ..Fake::default() };
     assert_eq!(change_history(&torch, HistoryChange::Join), None);
     assert_eq!(change_history(&torch, HistoryChange::Join), None);

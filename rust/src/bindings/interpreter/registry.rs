@@ -11,7 +11,7 @@ static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registr
 
 /// Never held while Python code runs: teardown can run `__del__` methods that call back in.
 pub(in crate::bindings) fn registry() -> MutexGuard<'static, Registry> {
-    REGISTRY.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    crate::locks::lock(&REGISTRY)
 }
 
 pub(in crate::bindings) fn unknown(id: ScopeId) -> PyErr {
