@@ -290,11 +290,10 @@ def size(value, name, *, zero=False):
 
 
 def count(value, name, example):
-    """``value`` when it is a positive int (a batch size, a number of steps), else ValueError
-    naming ``name`` and showing ``example``, a call that passes one."""
+    """Raises ValueError naming ``name`` and showing ``example`` (a call that passes one) unless
+    ``value`` is a positive int: a batch size, a number of steps."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, e.g. {example}; got {value!r}")
-    return value
 
 
 def _creator_frame():

@@ -245,11 +245,14 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
                      "something the step made is still referenced (gpuexp.holders() shows what)")
     if interrupted or held:
         raise KeyboardInterrupt("gpuexp held this interrupt until verify had restored the state")
-    warm_times = times[1:] if len(times) > 1 else times
-    warm_peaks = peaks[1:] if len(peaks) > 1 else peaks
-    return Verified(label, batch_size, max(warm_peaks) if warm_peaks else None,
-                    min(warm_times) if warm_times else None,
+    peaks, times = _after_warm_up(peaks), _after_warm_up(times)
+    return Verified(label, batch_size, max(peaks) if peaks else None, min(times) if times else None,
                     out_of_memory, leftover, reports[-1], notes)
+
+
+def _after_warm_up(runs):
+    """The runs' figures without the first run's, when there are others."""
+    return runs[1:] if len(runs) > 1 else runs
 
 
 def _allocated_by_tensors(torch, index):
