@@ -20,7 +20,9 @@ impl View {
             for (title, code) in &self.code {
                 apply.push_str(&format!("\n{title}\n"));
                 for line in code.lines() {
-                    apply.push_str(&format!("    {line}\n"));
+                    // A blank line stays blank: no trailing spaces for a pasted block to carry.
+                    let indent = if line.is_empty() { "" } else { "    " };
+                    apply.push_str(&format!("{indent}{line}\n"));
                 }
             }
             parts.push(apply.trim_end().to_string());

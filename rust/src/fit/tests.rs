@@ -147,7 +147,11 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
     assert_eq!(view.grids[1].rows[0], ["layers.0 (Layer)", "200.00 MiB", "100.00 MiB", "8.3%"]);
     assert!(text.contains("the measured peak is +2.0% off the prediction"), "{text}");
     assert!(text.contains("gradient accumulation: no estimate") || text.contains("per-parameter loop: no estimate"));
-    assert!(text.contains("how to apply each:\n1. autocast the step to bfloat16:\n    import torch"), "{text}");
+    assert!(
+        text.contains("how to apply each:\n1. autocast the step to bfloat16:\n    import torch\n\n    with"),
+        "{text}"
+    );
+    assert!(!text.lines().any(|line| line.ends_with(' ')), "no line ends in a space: {text}");
     assert!(text.contains("the largest batch that fits as the step is: about 40"));
     let html = view.to_html();
     assert!(html.contains("<pre>import gpuexp\n\nwith gpuexp.checkpointed(net"), "{html}");
