@@ -6,6 +6,7 @@ option raises its answer."""
 import pytest
 
 from test_fit import TRANSFORMER
+from test_gpu_estimate import RNN
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +58,13 @@ def test_the_finder_says_which_option_raises_its_answer(kernel):
     assert answer is not None and answer < 128
     text = kernel.run("print(result)").text
     assert "hint: to reach 128, gpuexp.fit(step, 128) says: " in text, text
+
+
+def test_a_cudnn_rnn_is_refused_by_name_and_allocates_nothing(kernel):
+    """fit runs its estimates as estimate does: a step on cuDNN's RNN can't run under fake
+    tensors, and fit says so by name, with nothing allocated and no fake left in the layer."""
+    assert "gpuexp.estimate(step, batch_size)" in RNN
+    kernel.run(RNN.replace("gpuexp.estimate(step, batch_size)", "gpuexp.fit(step, batch_size)"))
+    error, moved, fakes = kernel.value("rnn_step('LSTM', 64)")
+    assert error is not None and "nn.LSTM runs on cuDNN (aten._cudnn_rnn)" in error, error
+    assert moved == 0 and fakes == 0, (moved, fakes)
