@@ -1,4 +1,5 @@
 import ctypes
+import signal
 
 import pytest
 
@@ -27,6 +28,12 @@ def nvml_uuids():
     nvml.nvmlShutdown()
     return uuids
 
+
+# A runner started in the background (`cmd &` in a script, nohup) can hand the suite SIGINT
+# ignored, and every process it starts inherits that: their Ctrl-C then does nothing, and the tests
+# that press it fail for the runner's sake. Python's own handler here gives children the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 GPU_UUIDS = nvml_uuids()
 GPU = bool(GPU_UUIDS)
