@@ -106,9 +106,8 @@ def test_all_traces_the_gpu_and_the_host_side_by_side(kernel):
 
 
 def run_interrupting(kernel, source, every_s=0.2, for_s=60):
-    """Runs a cell that prints "go" and then finishes an experiment, pressing the stop button every
-    `every_s` from "go" until the report is shown (a finish's droppable part lies between);
-    returns (reply, text shown)."""
+    """Runs a cell that finishes an experiment and prints "go" where the stop button should land,
+    pressing it every `every_s` from "go" until the report is shown; returns (reply, text shown)."""
     kc, km = kernel.client.kc, kernel.client.km
     msg_id = kc.execute(source)
     shown, pressing, deadline = [], False, time.monotonic() + for_s
@@ -150,22 +149,28 @@ def test_half_a_million_traces_are_compared_in_seconds(kernel):
     assert kernel.value("tracemalloc.is_tracing()") is False
 
 
-PRESSED_IN_FINISH = """\
-import signal
-def pressed(signum, frame):
-    if frame is not None and frame.f_code.co_name == "finish":
-        raise KeyboardInterrupt
-signal.signal(signal.SIGINT, pressed)
+# The comparison reads tracemalloc's traces through `tracemalloc._get_traces`: this cell makes
+# that read wait for the stop button, so the press lands during the comparison however slow the
+# machine (pressing after a "go" printed before finish raced a fast comparison on CI).
+READ_WAITS_FOR_THE_STOP_BUTTON = """\
+import time, tracemalloc
+read_traces = tracemalloc._get_traces
+def read_after_the_press():
+    tracemalloc._get_traces = read_traces
+    print('go', flush=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    return read_traces()
+tracemalloc._get_traces = read_after_the_press
 """
 
 
 def test_the_stop_button_during_the_comparison_drops_the_host_table_only(kernel):
     kernel.run("import tracemalloc, gpuexp")
     kernel.run("exp = gpuexp.CPUExperiment('stopped', trace='host')")
-    kernel.run("words = [str(i) for i in range(1_500_000)]")
-    # Jupyter's interrupts are real SIGINTs; this handler ignores those that come before
-    # the cell reaches finish (its "go" races them), as a person would not press so early.
-    reply, shown = run_interrupting(kernel, PRESSED_IN_FINISH + "print('go', flush=True)\nexp.finish()")
+    kernel.run("words = [str(i) for i in range(100_000)]")
+    reply, shown = run_interrupting(kernel, READ_WAITS_FOR_THE_STOP_BUTTON + "exp.finish()")
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
     assert "stopped · finished" in shown, shown
     report = kernel.value("exp.data.to_dict()")
