@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{keys, plural_ranks, Backoff, RankStore};
+use super::gather::Backoff;
+use super::{keys, plural_ranks, RankStore};
 
 /// Every rank's answer and the one they agree on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

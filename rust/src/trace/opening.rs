@@ -10,7 +10,8 @@
 //!   buffer's cap, and torch's own `max_memory_allocated` over it on each GPU (the true peak
 //!   the replay must meet).
 //!
-//! The key's types are the parsed snapshot's (`parse.rs`); what they tell the replay is here.
+//! The key's types are the parsed snapshot's (`parse/`, read by `parse/gpuexp_key.rs`); what they
+//! tell the replay is here.
 
 use super::parse::{Gpuexp, Segment};
 
