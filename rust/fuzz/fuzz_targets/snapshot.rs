@@ -2,9 +2,8 @@
 //! abort, a stack overflow, or memory and time past libFuzzer's limits (`make fuzz` sets them).
 #![no_main]
 
-use gpuexp_core::trace::Snapshot;
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|bytes: &[u8]| {
-    let _ = Snapshot::from_pickle(bytes);
-});
+include!("read_any_bytes.rs");
+
+fuzz_target!(|bytes: &[u8]| read_any_bytes(bytes));
