@@ -1,6 +1,7 @@
 //! Torch's allocation-history snapshot (`torch.cuda.memory._snapshot()`, pickled) read into typed
-//! structs; unknown keys are ignored and missing ones read as 0 or empty. Many events share a stack, so each distinct frame and stack is stored once and events
-//! carry a `StackId`: a million events cost a few dozen bytes each, not a copy of their stack.
+//! structs; unknown keys are ignored and missing ones read as 0 or empty. Many events share a
+//! stack, so each distinct frame and stack is stored once and events carry a `StackId`: a
+//! million events cost a few dozen bytes each, not a copy of their stack.
 //!
 //! - `stacks`: the strings, frames and stacks stored once;
 //! - `builder`: the reader's hook that builds events and stacks as the pickle is read;
