@@ -35,14 +35,16 @@ def thread_frames() -> tuple[int, list[tuple[int, str, list[tuple[str | None, An
         frames = []
         frame = top
         while frame is not None:
-            frames.append((_text(frame.f_code.co_filename), frame))
+            frames.append((text_of(frame.f_code.co_filename), frame))
             frame = frame.f_back
         threads.append((ident, names.get(ident, str(ident)), frames))
     return current, threads
 
 
-def _text(value: object) -> str | None:
-    # `str.__str__`, not `str()`: a subclass's own `__str__` is the user's code, and may raise.
+def text_of(value: object) -> str | None:
+    """A string's text read without running the user's code (a namespace key, a file name): a
+    ``str`` subclass may define ``__hash__``, ``__eq__`` or ``__str__`` to raise, so it is read
+    with ``str.__str__``. None for a value that is no string."""
     return str.__str__(value) if isinstance(value, str) else None
 
 
@@ -61,8 +63,8 @@ def module_globals() -> list[tuple[str, str | None, bool, list[tuple[str, Any]]]
             continue
         # Not `vars(module)`: a lazy module's own `__getattribute__` would import it.
         globals_ = object.__getattribute__(module, "__dict__")
-        entries = [(text, value) for key, value in globals_.items() if (text := _text(key)) is not None]
-        found.append((name, _text(globals_.get("__file__")), is_main, entries))
+        entries = [(text, value) for key, value in globals_.items() if (text := text_of(key)) is not None]
+        found.append((name, text_of(globals_.get("__file__")), is_main, entries))
     return found
 
 
@@ -101,7 +103,7 @@ def suspended_frames(suspended: list[Any]) -> list[tuple[str | None, str | None,
             continue
         if frame is None or running:
             continue
-        found.append((_text(frame.f_code.co_filename), tasks.get(id(thing)), what, frame))
+        found.append((text_of(frame.f_code.co_filename), tasks.get(id(thing)), what, frame))
     return found
 
 

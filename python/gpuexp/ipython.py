@@ -16,6 +16,7 @@ import traceback
 import types
 
 from . import _core
+from .hunt_roots import text_of
 
 _EXPERIMENT_CLASSES = {"GPUExperiment", "CPUExperiment"}
 
@@ -195,16 +196,9 @@ class ShellNamespace(_Namespace):
         return cleared
 
 
-def _key_text(key):
-    """A namespace key's text, read without running the user's code: a ``str`` subclass may
-    define ``__hash__``, ``__eq__`` or ``__str__`` to raise, and one that does must not break the
-    hook that reads the namespace. None for a key that is no string."""
-    return str.__str__(key) if isinstance(key, str) else None
-
-
 def _is_output_name(name):
     """``_``, ``__``, ``___`` and ``_N``: where IPython's display hook keeps results."""
-    name = _key_text(name)
+    name = text_of(name)
     if name is None:
         return False
     return name in ("_", "__", "___") or (name[:1] == "_" and name[1:].isascii() and name[1:].isdigit())
@@ -367,7 +361,7 @@ def in_sight(experiments, namespace):
     found = set()
     system = set(namespace.system_names())
     level = [value for name, value in list(namespace.namespace.items())
-             if (text := _key_text(name)) is not None and text not in system and not _is_output_name(text)]
+             if (text := text_of(name)) is not None and text not in system and not _is_output_name(text)]
     followed = set()
     budget = _SIGHT_BUDGET
     for depth in range(3):
