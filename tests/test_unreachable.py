@@ -7,11 +7,14 @@ import subprocess
 import sys
 import textwrap
 
+# The collector runs only where a test calls it (or a teardown does): an automatic collection,
+# whose moment depends on what the kernel happened to allocate, once found the cycle a cell early.
 SETUP = """\
 import gc, threading
 import numpy as np
 import gpuexp
 from gpuexp import GPUExperiment
+gc.disable()
 """
 
 RUNNER = """\
