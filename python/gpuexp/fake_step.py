@@ -54,6 +54,10 @@ class Fakes:
             self.restore()
             raise
         self._forget_conversions()
+        # Tied weights are found while swapping; kept past it, this map would keep each fake
+        # gradient alive after the step's `zero_grad(set_to_none=True)` drops it, and a step
+        # that starts by freeing the last step's gradients would be estimated as if it did not.
+        self._by_real.clear()
 
     def _swap_owners(self, owners):
         module = self._torch.nn.Module
@@ -189,8 +193,8 @@ class Fakes:
         self._optimizers.append((optimizer, real_state, groups))
 
     def _forget_conversions(self):
-        """The converter remembers each real tensor's fake; forgetting lets a fake gradient that
-        the step sets to None be freed, as the real one would be."""
+        """The converter remembers each real tensor's fake; forgetting (with ``_by_real``) lets a
+        fake gradient that the step sets to None be freed, as the real one would be."""
         converter = getattr(self.mode, "fake_tensor_converter", None)
         meta = getattr(converter, "meta_converter", None)
         for owner, memo in ((converter, "tensor_memo"), (meta, "tensor_memo"), (meta, "storage_memo")):
