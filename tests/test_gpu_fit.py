@@ -33,6 +33,10 @@ def test_the_checkpointing_plan_makes_a_step_that_ran_out_of_memory_fit_in_a_rea
     assert abs(recompute - predicted) <= 0.25 * recompute, verified
     text = kernel.run("print(found)").text
     assert "verified: activation checkpointing in one real step" in text, text
+    if verified["widened"] is not None:  # the first plan's real step ran out through fragmentation
+        assert verified["widened"]["stranded"] > 0, verified
+        assert set(verified["widened"]["paths"]) < set(verified["paths"]), verified
+        assert "fit widened it to save that much more" in text, text
 
 
 def test_fit_allocates_nothing_and_leaves_the_model_as_it_was(kernel):

@@ -52,13 +52,10 @@ def fit(step, batch_size, *, limit=None, verify=False, device=None, model=None):
                          "fit(..., verify=False)")
     started = time.perf_counter()
     reached = _Reached(step, torch, model)
-    rng = _rng_states(torch)
-    try:
-        found = _Gathered(step, batch_size, memory, limit, reached, torch).gather()
-    finally:
-        _restore_rng(torch, rng)
+    gathered = _Gathered(step, batch_size, memory, limit, reached, torch)
+    found = gathered.under_own_rng(gathered.gather)
     if verify:
-        found["verified"] = _verify(step, batch_size, memory, limit, reached, found, verify)
+        found["verified"] = _verify(step, batch_size, memory, limit, reached, gathered, verify)
     found["seconds"] = time.perf_counter() - started
     return _core.fit_report(json.dumps(found))
 
@@ -92,6 +89,14 @@ class _Gathered:
                "gradients_at_peak": estimated["categories"]["gradients"], **fields}
         self.found["runs"].append(run)
         return run
+
+    def under_own_rng(self, call, *args):
+        """``call(*args)`` with torch's RNG put back after it: fake steps draw from it too."""
+        rng = _rng_states(self.torch)
+        try:
+            return call(*args)
+        finally:
+            _restore_rng(self.torch, rng)
 
     def gather(self):
         torch, model = self.torch, self.reached.model
@@ -147,6 +152,23 @@ class _Gathered:
         if wider["paths"] != plan["paths"]:
             self.found["runs"].remove(run)
             self.run("checkpoint", _checkpointing(self.step, checkpointed, model, wider["paths"]), paths=wider["paths"])
+
+    def widen_checkpointing(self, stranded):
+        """After the plan's real step ran out of memory with ``stranded`` bytes reserved but
+        unallocated (fragmentation, which fake tensors can't see): the core's plan that saves that
+        much more, estimated in place of the plan. Whether there was a wider one."""
+        from .fit_apply import checkpointed
+
+        run = next(r for r in self.found["runs"] if r["option"] == "checkpoint")
+        budget = _budget(self.found)
+        short = 0 if budget is None or run["peak"] is None else max(run["peak"] - budget, 0)
+        wider = _core.fit_checkpoint_plan(json.dumps(self.found), short + stranded)
+        if not wider["paths"] or set(wider["paths"]) <= set(run["paths"]):
+            return False
+        self.found["runs"].remove(run)
+        model = self.reached.model
+        self.run("checkpoint", _checkpointing(self.step, checkpointed, model, wider["paths"]), paths=wider["paths"])
+        return True
 
     def autocast(self):
         dtype = self.reached.model_seen()["dtype"] if self.reached.model is not None else "float32"
@@ -436,24 +458,27 @@ def _last_oom_cached():
     return None if reserved is None or allocated is None else max(reserved - allocated, 0)
 
 
-def _verify(step, batch_size, memory, limit, reached, found, which):
-    """The chosen option for one real step, next to the step as it is (``fit_apply.verify``)."""
+def _verify(step, batch_size, memory, limit, reached, gathered, which):
+    """The chosen option for one real step, next to the step as it is (``fit_apply.verify``).
+    A checkpointing plan whose step runs out of memory with bytes stranded by fragmentation is
+    widened once by them (``_Gathered.widen_checkpointing``), and the wider plan is what runs."""
     from .fit_apply import verify
 
-    report = json.loads(_core.fit_report(json.dumps({**found, "seconds": 0})).to_json())
+    found = gathered.found
     kinds = ("checkpoint", "autocast") if which is True else (which,)
-    options = [o for o in report["options"] if o["option"] in kinds and o["peak"] is not None]
-    chosen = next((o for o in options if o["fits"]), options[0] if options else None)
+    chosen = _chosen(found, kinds)
     if chosen is None:
         found["notes"].append(f"verify: no {' or '.join(kinds)} option was estimated, so none ran")
         return None
     state = dict(modules=reached.modules, optimizers=reached.optimizers, scalers=reached.scalers, device=memory)
     as_is = verify(step, batch_size, "as_is", **state)
-    if chosen["option"] == "checkpoint":
-        option = {"kind": "checkpoint", "model": reached.model, "paths": chosen["paths"]}
-    else:
-        option = {"kind": "autocast", "dtype": "bfloat16"}
-    measured = verify(step, batch_size, option, limit=limit, **state)
+    measured, widened = _verify_option(verify, step, batch_size, limit, reached, chosen, state), None
+    if chosen["option"] == "checkpoint" and measured.out_of_memory and measured.stranded:
+        first = chosen
+        if gathered.under_own_rng(gathered.widen_checkpointing, measured.stranded):
+            chosen = _chosen(found, ("checkpoint",)) or first
+            widened = {"paths": first["paths"], "stranded": measured.stranded}
+            measured = _verify_option(verify, step, batch_size, limit, reached, chosen, state)
     baseline = None if as_is.out_of_memory else as_is.seconds
     share = chosen.get("recompute_share")
     predicted_seconds = baseline * (1 + share) if baseline is not None and share is not None else None
@@ -461,4 +486,20 @@ def _verify(step, batch_size, memory, limit, reached, found, which):
     return {"option": chosen["option"], "predicted_peak": chosen["peak"], "measured_peak": measured.peak or 0,
             "baseline_peak": None if as_is.out_of_memory else as_is.peak, "seconds": measured.seconds,
             "baseline_seconds": baseline, "predicted_seconds": predicted_seconds,
-            "error": measured.out_of_memory}
+            "error": measured.out_of_memory, "stranded": measured.stranded, "paths": chosen.get("paths", []),
+            "widened": widened}
+
+
+def _chosen(found, kinds):
+    """The best option of ``kinds`` the core ranks, one that fits first; None where none was estimated."""
+    report = json.loads(_core.fit_report(json.dumps({**found, "seconds": 0})).to_json())
+    options = [o for o in report["options"] if o["option"] in kinds and o["peak"] is not None]
+    return next((o for o in options if o["fits"]), options[0] if options else None)
+
+
+def _verify_option(verify, step, batch_size, limit, reached, chosen, state):
+    if chosen["option"] == "checkpoint":
+        option = {"kind": "checkpoint", "model": reached.model, "paths": chosen["paths"]}
+    else:
+        option = {"kind": "autocast", "dtype": "bfloat16"}
+    return verify(step, batch_size, option, limit=limit, **state)

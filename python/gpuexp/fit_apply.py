@@ -161,17 +161,20 @@ def _recomputing(torch, module):
 
 class Verified:
     """What one option did in a real step: ``peak`` (bytes of torch allocated above the start),
-    ``seconds`` (one step's time), ``out_of_memory`` (None, or torch's message), ``leftover``
-    (bytes still allocated after everything was restored, cuBLAS's workspaces aside: 0 expected),
-    ``report`` (the scope's)."""
+    ``seconds`` (one step's time), ``out_of_memory`` (None, or torch's message), ``stranded``
+    (with it: the bytes torch held reserved but unallocated as it ran out, which fragmentation
+    strands and no estimate sees), ``leftover`` (bytes still allocated after everything was
+    restored, cuBLAS's workspaces aside: 0 expected), ``report`` (the scope's)."""
 
-    def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes):
+    def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes, stranded=None):
         self.option, self.batch_size, self.peak, self.seconds = option, batch_size, peak, seconds
         self.out_of_memory, self.leftover, self.report, self.notes = out_of_memory, leftover, report, notes
+        self.stranded = stranded
 
     def to_dict(self):
         return {"option": self.option, "batch_size": self.batch_size, "peak": self.peak, "seconds": self.seconds,
-                "out_of_memory": self.out_of_memory, "leftover": self.leftover, "notes": list(self.notes)}
+                "out_of_memory": self.out_of_memory, "stranded": self.stranded, "leftover": self.leftover,
+                "notes": list(self.notes)}
 
     def __repr__(self):
         if self.out_of_memory:
@@ -225,12 +228,12 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
         raise
     watch_torch_peak_resets()
     before = _allocated_by_tensors(torch, index)
-    peaks, times, out_of_memory, notes = [], [], None, []
+    peaks, times, out_of_memory, stranded, notes = [], [], None, None, []
     try:
         for run in range(repeat):
             state = state if run == 0 else capture(**saved)
             try:
-                out_of_memory = _run(torch, index, step, batch_size, steps, applied, peaks, times)
+                out_of_memory, stranded = _run(torch, index, step, batch_size, steps, applied, peaks, times)
             finally:
                 state.restore()
             if out_of_memory:
@@ -247,7 +250,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
         raise KeyboardInterrupt("gpuexp held this interrupt until verify had restored the state")
     peaks, times = _after_warm_up(peaks), _after_warm_up(times)
     return Verified(label, batch_size, max(peaks) if peaks else None, min(times) if times else None,
-                    out_of_memory, leftover, reports[-1], notes)
+                    out_of_memory, leftover, reports[-1], notes, stranded)
 
 
 def _after_warm_up(runs):
@@ -268,7 +271,8 @@ def _allocated_by_tensors(torch, index):
 
 
 def _run(torch, index, step, batch_size, steps, applied, peaks, times):
-    """One run: the peak and the time, or the out-of-memory message (the frames it held dropped)."""
+    """One run: the peak and the time, or the out-of-memory message (the frames it held dropped)
+    with the bytes reserved but unallocated as it ran out. Returns that pair, or (None, None)."""
     torch.cuda.synchronize(index)
     torch.cuda.reset_peak_memory_stats(index)
     start = torch.cuda.memory_allocated(index)
@@ -280,12 +284,14 @@ def _run(torch, index, step, batch_size, steps, applied, peaks, times):
         torch.cuda.synchronize(index)
     except torch.cuda.OutOfMemoryError as error:
         message = str(error)
+        # Read while the error's frames still hold the step's tensors, as torch gave up.
+        stranded = max(torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index), 0)
         error.__traceback__ = None  # its frames hold the step's tensors
         peaks.append(torch.cuda.max_memory_allocated(index) - start)
-        return message
+        return message, stranded
     times.append((time.perf_counter() - began) / steps)
     peaks.append(torch.cuda.max_memory_allocated(index) - start)
-    return None
+    return None, None
 
 
 def _option(torch, option):

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::estimate::{Categories, Rounding};
 pub use blocks::{Block, ModuleSeen, Plan, Save};
-pub use options::{accumulation, Accumulation, Choice, Verified};
+pub use options::{accumulation, Accumulation, Choice, Verified, Widened};
 
 /// One answer of an estimate to "does it fit?", as `Estimate.to_dict()` has it.
 #[derive(Clone, Debug, Deserialize)]

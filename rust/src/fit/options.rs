@@ -49,6 +49,24 @@ pub struct Verified {
     pub predicted_seconds: Option<f64>,
     /// What went wrong: an out-of-memory error of the real step, say.
     pub error: Option<String>,
+    /// With an out-of-memory error: the bytes torch held reserved but unallocated as it ran
+    /// out, which fragmentation strands and fake tensors can't see.
+    #[serde(default)]
+    pub stranded: Option<u64>,
+    /// The checkpointed blocks that ran (checkpointing).
+    #[serde(default)]
+    pub paths: Vec<String>,
+    /// The plan that ran out of memory first, where fit then widened it by what it stranded.
+    #[serde(default)]
+    pub widened: Option<Widened>,
+}
+
+/// A checkpointing plan whose real step ran out of memory through fragmentation, and that fit
+/// widened by the bytes it stranded.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+pub struct Widened {
+    pub paths: Vec<String>,
+    pub stranded: u64,
 }
 
 /// The line through the step's estimates at bs/2 and bs: (intercept, bytes per sample).

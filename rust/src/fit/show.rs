@@ -219,8 +219,26 @@ fn verified_grid(verified: &super::Verified) -> Grid {
     let error =
         (verified.measured_peak as f64 - verified.predicted_peak as f64) / verified.predicted_peak.max(1) as f64;
     let mut lines = vec![format!("the measured peak is {:+.1}% off the prediction", error * 100.0)];
+    if let Some(first) = &verified.widened {
+        lines.push(format!(
+            "the first plan ({} block{}) ran out of memory in its real step with {} reserved but unallocated \
+             (fragmentation, which fake tensors can't see): fit widened it to save that much more, and this \
+             is the wider plan",
+            first.paths.len(),
+            if first.paths.len() == 1 { "" } else { "s" },
+            bytes(first.stranded)
+        ));
+    }
     if let Some(failed) = &verified.error {
         lines.push(format!("the real step failed: {failed}"));
+        if let Some(stranded) = verified.stranded.filter(|s| *s > 0) {
+            lines.push(format!(
+                "{} was reserved but unallocated as it ran out: fragmentation. \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts (a new kernel), \
+                 may be the fix",
+                bytes(stranded)
+            ));
+        }
     }
     Grid {
         title: format!("verified: {} in one real step", verified.option.label()),

@@ -134,6 +134,9 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
         baseline_seconds: Some(0.15),
         predicted_seconds: Some(0.19),
         error: None,
+        stranded: None,
+        paths: vec!["layers.0".into()],
+        widened: None,
     });
     let report = FitReport::new(&input);
     let view = report.view();
@@ -173,4 +176,37 @@ fn a_step_that_fits_says_so_and_offers_no_smaller_batch() {
     assert!(report.verdict().contains("it fits the budget of 8.00 GiB (free memory)"), "{}", report.verdict());
     assert!(report.options.is_empty());
     assert!(report.hints.is_empty());
+}
+
+#[test]
+fn a_plan_widened_after_fragmentation_and_a_step_that_still_ran_out_say_what_was_stranded() {
+    let verified = |error: Option<&str>, stranded: Option<u64>| Verified {
+        option: Choice::Checkpoint,
+        predicted_peak: 900 * MIB,
+        measured_peak: 880 * MIB,
+        baseline_peak: Some(1330 * MIB),
+        seconds: Some(0.2),
+        baseline_seconds: Some(0.15),
+        predicted_seconds: Some(0.19),
+        error: error.map(String::from),
+        stranded,
+        paths: vec!["layers.0".into(), "layers.1".into()],
+        widened: Some(Widened { paths: vec!["layers.0".into()], stranded: 551 * MIB }),
+    };
+    let mut input = with_runs();
+    input.verified = Some(verified(None, None));
+    let text = FitReport::new(&input).view().to_text();
+    assert!(
+        text.contains("the first plan (1 block) ran out of memory in its real step with 551.00 MiB reserved"),
+        "{text}"
+    );
+    assert!(!text.contains("reserved but unallocated as it ran out"), "{text}");
+    input.verified = Some(verified(Some("CUDA out of memory"), Some(300 * MIB)));
+    let report = FitReport::new(&input);
+    let text = report.view().to_text();
+    assert!(text.contains("the real step failed: CUDA out of memory"), "{text}");
+    assert!(text.contains("300.00 MiB was reserved but unallocated as it ran out: fragmentation"), "{text}");
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["verified"]["widened"]["stranded"], 551 * MIB);
+    assert_eq!(json["verified"]["paths"][1], "layers.1");
 }
