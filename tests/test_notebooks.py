@@ -91,7 +91,7 @@ def test_fit_notebook_says_what_to_change_here_and_checks_it_on_a_gpu():
     assert "with checkpointed(model, [" in out or "gpuexp.checkpointed(model, [" in out, out[-3000:]
     assert "blocks." in out
     if GPU:
-        assert "everything as it was: True | allocated as before: True" in out, out[-3000:]
+        assert "everything as it was: True | nothing left allocated: True" in out, out[-3000:]
         assert "gpuexp · bs=64 checkpointed · finished" in out
     else:
         assert out.splitlines().count("skipped: this cell needs a CUDA GPU") == 2
