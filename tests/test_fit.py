@@ -109,6 +109,39 @@ def test_fit_takes_no_longer_than_eight_estimates(kernel):
     assert seconds <= 8 * one, (seconds, one)
 
 
+def test_the_optimizers_loop_is_estimated_only_where_the_step_peaks_in_the_optimizer(kernel):
+    kernel.run(
+        "import torch, gpuexp\n"
+        "net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])\n"
+        "opt = torch.optim.AdamW(net.parameters(), foreach=True)\n"
+        "def step(bs):\n"
+        "    opt.zero_grad(set_to_none=True)\n"
+        "    net(torch.randn(bs, 512)).sum().backward()\n"
+        "    opt.step()\n"
+        "step(2)\n"
+        "def fitted(bs):\n"
+        "    report = gpuexp.fit(step, bs, limit=1 << 20).to_dict()\n"
+        "    loop = next(o['peak'] for o in report['options'] if o['option'] == 'foreach_off')\n"
+        "    return report['estimates'], report['peak'], loop\n"
+        "def estimated_without_foreach(bs):\n"
+        "    for group in opt.param_groups:\n"
+        "        group['foreach'] = False\n"
+        "    try:\n"
+        "        return gpuexp.estimate(step, bs).peak\n"
+        "    finally:\n"
+        "        for group in opt.param_groups:\n"
+        "            group['foreach'] = True"
+    )
+    # Large activations peak in the backward pass: the loop's peak is the step's, unestimated.
+    assert kernel.value("gpuexp.estimate(step, 4096).to_dict()['peak_phase']") == "backward"
+    estimates, peak, loop = kernel.value("fitted(4096)")
+    assert loop == peak == kernel.value("estimated_without_foreach(4096)")
+    # Small ones peak in the optimizer's step, whose foreach temporaries the loop takes away.
+    assert kernel.value("gpuexp.estimate(step, 4).to_dict()['peak_phase']") == "optimizer"
+    more, peak, loop = kernel.value("fitted(4)")
+    assert more == estimates + 1 and loop == kernel.value("estimated_without_foreach(4)") < peak
+
+
 def test_a_bfloat16_model_gets_no_autocast_and_a_step_that_fits_says_so(kernel):
     kernel.run(
         "import torch, gpuexp\n"

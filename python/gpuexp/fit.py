@@ -72,7 +72,7 @@ class _Gathered:
     def __init__(self, step, batch_size, memory, limit, reached, torch):
         self.step, self.batch_size, self.memory, self.limit = step, batch_size, memory, limit
         self.reached, self.torch = reached, torch
-        self.found = {}
+        self.found, self.peak_phase = {}, None
 
     def estimate(self, step, batch_size):
         self.found["estimates"] += 1
@@ -109,7 +109,7 @@ class _Gathered:
                 f"{error}; fit predicts every option from this estimate, so it can't offer any: "
                 "find_batch_size(step, estimate=False) finds the batch that fits by real trials"
             ) from error
-        found = self.found
+        found, self.peak_phase = self.found, base["peak_phase"]
         found.update(
             batch_size=self.batch_size, device=base["device"], now=base["now"], fits=base["fits"],
             peak=base["peak"], categories=base["categories"], notes=list(base["notes"]),
@@ -192,6 +192,12 @@ class _Gathered:
     def foreach_off(self):
         optimizer = self.reached.optimizer
         if optimizer is None or not self.reached.optimizer_seen()["foreach"]:
+            return
+        if self.peak_phase != "optimizer":
+            # foreach=False changes only the optimizer's step, and the step peaks outside it: the
+            # option's peak is the step's own, exactly, with no estimate of its own.
+            self.found["runs"].append({"option": "foreach_off", "peak": self.found["peak"],
+                                       "gradients_at_peak": self.found["categories"]["gradients"]})
             return
         groups = [(group, group.get("foreach")) for group in optimizer.param_groups]
         try:

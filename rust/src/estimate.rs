@@ -62,7 +62,8 @@ impl Category {
 }
 
 /// Which part of a step is running.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Phase {
     Forward,
     Backward,
@@ -132,6 +133,8 @@ pub struct Ledger {
     live: i64,
     peak: i64,
     peak_at: u64,
+    /// The phase running when the peak was first reached.
+    peak_phase: Phase,
     phase: Phase,
     backward_starts: Vec<u64>,
     ops: u64,
@@ -147,6 +150,9 @@ pub struct Peak {
     /// Bytes of the tensors that existed before the step (parameters, gradients, buffers, state).
     pub existing: u64,
     pub ops: u64,
+    /// Where in the step the peak falls: an option that changes only the optimizer's step
+    /// can't move a peak outside it.
+    pub phase: Phase,
 }
 
 impl Ledger {
@@ -158,6 +164,7 @@ impl Ledger {
             live: 0,
             peak: 0,
             peak_at: 0,
+            peak_phase: Phase::Forward,
             phase: Phase::Forward,
             backward_starts: Vec::new(),
             ops: 0,
@@ -236,6 +243,7 @@ impl Ledger {
         if self.live > self.peak {
             self.peak = self.live;
             self.peak_at = self.clock;
+            self.peak_phase = self.phase;
         }
     }
 
@@ -268,7 +276,7 @@ impl Ledger {
             }
         }
         let existing = self.records.iter().filter(|r| matches!(r.origin, Existing(_))).map(|r| r.bytes).sum();
-        Peak { above_start: self.peak.max(0) as u64, categories, existing, ops: self.ops }
+        Peak { above_start: self.peak.max(0) as u64, categories, existing, ops: self.ops, phase: self.peak_phase }
     }
 }
 
@@ -358,6 +366,8 @@ pub struct Estimate {
     pub categories: Categories,
     /// Bytes of the step's parameters, gradients, buffers and optimizer state that exist now.
     pub existing: u64,
+    /// The part of the step the peak falls in: forward, backward or optimizer.
+    pub peak_phase: Phase,
     pub now: u64,
     pub fits: Vec<Fit>,
     /// Operators the step ran under fake tensors.
@@ -394,6 +404,7 @@ impl Estimate {
             peak: peak.above_start,
             categories: peak.categories,
             existing: peak.existing,
+            peak_phase: peak.phase,
             now: room.now,
             fits,
             ops: peak.ops,

@@ -166,3 +166,20 @@ fn the_table_lists_each_category_and_the_answers() {
     keys.sort();
     assert_eq!(keys, ["activations", "buffers", "gradients", "optimizer_state", "parameters", "temporaries"]);
 }
+
+#[test]
+fn the_peak_says_which_phase_it_fell_in() {
+    let mut ledger = Ledger::new(Rounding::Exact);
+    let activation = ledger.made(300);
+    ledger.enter(Phase::Backward);
+    let gradient = ledger.made(200);
+    ledger.freed(activation);
+    ledger.enter(Phase::Optimizer);
+    let temporary = ledger.made(100);
+    ledger.freed(temporary);
+    assert_eq!(ledger.peak().phase, Phase::Backward, "500 in backward; the optimizer reached 300");
+    let larger = ledger.made(400);
+    ledger.freed(larger);
+    assert_eq!((ledger.peak().above_start, ledger.peak().phase), (600, Phase::Optimizer));
+    let _ = gradient;
+}
