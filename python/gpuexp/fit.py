@@ -165,9 +165,14 @@ class _Gathered:
         wider = _core.fit_checkpoint_plan(json.dumps(self.found), short + stranded)
         if not wider["paths"] or set(wider["paths"]) <= set(run["paths"]):
             return False
-        self.found["runs"].remove(run)
+        runs = self.found["runs"]
+        runs.remove(run)
         model = self.reached.model
-        self.run("checkpoint", _checkpointing(self.step, checkpointed, model, wider["paths"]), paths=wider["paths"])
+        if self.run("checkpoint", _checkpointing(self.step, checkpointed, model, wider["paths"]),
+                    paths=wider["paths"]) is None:
+            # No estimate of the wider plan (its refusal is in the last run): the plan stays.
+            runs[-1] = run
+            return False
         return True
 
     def autocast(self):
@@ -482,7 +487,7 @@ def _verify(step, batch_size, memory, limit, reached, gathered, which):
     if chosen["option"] == "checkpoint" and measured.out_of_memory and measured.stranded:
         first = chosen
         if gathered.under_own_rng(gathered.widen_checkpointing, measured.stranded):
-            chosen = _chosen(found, ("checkpoint",)) or first
+            chosen = _chosen(found, ("checkpoint",))
             widened = {"paths": first["paths"], "stranded": measured.stranded}
             measured = _verify_option(verify, step, batch_size, limit, reached, chosen, state)
     baseline = None if as_is.out_of_memory else as_is.seconds
