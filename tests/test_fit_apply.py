@@ -191,6 +191,11 @@ def test_verify_without_a_gpu_says_why(kernel):
                         expect_error=True)
     assert failed.error.startswith("RuntimeError: verify runs the step for real on a GPU"), failed.error
     assert "torch.cuda.is_available() is False" in failed.error
+    # A bad list of modules to time fails first, naming the fix.
+    failed = kernel.run("gpuexp.fit_apply.verify(step, 8, time_forwards=model)", expect_error=True)
+    assert failed.error.startswith("TypeError: time_forwards is (model, ['layers.0', ...])"), failed.error
+    failed = kernel.run("gpuexp.fit_apply.verify(step, 8, time_forwards=(model, ['nope']))", expect_error=True)
+    assert failed.error.startswith("ValueError:") and "has no submodule 'nope'" in failed.error, failed.error
 
 
 def test_without_torch_they_say_to_import_it(kernel):

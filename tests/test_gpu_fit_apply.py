@@ -61,9 +61,16 @@ allocated = allocated_now()
 
 def test_checkpointing_lowers_the_measured_peak_and_every_piece_of_state_comes_back(kernel):
     kernel.run(SETUP)
-    kernel.run("plain = verify(step, 16, 'as_is', **state)\nchecked = verify(step, 16, blocks, **state)")
+    kernel.run("plain = verify(step, 16, 'as_is', time_forwards=(model, blocks['paths']), **state)\n"
+               "checked = verify(step, 16, blocks, **state)")
     plain, checked = kernel.value("[plain.to_dict(), checked.to_dict()]")
     assert plain["out_of_memory"] is None and checked["out_of_memory"] is None
+    # The blocks' forwards, timed in one more run: each took GPU time, all of them less than the step.
+    forwards = plain["forward_seconds"]
+    assert list(forwards) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"], forwards
+    assert all(seconds > 0 for seconds in forwards.values()), forwards
+    assert sum(forwards.values()) < plain["seconds"], (forwards, plain)
+    assert checked["forward_seconds"] is None
     assert checked["peak"] < 0.8 * plain["peak"], (plain, checked)
     assert checked["option"] == "checkpoint blocks.0, blocks.1, blocks.2, blocks.3"
     assert plain["seconds"] > 0 and checked["seconds"] > 0

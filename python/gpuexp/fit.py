@@ -470,7 +470,8 @@ def _last_oom_cached():
 
 
 def _verify(step, batch_size, memory, limit, reached, gathered, which):
-    """The chosen option for one real step, next to the step as it is (``fit_apply.verify``).
+    """The chosen option for one real step, then the step as it is (``fit_apply.verify``), with
+    the checkpointed blocks' forwards timed in it for the core's prediction of the recompute.
     A checkpointing plan whose step runs out of memory with bytes stranded by fragmentation is
     widened once by them (``_Gathered.widen_checkpointing``), and the wider plan is what runs."""
     from .fit_apply import verify
@@ -482,7 +483,6 @@ def _verify(step, batch_size, memory, limit, reached, gathered, which):
         found["notes"].append(f"verify: no {' or '.join(kinds)} option was estimated, so none ran")
         return None
     state = dict(modules=reached.modules, optimizers=reached.optimizers, scalers=reached.scalers, device=memory)
-    as_is = verify(step, batch_size, "as_is", **state)
     measured, widened = _verify_option(verify, step, batch_size, limit, reached, chosen, state), None
     if chosen["option"] == "checkpoint" and measured.out_of_memory and measured.stranded:
         first = chosen
@@ -490,15 +490,15 @@ def _verify(step, batch_size, memory, limit, reached, gathered, which):
             chosen = _chosen(found, ("checkpoint",))
             widened = {"paths": first["paths"], "stranded": measured.stranded}
             measured = _verify_option(verify, step, batch_size, limit, reached, chosen, state)
-    baseline = None if as_is.out_of_memory else as_is.seconds
-    share = chosen.get("recompute_share")
-    predicted_seconds = baseline * (1 + share) if baseline is not None and share is not None else None
+    # The step as it is, with the checkpointed blocks' forwards timed in it: what their recompute costs.
+    paths = chosen.get("paths", [])
+    as_is = verify(step, batch_size, "as_is", time_forwards=(reached.model, paths) if paths else None, **state)
     found["notes"].extend(f"verify: {note}" for note in [*as_is.notes, *measured.notes])
     return {"option": chosen["option"], "predicted_peak": chosen["peak"], "measured_peak": measured.peak or 0,
             "baseline_peak": None if as_is.out_of_memory else as_is.peak, "seconds": measured.seconds,
-            "baseline_seconds": baseline, "predicted_seconds": predicted_seconds,
-            "error": measured.out_of_memory, "stranded": measured.stranded, "paths": chosen.get("paths", []),
-            "widened": widened}
+            "baseline_seconds": None if as_is.out_of_memory else as_is.seconds,
+            "forward_seconds": as_is.forward_seconds or {}, "error": measured.out_of_memory,
+            "stranded": measured.stranded, "paths": paths, "widened": widened}
 
 
 def _chosen(found, kinds):

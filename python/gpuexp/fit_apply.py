@@ -164,17 +164,20 @@ class Verified:
     ``seconds`` (one step's time), ``out_of_memory`` (None, or torch's message), ``stranded``
     (with it: the bytes torch held reserved but unallocated as it ran out, which fragmentation
     strands and no estimate sees), ``leftover`` (bytes still allocated after everything was
-    restored, cuBLAS's workspaces aside: 0 expected), ``report`` (the scope's)."""
+    restored, cuBLAS's workspaces aside: 0 expected), ``report`` (the scope's), and
+    ``forward_seconds`` (with ``time_forwards``: each named module's forward time in the step to
+    its last save for backward, ``{path: seconds}``; None otherwise)."""
 
-    def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes, stranded=None):
+    def __init__(self, option, batch_size, peak, seconds, out_of_memory, leftover, report, notes, stranded=None,
+                 forward_seconds=None):
         self.option, self.batch_size, self.peak, self.seconds = option, batch_size, peak, seconds
         self.out_of_memory, self.leftover, self.report, self.notes = out_of_memory, leftover, report, notes
-        self.stranded = stranded
+        self.stranded, self.forward_seconds = stranded, forward_seconds
 
     def to_dict(self):
         return {"option": self.option, "batch_size": self.batch_size, "peak": self.peak, "seconds": self.seconds,
                 "out_of_memory": self.out_of_memory, "stranded": self.stranded, "leftover": self.leftover,
-                "notes": list(self.notes)}
+                "forward_seconds": self.forward_seconds, "notes": list(self.notes)}
 
     def __repr__(self):
         if self.out_of_memory:
@@ -185,7 +188,7 @@ class Verified:
 
 
 def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scalers=(), objects=(), device=None,
-           limit=None, steps=1, repeat=2):
+           limit=None, steps=1, repeat=2, time_forwards=None):
     """Runs ``step(batch_size)`` for real with ``option`` applied and measures it; then restores
     the state the step changed. Returns a ``Verified``.
 
@@ -200,6 +203,10 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
         from the same restored state; the first warms up and is left out of the time and the
         peak when there are more (it makes cuBLAS's workspaces, which verify frees first, as a
         step in a training loop finds them made). The peak is the highest of the others.
+    time_forwards: ``(model, ["layers.0", ...])``: one more run after those, with CUDA events as
+        each named module's forward starts and saves tensors for backward, gives
+        ``forward_seconds`` (the GPU time to its last save: what checkpointing it would run again
+        in the backward); that run counts in neither the time nor the peak.
     An out-of-memory error ends the runs: ``out_of_memory`` says so, and the state is restored.
     GPU only. If restoring fails, ``RestoreFailed`` names what could not be put back.
     """
@@ -208,6 +215,7 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
     count(batch_size, "batch_size", "verify(train_step, 64)")
     count(steps, "steps", "verify(train_step, 64, steps=2)")
     count(repeat, "repeat", "verify(train_step, 64, repeat=3)")
+    timed = None if time_forwards is None else _forwards_to_time(time_forwards)
     if not torch.cuda.is_available():
         raise RuntimeError(
             "verify runs the step for real on a GPU and measures torch's CUDA allocator, but torch sees no "
@@ -228,12 +236,15 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
         raise
     watch_torch_peak_resets()
     before = _allocated_by_tensors(torch, index)
-    peaks, times, out_of_memory, stranded, notes = [], [], None, None, []
+    peaks, times, out_of_memory, stranded, notes, forward_seconds = [], [], None, None, [], None
     try:
-        for run in range(repeat):
+        for run in range(repeat + (timed is not None)):
             state = state if run == 0 else capture(**saved)
             try:
-                out_of_memory, stranded = _run(torch, index, step, batch_size, steps, applied, peaks, times)
+                if run < repeat:
+                    out_of_memory, stranded = _run(torch, index, step, batch_size, steps, applied, peaks, times)
+                else:
+                    forward_seconds = _timed_forwards(torch, index, step, batch_size, steps, applied, timed)
             finally:
                 state.restore()
             if out_of_memory:
@@ -250,7 +261,95 @@ def verify(step, batch_size, option="as_is", *, modules=(), optimizers=(), scale
         raise KeyboardInterrupt("gpuexp held this interrupt until verify had restored the state")
     peaks, times = _after_warm_up(peaks), _after_warm_up(times)
     return Verified(label, batch_size, max(peaks) if peaks else None, min(times) if times else None,
-                    out_of_memory, leftover, reports[-1], notes, stranded)
+                    out_of_memory, leftover, reports[-1], notes, stranded, forward_seconds)
+
+
+def _forwards_to_time(time_forwards):
+    """``(model, paths)`` checked as ``checkpointed`` checks them: the paths and their modules."""
+    try:
+        model, paths = time_forwards
+    except (TypeError, ValueError):
+        raise TypeError(f"time_forwards is (model, ['layers.0', ...]); got {time_forwards!r}") from None
+    paths = [paths] if isinstance(paths, str) else list(paths) if hasattr(paths, "__iter__") else paths
+    modules = _chosen_modules(model, paths)  # a bad list fails here, naming the fix
+    return list(dict.fromkeys(paths)), modules
+
+
+def _timed_forwards(torch, index, step, batch_size, steps, applied, timed):
+    """One run with CUDA events recorded on the device's stream as each module's forward starts
+    and as it saves a tensor for backward: ``{path: seconds}`` of GPU time from its start to its
+    last save, summed over its calls and divided by the steps. That is what a checkpoint's
+    recompute runs: it stops early once every saved tensor is back (torch's default), so a block
+    that ends in a matmul whose output nothing saves (a transformer's MLP) does not run it again.
+    A launch-bound forward counts the gaps the GPU waits, as a recompute would. None where the
+    run ran out of memory."""
+    paths, modules = timed
+    clock = _ForwardClock(torch, torch.cuda.current_stream(index), _checkpoint_stops_early())
+    hooks = []
+    for path, module in zip(paths, modules):
+        hooks += [module.register_forward_pre_hook(lambda _m, _a, path=path: clock.started(path)),
+                  module.register_forward_hook(lambda _m, _a, _o, path=path: clock.ended(path))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(clock.saved, _unpacked), applied():
+            for _ in range(steps):
+                step(batch_size)
+        torch.cuda.synchronize(index)
+    except torch.cuda.OutOfMemoryError as error:
+        error.__traceback__ = None  # its frames hold the step's tensors
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {path: clock.seconds(path) / steps for path in paths}
+
+
+class _ForwardClock:
+    """CUDA events of the timed modules' forwards: each call's start, and its last save for
+    backward so far (or its end, where the recompute would run the whole forward)."""
+
+    def __init__(self, torch, stream, stops_early):
+        self.torch, self.stream, self.stops_early = torch, stream, stops_early
+        self.open, self.spans = {}, {}
+
+    def mark(self):
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def started(self, path):
+        self.open.setdefault(path, []).append([self.mark(), None])
+
+    def saved(self, tensor):
+        if self.open and self.stops_early:
+            event = self.mark()
+            for calls in self.open.values():
+                for call in calls:
+                    call[1] = event
+        return tensor
+
+    def ended(self, path):
+        calls = self.open.get(path)
+        if not calls:
+            return
+        start, last_save = calls.pop()
+        if not calls:
+            del self.open[path]
+        self.spans.setdefault(path, []).append((start, last_save or self.mark()))
+
+    def seconds(self, path):
+        return sum(start.elapsed_time(end) for start, end in self.spans.get(path, [])) / 1000
+
+
+def _checkpoint_stops_early():
+    """Whether checkpoint's recompute stops at the last saved tensor: torch's default, unless
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` is in force."""
+    import torch.utils.checkpoint  # a torch submodule, imported only once the user has torch
+
+    return getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
+
+
+def _unpacked(tensor):
+    return tensor
 
 
 def _after_warm_up(runs):

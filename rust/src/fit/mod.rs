@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::estimate::{Categories, Rounding};
 pub use blocks::{Block, ModuleSeen, Plan, Save};
-pub use options::{accumulation, Accumulation, Choice, Verified, Widened};
+pub use options::{accumulation, Accumulation, Choice, Recompute, Verified, Widened};
 
 /// One answer of an estimate to "does it fit?", as `Estimate.to_dict()` has it.
 #[derive(Clone, Debug, Deserialize)]
@@ -264,7 +264,7 @@ impl FitReport {
             options,
             largest_batch,
             hints,
-            verified: input.verified.clone(),
+            verified: input.verified.clone().map(|verified| verified.predicted(input)),
             estimates: input.estimates,
             seconds: input.seconds,
             notes: input

@@ -2,6 +2,8 @@
 //! ranked by what it saves; and the two it derives from the line through two estimates: the
 //! micro-batch of gradient accumulation, and the largest batch that fits as the step is.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Budget, FitInput, Ranked, Run};
@@ -45,7 +47,16 @@ pub struct Verified {
     pub baseline_peak: Option<u64>,
     pub seconds: Option<f64>,
     pub baseline_seconds: Option<f64>,
-    /// The step time predicted from the baseline and the recompute share.
+    /// Checkpointing: each block's forward time in the step as it is, from its start to its last
+    /// save for backward (where checkpoint's recompute stops), `{path: seconds}`, timed by the
+    /// runner with CUDA events.
+    #[serde(default)]
+    pub forward_seconds: BTreeMap<String, f64>,
+    /// Checkpointing: what its recompute is predicted to cost (`Verified::predicted`).
+    #[serde(default)]
+    pub recompute: Option<Recompute>,
+    /// The step time predicted: the step as it is plus the recompute.
+    #[serde(default)]
     pub predicted_seconds: Option<f64>,
     /// What went wrong: an out-of-memory error of the real step, say.
     pub error: Option<String>,
@@ -59,6 +70,44 @@ pub struct Verified {
     /// The plan that ran out of memory first, where fit then widened it by what it stranded.
     #[serde(default)]
     pub widened: Option<Widened>,
+}
+
+/// The predicted cost of checkpointing's recompute: its blocks' forwards run again in the
+/// backward.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+pub struct Recompute {
+    pub seconds: f64,
+    /// Whether `seconds` is the blocks' forwards as timed in the step as it is; if not, it is
+    /// their FLOP share of the step's time.
+    pub timed: bool,
+    /// The FLOP share of the step's time, the prediction without running anything. It misses
+    /// where operators' speeds differ (memory-bound norms and activations, attention's kernels).
+    pub by_flops: Option<f64>,
+}
+
+impl Verified {
+    /// The core's prediction of the step time with the option, from the runner's measurements:
+    /// for checkpointing, the step as it is plus its blocks' forwards as timed in it where every
+    /// block was timed, else plus their FLOP share of its time.
+    pub fn predicted(mut self, input: &FitInput) -> Verified {
+        self.recompute = None;
+        self.predicted_seconds = None;
+        let Some(baseline) = self.baseline_seconds else {
+            return self;
+        };
+        if self.option != Choice::Checkpoint || self.paths.is_empty() {
+            return self;
+        }
+        let by_flops = recompute_share(input, &self.paths).map(|share| share * baseline);
+        let timed: Option<f64> = self.paths.iter().map(|path| self.forward_seconds.get(path).copied()).sum();
+        self.recompute = match (timed, by_flops) {
+            (Some(seconds), _) => Some(Recompute { seconds, timed: true, by_flops }),
+            (None, Some(seconds)) => Some(Recompute { seconds, timed: false, by_flops }),
+            (None, None) => None,
+        };
+        self.predicted_seconds = self.recompute.as_ref().map(|r| baseline + r.seconds);
+        self
+    }
 }
 
 /// A checkpointing plan whose real step ran out of memory through fragmentation, and that fit

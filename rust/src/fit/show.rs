@@ -202,6 +202,25 @@ fn option_row(index: usize, option: &Ranked) -> Vec<String> {
     ]
 }
 
+/// How the recompute was predicted, and what the real steps measured of it.
+fn recompute_line(recompute: &super::Recompute, measured: Option<f64>) -> String {
+    let ms = |seconds: f64| format!("{:.1} ms", seconds * 1000.0);
+    let mut line = if recompute.timed {
+        let flops = recompute.by_flops.map(|s| format!("; by their share of the step's FLOPs, {}", ms(s)));
+        format!(
+            "recompute predicted {}: the checkpointed blocks' forwards to their last saved tensor, timed in the step as it is{}",
+            ms(recompute.seconds),
+            flops.unwrap_or_default()
+        )
+    } else {
+        format!("recompute predicted {}: the blocks' share of the step's FLOPs, of its time", ms(recompute.seconds))
+    };
+    if let Some(measured) = measured {
+        line.push_str(&format!("; measured {} (the step's time less the step as it is)", ms(measured)));
+    }
+    line
+}
+
 fn verified_grid(verified: &super::Verified) -> Grid {
     let seconds = |s: Option<f64>| s.map(|s| format!("{:.3} s", s)).unwrap_or_else(|| "—".into());
     let mut rows = vec![vec![
@@ -219,6 +238,9 @@ fn verified_grid(verified: &super::Verified) -> Grid {
     let error =
         (verified.measured_peak as f64 - verified.predicted_peak as f64) / verified.predicted_peak.max(1) as f64;
     let mut lines = vec![format!("the measured peak is {:+.1}% off the prediction", error * 100.0)];
+    if let Some(recompute) = &verified.recompute {
+        lines.push(recompute_line(recompute, verified.seconds.zip(verified.baseline_seconds).map(|(s, b)| s - b)));
+    }
     if let Some(first) = &verified.widened {
         lines.push(format!(
             "the first plan ({} block{}) ran out of memory in its real step with {} reserved but unallocated \

@@ -132,7 +132,9 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
         baseline_peak: Some(1330 * MIB),
         seconds: Some(0.2),
         baseline_seconds: Some(0.15),
-        predicted_seconds: Some(0.19),
+        forward_seconds: Default::default(),
+        recompute: None,
+        predicted_seconds: None,
         error: None,
         stranded: None,
         paths: vec!["layers.0".into()],
@@ -187,7 +189,9 @@ fn a_plan_widened_after_fragmentation_and_a_step_that_still_ran_out_say_what_was
         baseline_peak: Some(1330 * MIB),
         seconds: Some(0.2),
         baseline_seconds: Some(0.15),
-        predicted_seconds: Some(0.19),
+        forward_seconds: Default::default(),
+        recompute: None,
+        predicted_seconds: None,
         error: error.map(String::from),
         stranded,
         paths: vec!["layers.0".into(), "layers.1".into()],
@@ -209,4 +213,56 @@ fn a_plan_widened_after_fragmentation_and_a_step_that_still_ran_out_say_what_was
     let json = serde_json::to_value(&report).unwrap();
     assert_eq!(json["verified"]["widened"]["stranded"], 551 * MIB);
     assert_eq!(json["verified"]["paths"][1], "layers.1");
+}
+
+#[test]
+fn the_recompute_is_the_blocks_timed_forwards_where_each_was_timed_else_their_flop_share() {
+    let mut input = with_runs();
+    let verified = |forward_seconds: &[(&str, f64)]| Verified {
+        option: Choice::Checkpoint,
+        predicted_peak: 1000 * MIB,
+        measured_peak: 1000 * MIB,
+        baseline_peak: Some(1330 * MIB),
+        seconds: Some(0.2),
+        baseline_seconds: Some(0.15),
+        forward_seconds: forward_seconds.iter().map(|(p, s)| (p.to_string(), *s)).collect(),
+        recompute: None,
+        predicted_seconds: Some(9.0), // the runner's figure is not the core's: it is replaced
+        error: None,
+        stranded: None,
+        paths: vec!["layers.0".into(), "layers.1".into()],
+        widened: None,
+    };
+    // Both blocks timed (a third one, not checkpointed, is left out): 20 + 25 ms.
+    input.verified = Some(verified(&[("layers.0", 0.020), ("layers.1", 0.025), ("layers.2", 0.5)]));
+    let report = FitReport::new(&input);
+    let checked = report.verified.as_ref().unwrap();
+    let recompute = checked.recompute.as_ref().unwrap();
+    assert!(recompute.timed);
+    assert!((recompute.seconds - 0.045).abs() < 1e-12, "{recompute:?}");
+    // Their FLOPs are 2 × 1000 of the step's 12000: 1/6 of 150 ms.
+    assert!((recompute.by_flops.unwrap() - 0.025).abs() < 1e-12, "{recompute:?}");
+    assert!((checked.predicted_seconds.unwrap() - 0.195).abs() < 1e-12);
+    let text = report.view().to_text();
+    assert!(
+        text.contains(
+            "recompute predicted 45.0 ms: the checkpointed blocks' forwards to their last saved tensor, timed in the step as it is; \
+         by their share of the step's FLOPs, 25.0 ms; measured 50.0 ms"
+        ),
+        "{text}"
+    );
+    // One block untimed: the FLOP share is what is left.
+    input.verified = Some(verified(&[("layers.0", 0.020)]));
+    let report = FitReport::new(&input);
+    let checked = report.verified.as_ref().unwrap();
+    assert!(!checked.recompute.as_ref().unwrap().timed);
+    assert!((checked.predicted_seconds.unwrap() - 0.175).abs() < 1e-12);
+    assert!(report.view().to_text().contains("recompute predicted 25.0 ms: the blocks' share of the step's FLOPs"));
+    // Without the step as it is (it ran out of memory), nothing is predicted.
+    let mut unmeasured = verified(&[("layers.0", 0.020), ("layers.1", 0.025)]);
+    unmeasured.baseline_seconds = None;
+    input.verified = Some(unmeasured);
+    let report = FitReport::new(&input);
+    assert_eq!(report.verified.as_ref().unwrap().predicted_seconds, None);
+    assert!(!report.view().to_text().contains("recompute predicted"));
 }
