@@ -81,7 +81,7 @@ pub struct Recompute {
     /// their FLOP share of the step's time.
     pub timed: bool,
     /// The FLOP share of the step's time, the prediction without running anything. It misses
-    /// where operators' speeds differ (memory-bound norms and activations, attention's kernels).
+    /// memory-bound norms and activations, and the matmuls checkpoint's early stop never reruns.
     pub by_flops: Option<f64>,
 }
 
