@@ -52,11 +52,14 @@ class GPUExperiment:
     _gpu = True
     _tool = False  # opened by one of gpuexp's tools (a trainer's callback): see integrations/run.py
 
+    _id = None  # the scope's id, once this object's opening has registered it
+    _pid = None
+
     def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
                  trace=None, delete=True):
-        self._id = None
-        self._pid = os.getpid()
-        self._entered = 0  # open `with` blocks over this experiment
+        # An open experiment re-initialised would leave its scope open with no owner: refused,
+        # before anything of this object changes.
+        _core.refuse_reopening(id(self))
         check_name(name)
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
@@ -67,7 +70,8 @@ class GPUExperiment:
         # What the cell binds to a constructor is this experiment's only where the cell itself
         # calls it: a function's or a class body's `exp = GPUExperiment()` binds no global. A
         # measuring experiment (delete=False) is bound to no name of the user's and protects none.
-        handles = ipython.assignment_targets() if delete and creator.f_globals is creator.f_locals else set()
+        handles = ipython.assignment_targets(creator) if delete and creator.f_globals is creator.f_locals else set()
+        self._pid = os.getpid()
         # Which running code made it: while that code runs, a constructor of the same name nests.
         self._creator = (id(creator), creator.f_code)
         # The core finishes the experiments this one replaces (same name, or bound to a name
@@ -89,13 +93,22 @@ class GPUExperiment:
             trace=trace,
             tool=self._tool,
         )
-        for report in replaced:
-            ipython.show(report)
-        # From now on the scope's torch peaks must survive a user's reset.
-        watch_torch_peak_resets()
-        ipython.show(start)
-        if interrupted:  # held while the scope opened; the experiment is open and tracked now
-            raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had opened")
+        try:
+            for report in replaced:
+                ipython.show(report)
+            # From now on the scope's torch peaks must survive a user's reset.
+            watch_torch_peak_resets()
+            ipython.show(start)
+            if interrupted:  # held while the scope opened
+                raise KeyboardInterrupt("gpuexp held this interrupt until the experiment had opened")
+        except BaseException as error:
+            # The constructor raises, so no name of the user's will hold this experiment: it
+            # finishes now, deleting nothing (what the cell binds next, the `k` of `except
+            # KeyboardInterrupt as k`, is not its own), and the error goes on as itself.
+            reports, _ = _core.finish_cut_opening(self._id, type(error).__name__)
+            for report in reports:
+                ipython.show(report)
+            raise
 
     @property
     def name(self):
@@ -127,11 +140,25 @@ class GPUExperiment:
         """Deletes what the experiment created, frees it, shows and returns the report.
 
         Calling it again returns the same report and deletes nothing more. Experiments
-        opened inside this one are finished first.
+        opened inside this one are finished first, but those whose ``with`` block is still
+        running (in another asyncio task or thread): they finish at its end. Called on another
+        thread it returns None at once: the teardown and the report come at the main thread's
+        next safe point (the end of the running cell), never from under a running statement.
         """
         self._in_this_process()
         if not _core.is_open(self._id):
             return _core.scope_report(self._id)
+        if not _core.owned_by(self._id, id(self)):
+            raise RuntimeError(
+                f"this object is a copy of experiment {self.name!r} (rebuilt from its state), not the experiment: "
+                "only the experiment itself finishes it. Call finish() on the object GPUExperiment(...) returned."
+            )
+        if threading.current_thread() is not threading.main_thread():
+            at_cell_end = _core.finish_off_main_thread(self._id, in_shell=ipython.listening())
+            when = "at the end of the running cell" if at_cell_end else "at the next experiment's opening or at exit"
+            ipython.warn(f"experiment {self.name!r} was finished on another thread: its teardown and its report "
+                         f"come {when}, on the main thread, where no name is deleted from under running code")
+            return None
         # `%reset` deletes every name itself, and fails on one deleted under it.
         reports, interrupted = _core.finish(self._id, during_reset=ipython.resetting())
         # Its own report comes last; where the cell displays what this returns, that shows it.
@@ -159,16 +186,19 @@ class GPUExperiment:
     def __reduce_ex__(self, protocol):
         raise TypeError(_NOT_COPIED)
 
+    def __reduce__(self):
+        raise TypeError(_NOT_COPIED)
+
     def __setstate__(self, state):
         # A pickle made elsewhere (another kernel, an older gpuexp) must never act on this kernel's scopes.
         raise TypeError(_NOT_COPIED)
 
     def __enter__(self):
-        self._entered += 1
+        _core.scope_entered(self._id, True)  # while it runs, no outer finish and no same name finishes it
         return self
 
     def __exit__(self, *exc_info):
-        self._entered -= 1
+        _core.scope_entered(self._id, False)
         if exc_info[1] is not None and _core.is_open(self._id):
             # A rank's published record says what ended its experiment (an OOM, with what it asked for).
             _core.note_scope_error(self._id, exc_info[1])
@@ -176,8 +206,10 @@ class GPUExperiment:
         return False
 
     def __del__(self):
-        scope_id = getattr(self, "_id", None)
+        scope_id = self._id
         if scope_id is None or self._pid != os.getpid() or sys.is_finalizing() or not _core.is_open(scope_id):
+            return
+        if not _core.owned_by(scope_id, id(self)):  # a copy rebuilt from its state: not the experiment
             return
         # Found by the cycle collector (which marks an object finalized before calling __del__;
         # a reference count reaching zero marks it after), or dropped on another thread: this
@@ -309,15 +341,15 @@ def _creator_frame():
 
 
 def _on_stack():
-    """The open experiments whose code is still running: inside their ``with`` block, or made by
-    a frame on the current call stack. A constructor of the same name nests in them."""
+    """The open experiments made by a frame on the current call stack: a constructor of the same
+    name nests in them (as in those whose ``with`` block runs, which the core knows)."""
     running = set()
     frame = sys._getframe(1)
     while frame is not None:
         running.add((id(frame), frame.f_code))
         frame = frame.f_back
     return {scope_id for scope_id, experiment in tracked().items()
-            if experiment._entered or experiment._creator in running}
+            if experiment._creator in running}
 
 
 _at_exit = []

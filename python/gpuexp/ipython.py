@@ -283,22 +283,43 @@ def cell_displays_finish():
         return False
 
 
-def assignment_targets():
-    """Names the running cell binds to a new experiment (``exp = GPUExperiment(...)``).
+def assignment_targets(frame):
+    """Names the statement that makes a new experiment binds it to (``exp = GPUExperiment(...)``,
+    ``a = b = GPUExperiment()``): the one the cell's ``frame`` is running, found by the position
+    of its current instruction, so that two on one line are told apart.
 
     An open experiment already bound to one of them is about to be replaced, so it is
-    finished before the new one takes its baseline.
+    finished before the new one takes its baseline; one bound to another name nests.
     """
     tree = _running_cell()
     if tree is None:
         return set()
+    line, column = _position(frame)
     targets = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and _builds_experiment(node.value):
+        if (isinstance(node, (ast.Assign, ast.AnnAssign)) and _builds_experiment(node.value)
+                and _encloses(node.value, line, column)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(target, ast.Name):
                     targets.add(target.id)
     return targets
+
+
+def _position(frame):
+    """The line and column of the instruction ``frame`` runs; the column None where Python
+    doesn't say (before 3.11: the line alone)."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is not None and frame.f_lasti >= 0:
+        for index, (line, _end_line, column, _end_column) in enumerate(positions()):
+            if index == frame.f_lasti // 2 and line is not None:
+                return line, column
+    return frame.f_lineno, None
+
+
+def _encloses(node, line, column):
+    if column is None:
+        return node.lineno <= line <= node.end_lineno
+    return (node.lineno, node.col_offset) <= (line, column) <= (node.end_lineno, node.end_col_offset)
 
 
 def names_bound_before(line):

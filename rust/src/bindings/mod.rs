@@ -12,7 +12,7 @@ mod interpreter;
 use api::report;
 use api::{
     cell_log, compare, error, estimate, explain, files, finder, fit, holders, kernel, live_view, monitor, oom, ranks,
-    recorder, scope, snapshot, status, trace, training, units, unreachable,
+    recorder, running, scope, snapshot, status, trace, training, units, unreachable,
 };
 use instrumentation::{
     cell_trace, fakes, ledger_mode, rank_gpu, step_state, torch, trace_opening, trace_recording, trace_sampling,
@@ -67,6 +67,8 @@ mod core_module {
     use super::report::{
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,
     };
+    #[pymodule_export]
+    use super::running::{finish_cut_opening, finish_off_main_thread, owned_by, refuse_reopening, scope_entered};
     #[pymodule_export]
     use super::scope::{finish, is_open, keep, open_experiments, open_scope, scope_cells, scope_name, scope_report};
     #[pymodule_export]

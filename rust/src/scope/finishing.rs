@@ -17,7 +17,44 @@ pub fn finish<W: World>(
     keep: BTreeSet<String>,
     during_reset: bool,
 ) -> Result<Finished, W::Error> {
-    held_then_published(world, |world, to_publish| finish_one(world, id, keep, during_reset, to_publish))
+    let names = if during_reset { Names::LeftToReset } else { Names::Judged };
+    held_then_published(world, |world, to_publish| finish_one(world, id, keep, &names, to_publish))
+}
+
+/// Finishes an experiment whose opening `cut_by` (an interrupt) stopped before its object was
+/// bound to any name: what the cell binds after it (the `k` of `except KeyboardInterrupt as
+/// k`) is not the experiment's, so the teardown deletes no name, and the report says why.
+pub fn finish_cut_opening<W: World>(world: &mut W, id: ScopeId, cut_by: &str) -> Result<Finished, W::Error> {
+    let names = Names::OpeningCut(cut_by.to_string());
+    held_then_published(world, |world, to_publish| finish_one(world, id, BTreeSet::new(), &names, to_publish))
+}
+
+/// What a finish may do with the user's names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Names {
+    /// What the experiment created or rebound goes, but what it keeps.
+    Judged,
+    /// IPython's `%reset` is clearing the namespace and would fail on a name deleted under it.
+    LeftToReset,
+    /// Its opening was cut short by this error.
+    OpeningCut(String),
+}
+
+impl Names {
+    fn note(&self) -> Option<String> {
+        match self {
+            Names::Judged => None,
+            Names::LeftToReset => Some(
+                "finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none \
+                 (what the reset keeps stays)"
+                    .into(),
+            ),
+            Names::OpeningCut(error) => Some(format!(
+                "its opening was interrupted ({error}) before the experiment was bound to a name: it finished at \
+                 once and deleted nothing"
+            )),
+        }
+    }
 }
 
 /// Finishes the experiments found unreachable whose teardown may run `at` this point.
@@ -61,7 +98,7 @@ pub(super) fn finish_due<W: World>(
             collected = true;
         }
         for id in due {
-            finished.extend(finish_one(world, id, BTreeSet::new(), false, to_publish)?);
+            finished.extend(finish_one(world, id, BTreeSet::new(), &Names::Judged, to_publish)?);
         }
     }
 }
@@ -73,7 +110,7 @@ pub(super) fn finish_one<W: World>(
     world: &mut W,
     id: ScopeId,
     keep: BTreeSet<String>,
-    during_reset: bool,
+    names: &Names,
     to_publish: &mut Vec<ScopeId>,
 ) -> Result<Vec<Arc<Report>>, W::Error> {
     let mut finished = Vec::new();
@@ -88,9 +125,14 @@ pub(super) fn finish_one<W: World>(
         match step {
             FinishStep::FinishInner => {
                 let inner = world.registry().inner_of(id);
-                for inner_id in inner {
+                for inner_id in inner.finish {
                     let keep = keep.clone().unwrap_or_default();
-                    finished.extend(finish_one(world, inner_id, keep, during_reset, to_publish)?);
+                    finished.extend(finish_one(world, inner_id, keep, names, to_publish)?);
+                }
+                // A running one stays open; what was bound while it ran is its code's.
+                for running in inner.running {
+                    let bound = world.bound_since_opening(running)?;
+                    keep.get_or_insert_with(BTreeSet::new).extend(bound);
                 }
             }
             FinishStep::AddKeep => {
@@ -116,16 +158,10 @@ pub(super) fn finish_one<W: World>(
             FinishStep::FinishHostTrace => world.finish_host_trace(&mut held),
             FinishStep::Teardown => {
                 let Closing { selection, keep, .. } = closing.as_ref().expect("begun");
-                let teardown = world.teardown(&mut held, selection, keep, !during_reset);
+                let teardown = world.teardown(&mut held, selection, keep, *names == Names::Judged);
                 details.names = teardown.names;
                 details.notes = teardown.notes;
-                if during_reset {
-                    details.notes.push(
-                        "finished by %reset: the reset deletes names itself, so gpuexp deleted none and lists none \
-                         (what the reset keeps stays)"
-                            .into(),
-                    );
-                }
+                details.notes.extend(names.note());
                 details.notes.extend(world.inventory_notes(&held));
                 done = Some(teardown.end);
             }

@@ -17,7 +17,7 @@ use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::Teardown;
 use crate::trace::TraceKinds;
 
-pub use super::finishing::{finish, finish_unreachable};
+pub use super::finishing::{finish, finish_cut_opening, finish_unreachable};
 pub use super::opening::open;
 
 /// The steps of an opening, in the order they run.
@@ -79,7 +79,8 @@ pub const OPEN: [OpenStep; 17] = [
 /// caller around all of it, and the reports published after).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishStep {
-    /// Every experiment opened inside it and still open finishes first, innermost first.
+    /// Every experiment opened inside it and still open finishes first, innermost first, but
+    /// those whose `with` block still runs: they stay open, and it keeps the names they bound.
     FinishInner,
     AddKeep,
     /// One found unreachable keeps the names bound since one of the user's names last led to it.
@@ -168,6 +169,8 @@ pub trait World {
     fn collect_garbage(&mut self) -> Result<(), Self::Error>;
     /// The user's names now, for an experiment found unreachable (none outside a namespace).
     fn identities(&mut self, id: ScopeId) -> Result<Identities, Self::Error>;
+    /// The names bound or rebound since experiment `id` opened (none outside a namespace).
+    fn bound_since_opening(&mut self, id: ScopeId) -> Result<BTreeSet<String>, Self::Error>;
     fn snapshot(&mut self, selection: &GpuSelection) -> Snapshot;
     fn finish_host_trace(&mut self, held: &mut Self::Held);
     /// The core's teardown; `names`: whether it may act on the user's names at all.
@@ -217,6 +220,11 @@ pub struct Request {
     pub params: Option<Params>,
     pub trace: Option<TraceKinds>,
     pub owner: Owner,
+    /// The experiment object's identity (CPython's `id`): only it finishes the scope. None
+    /// where no object owns it (a tool's measurement).
+    pub owner_identity: Option<u64>,
+    /// Whether it opens on the main thread.
+    pub on_main_thread: bool,
 }
 
 /// An experiment opened.

@@ -15,7 +15,7 @@ use crate::teardown::{Names, Teardown};
 use crate::trace::TraceKinds;
 
 #[derive(Debug, PartialEq)]
-struct Failed(String);
+pub(super) struct Failed(pub(super) String);
 
 impl From<crate::error::Error> for Failed {
     fn from(error: crate::error::Error) -> Failed {
@@ -31,7 +31,7 @@ impl std::fmt::Display for Failed {
 
 /// The handles a fake experiment holds: what its opening gave it, and a flag its drop sets.
 #[derive(Default)]
-struct Handles {
+pub(super) struct Handles {
     parts: Vec<&'static str>,
     dropped: Option<Arc<AtomicBool>>,
 }
@@ -45,9 +45,9 @@ impl Drop for Handles {
 }
 
 #[derive(Default)]
-struct Fake {
+pub(super) struct Fake {
     registry: Mutex<Registry>,
-    calls: Vec<String>,
+    pub(super) calls: Vec<String>,
     /// The call that fails.
     failing: Option<&'static str>,
     held: bool,
@@ -149,6 +149,10 @@ impl World for Fake {
         self.call(&format!("identities {id}"))?;
         Ok(Identities::from([("after".to_string(), 7)]))
     }
+    fn bound_since_opening(&mut self, id: ScopeId) -> Result<BTreeSet<String>, Failed> {
+        self.call(&format!("bound_since_opening {id}"))?;
+        Ok(BTreeSet::from([format!("bound in {id}")]))
+    }
     fn snapshot(&mut self, _: &GpuSelection) -> Snapshot {
         self.record("snapshot");
         host(2.0, 300, 300)
@@ -198,7 +202,7 @@ impl World for Fake {
     }
 }
 
-fn request(name: &str) -> Request {
+pub(super) fn request(name: &str) -> Request {
     Request {
         name: Some(name.into()),
         gpu: false,
@@ -213,6 +217,8 @@ fn request(name: &str) -> Request {
         params: None,
         trace: None,
         owner: Owner::User,
+        owner_identity: None,
+        on_main_thread: true,
     }
 }
 
@@ -266,7 +272,7 @@ fn finish_call(step: FinishStep) -> Option<&'static str> {
 }
 
 /// The calls that begin with one of `wanted`, in the order they came.
-fn only<'a>(calls: &'a [String], wanted: &[&str]) -> Vec<&'a str> {
+pub(super) fn only<'a>(calls: &'a [String], wanted: &[&str]) -> Vec<&'a str> {
     calls.iter().map(String::as_str).filter(|c| wanted.iter().any(|w| c.starts_with(w))).collect()
 }
 

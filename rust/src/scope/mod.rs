@@ -15,12 +15,14 @@ mod finishing;
 pub mod lifecycle;
 mod opening;
 mod peaks;
+mod running;
 pub mod settings;
 mod unreachable;
 pub use attached::Attached;
 use cells::CellEnd;
 pub use cells::OpenCell;
 pub use peaks::PeakBook;
+pub use running::Inner;
 pub use unreachable::{Dropped, Finish, Identities, SafePoint, Sighting, Unreachable};
 
 pub type ScopeId = u64;
@@ -68,8 +70,13 @@ pub struct Scope {
     pub owner: Owner,
     /// When one of the user's names was last seen to lead to it (see `unreachable`).
     pub sighting: Option<Sighting>,
-    /// Found unreachable where its teardown could not run: it waits for a safe point.
+    /// Found unreachable where its teardown could not run, or finished on another thread: it
+    /// waits for a safe point.
     pub unreachable: Option<Unreachable>,
+    /// The experiment object registered at the opening (CPython's `id`): only it finishes the scope.
+    owner_identity: Option<u64>,
+    /// How many `with` blocks over it are running (see `running`).
+    entered: u32,
     /// What the bindings keep for it (its pins into the user's namespace, its monitor, its trace
     /// windows, the experiment object): taken out when its teardown begins.
     attached: Attached,
@@ -196,6 +203,8 @@ impl Registry {
             owner,
             sighting: None,
             unreachable: None,
+            owner_identity: None,
+            entered: 0,
             attached: Attached::default(),
         });
         id
@@ -229,8 +238,8 @@ impl Registry {
     /// The open scopes a new one replaces: the one of the same name (re-running a constructor
     /// cell), and those bound to a name the new constructor's cell binds again (`exp = ...`
     /// after editing the name). They finish first, so the new baseline holds none of their memory.
-    /// A scope in `on_stack` (its `with` block or the code that made it is still running) is
-    /// never replaced by its name: a helper's `with GPUExperiment("step")` inside the caller's
+    /// A scope in `on_stack` (the code that made it is still running) or whose `with` block
+    /// runs (in any task or thread) is never replaced by its name: a helper's `with GPUExperiment("step")` inside the caller's
     /// `with GPUExperiment("step")` nests, and what the caller made in its block stays.
     /// Only the user's scopes replace, and are replaced: a tool's scope of the same name nests.
     pub fn replaced_by(
@@ -243,27 +252,12 @@ impl Registry {
         if owner != Owner::User {
             return Vec::new();
         }
-        let same_name = |s: &Scope| name == Some(s.name.as_str()) && !on_stack.contains(&s.id);
+        let same_name = |s: &Scope| name == Some(s.name.as_str()) && !on_stack.contains(&s.id) && !s.running();
         self.open
             .iter()
             .filter(|s| s.owner == Owner::User && !s.closing && (same_name(s) || !s.handles.is_disjoint(handles)))
             .map(|s| s.id)
             .collect()
-    }
-
-    /// Scopes opened after `id` and still open, innermost first: they finish before it does.
-    /// Only the user's scopes finish their inner ones, and only the user's: a tool's scope
-    /// opened inside stays open for the tool to finish, and a tool's scope finishes only itself.
-    pub fn inner_of(&self, id: ScopeId) -> Vec<ScopeId> {
-        match self.open.iter().position(|s| s.id == id) {
-            Some(at) if self.open[at].owner == Owner::User => self.open[at + 1..]
-                .iter()
-                .rev()
-                .filter(|s| !s.closing && s.owner == Owner::User)
-                .map(|s| s.id)
-                .collect(),
-            _ => Vec::new(),
-        }
     }
 
     /// Marks the scope as closing and hands out what its teardown needs.
@@ -402,5 +396,7 @@ impl Registry {
 
 #[cfg(test)]
 mod lifecycle_tests;
+#[cfg(test)]
+mod running_tests;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,6 @@
 //! An experiment's opening: the steps of [`OPEN`] in order, over [`World`].
 
-use super::finishing::{finish_due, finish_one, publish, with_notes};
+use super::finishing::{finish_due, finish_one, publish, with_notes, Names};
 use super::lifecycle::{OpenStep, OpenedScope, Request, World, OPEN};
 use super::{Attached, Kind, Opening, SafePoint};
 use crate::snapshot::GpuSelection;
@@ -39,7 +39,7 @@ pub fn open<W: World>(world: &mut W, request: Request) -> Result<OpenedScope, W:
                     world.registry().replaced_by(request.name.as_deref(), &request.handles, &request.on_stack, owner);
                 ids.into_iter().try_for_each(|id| {
                     let keep = request.in_use.clone();
-                    replaced.extend(finish_one(world, id, keep, false, &mut to_publish)?);
+                    replaced.extend(finish_one(world, id, keep, &Names::Judged, &mut to_publish)?);
                     Ok(())
                 })
             }
@@ -108,6 +108,7 @@ pub fn open<W: World>(world: &mut W, request: Request) -> Result<OpenedScope, W:
                     owner,
                 });
                 registry.attach(id, Attached::new(std::mem::take(&mut held)));
+                registry.opened_by(id, request.owner_identity, request.on_main_thread);
                 opened = Some((id, title));
                 Ok(())
             }

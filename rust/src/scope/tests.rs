@@ -356,8 +356,12 @@ fn finishing_never_finishes_an_inner_scope_of_another_owner() {
     let users = open_cpu(&mut registry, "baseline");
     let tools = open_for_a_tool(&mut registry, "baseline");
     let users_inner = open_cpu(&mut registry, "inside the run");
-    assert_eq!(registry.inner_of(users), vec![users_inner], "the tool's run stays open for the tool");
-    assert_eq!(registry.inner_of(tools), Vec::<ScopeId>::new(), "the tool's run ends alone, the user's stay open");
+    assert_eq!(registry.inner_of(users).finish, vec![users_inner], "the tool's run stays open for the tool");
+    assert_eq!(
+        registry.inner_of(tools).finish,
+        Vec::<ScopeId>::new(),
+        "the tool's run ends alone, the user's stay open"
+    );
 }
 
 #[test]
@@ -366,19 +370,19 @@ fn inner_of_lists_scopes_opened_later_innermost_first() {
     let a = open_cpu(&mut registry, "a");
     let b = open_cpu(&mut registry, "b");
     let c = open_cpu(&mut registry, "c");
-    assert_eq!(registry.inner_of(a), vec![c, b]);
-    assert_eq!(registry.inner_of(b), vec![c]);
-    assert_eq!(registry.inner_of(c), Vec::<ScopeId>::new());
-    assert_eq!(registry.inner_of(999), Vec::<ScopeId>::new());
+    assert_eq!(registry.inner_of(a).finish, vec![c, b]);
+    assert_eq!(registry.inner_of(b).finish, vec![c]);
+    assert_eq!(registry.inner_of(c).finish, Vec::<ScopeId>::new());
+    assert_eq!(registry.inner_of(999).finish, Vec::<ScopeId>::new());
 
     // A scope already being torn down is finished by whoever started that.
     assert!(matches!(registry.begin_finish(c), Finishing::Ready(_)));
-    assert_eq!(registry.inner_of(a), vec![b]);
+    assert_eq!(registry.inner_of(a).finish, vec![b]);
 
     registry.complete(c, report_named("c"));
     registry.complete(b, report_named("b"));
-    assert_eq!(registry.inner_of(a), Vec::<ScopeId>::new());
-    assert_eq!(registry.inner_of(b), Vec::<ScopeId>::new(), "a finished scope has no inner scopes");
+    assert_eq!(registry.inner_of(a).finish, Vec::<ScopeId>::new());
+    assert_eq!(registry.inner_of(b).finish, Vec::<ScopeId>::new(), "a finished scope has no inner scopes");
 }
 
 #[test]

@@ -97,6 +97,17 @@ pub type Identities = HashMap<String, u64>;
 pub struct Sighting {
     names: Arc<Identities>,
     bound_since: BTreeSet<String>,
+    /// Whether a name whose object changed since counts as the user's. Not for a scope opened
+    /// on another thread, until one of the user's names leads to it: everything it saw bound
+    /// there but what the main thread's cells bound was its own thread's doing.
+    by_identity: bool,
+}
+
+impl Sighting {
+    /// From the opening of a scope on another thread: only the cells' own bindings are the user's.
+    pub(super) fn by_cells_only() -> Sighting {
+        Sighting { names: Arc::default(), bound_since: BTreeSet::new(), by_identity: false }
+    }
 }
 
 /// A scope found unreachable, waiting for its teardown.
@@ -104,6 +115,29 @@ pub struct Sighting {
 pub struct Unreachable {
     dropped: Dropped,
     finish: Finish,
+    /// Finished by its own code on another thread (`finish()`, a `with` exit), not dropped.
+    finished: bool,
+}
+
+impl Unreachable {
+    pub(super) fn finished_off_main_thread(dropped: Dropped, finish: Finish) -> Unreachable {
+        Unreachable { dropped, finish, finished: true }
+    }
+
+    /// What the report says of how the experiment ended.
+    fn note(&self) -> String {
+        if !self.finished {
+            return self.dropped.note(self.finish);
+        }
+        let when = match self.finish {
+            Finish::AtCellEnd => "its teardown ran at the end of the cell running then",
+            Finish::Now | Finish::AtNextOpening => "its teardown ran at the next experiment's opening or at exit",
+        };
+        format!(
+            "finished on another thread, where deleting names would take them from under the code still running; \
+             {when}. Names the main thread's cells bound while it was open are yours, kept and listed as kept"
+        )
+    }
 }
 
 impl Registry {
@@ -112,8 +146,8 @@ impl Registry {
     pub fn dropped(&mut self, id: ScopeId, how: Dropped) -> Finish {
         let finish = how.finish();
         if finish != Finish::Now {
-            if let Some(scope) = self.scope_mut(id).filter(|s| !s.closing) {
-                scope.unreachable = Some(Unreachable { dropped: how, finish });
+            if let Some(scope) = self.scope_mut(id).filter(|s| !s.closing && s.unreachable.is_none()) {
+                scope.unreachable = Some(Unreachable { dropped: how, finish, finished: false });
             }
         }
         finish
@@ -153,7 +187,8 @@ impl Registry {
         let names = Arc::new(names);
         for scope in self.open.iter_mut().filter(|s| !s.closing) {
             if sighted.contains(&scope.id) && scope.unreachable.is_none() {
-                scope.sighting = Some(Sighting { names: names.clone(), bound_since: BTreeSet::new() });
+                scope.sighting =
+                    Some(Sighting { names: names.clone(), bound_since: BTreeSet::new(), by_identity: true });
             } else if let Some(sighting) = scope.sighting.as_mut() {
                 sighting.bound_since.extend(bound.iter().cloned());
             }
@@ -168,10 +203,12 @@ impl Registry {
         let unreachable = scope.unreachable?;
         let bound_since = |name: &String, identity: &u64| match &scope.sighting {
             None => true,
-            Some(seen) => seen.names.get(name) != Some(identity) || seen.bound_since.contains(name),
+            Some(seen) => {
+                (seen.by_identity && seen.names.get(name) != Some(identity)) || seen.bound_since.contains(name)
+            }
         };
         let kept = now.iter().filter(|(name, identity)| bound_since(name, identity)).map(|(n, _)| n.clone()).collect();
-        Some((kept, unreachable.dropped.note(unreachable.finish)))
+        Some((kept, unreachable.note()))
     }
 }
 

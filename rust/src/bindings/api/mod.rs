@@ -19,6 +19,7 @@ pub(in crate::bindings) mod monitor;
 pub(in crate::bindings) mod oom;
 pub(in crate::bindings) mod ranks;
 pub(in crate::bindings) mod recorder;
+pub(in crate::bindings) mod running;
 pub(in crate::bindings) mod scope;
 pub(in crate::bindings) mod snapshot;
 pub(in crate::bindings) mod status;

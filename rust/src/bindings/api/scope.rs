@@ -63,7 +63,7 @@ pub(in crate::bindings) struct ScopeHandles {
 
 /// The steps of an experiment's life over Python. `interrupts` is held by the core's runner
 /// around every step that needs it.
-struct PyWorld<'py> {
+pub(in crate::bindings) struct PyWorld<'py> {
     py: Python<'py>,
     interrupts: Option<interrupts::HeldInterrupts<'py>>,
     /// The opening's namespace (None: none to delete from) and the experiment object.
@@ -74,7 +74,7 @@ struct PyWorld<'py> {
 }
 
 impl<'py> PyWorld<'py> {
-    fn new(py: Python<'py>) -> PyWorld<'py> {
+    pub(in crate::bindings) fn new(py: Python<'py>) -> PyWorld<'py> {
         PyWorld { py, interrupts: None, adapter: None, experiment: None, torch: None }
     }
 
@@ -180,6 +180,12 @@ impl World for PyWorld<'_> {
         match baseline_of(id) {
             Some(baseline) => identities(&baseline.adapter(self.py)),
             None => Ok(Identities::default()),
+        }
+    }
+    fn bound_since_opening(&mut self, id: ScopeId) -> PyResult<BTreeSet<String>> {
+        match baseline_of(id) {
+            Some(baseline) => Ok(baseline.created(self.py)?.into_iter().collect()),
+            None => Ok(BTreeSet::new()),
         }
     }
     fn snapshot(&mut self, selection: &GpuSelection) -> Snapshot {
@@ -312,6 +318,8 @@ pub(in crate::bindings) fn open_scope<'py>(
         params: params.as_ref().map(params_from).transpose()?,
         trace: trace.as_ref().map(host_trace::trace_kinds).transpose()?,
         owner: if tool { Owner::Tool } else { Owner::User },
+        owner_identity: owner.as_ref().map(|o| o.as_ptr() as u64),
+        on_main_thread: interrupts::on_main_thread(py)?,
     };
     let mut world = PyWorld { adapter, experiment: owner, ..PyWorld::new(py) };
     let opened = lifecycle::open(&mut world, request)?;

@@ -28,8 +28,7 @@ fn replace_handler<'py>(
     py: Python<'py>,
     caught: &Arc<AtomicBool>,
 ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
-    let threading = py.import("threading")?;
-    if !threading.call_method0("current_thread")?.is(&threading.call_method0("main_thread")?) {
+    if !on_main_thread(py)? {
         return Ok(None);
     }
     let signal = py.import("signal")?;
@@ -42,6 +41,12 @@ fn replace_handler<'py>(
     let recorder = PyCFunction::new_closure(py, None, None, move |_, _| flag.store(true, Ordering::SeqCst))?;
     signal.call_method1("signal", (&sigint, recorder))?;
     Ok(Some((signal.into_any(), previous)))
+}
+
+/// Whether the running code is on Python's main thread (where cells run and signals land).
+pub(in crate::bindings) fn on_main_thread(py: Python) -> PyResult<bool> {
+    let threading = py.import("threading")?;
+    Ok(threading.call_method0("current_thread")?.is(&threading.call_method0("main_thread")?))
 }
 
 impl HeldInterrupts<'_> {
