@@ -463,6 +463,19 @@ def dropped(id: _ScopeId, *, by_collector: bool, on_main_thread: bool, in_shell:
     """The experiment's last reference went (its `__del__` runs): returns whether to finish it now.
     Otherwise the core keeps it for the next safe point (see [`crate::scope::Finish`])."""
 def unreachable_waiting() -> bool: ...
+def scope_entered(id: _ScopeId, begins: bool) -> None:
+    """A `with` block over the experiment begins (`begins`) or ends."""
+def owned_by(id: _ScopeId, identity: int) -> bool:
+    """Whether the object `identity` (its `id()`) is the one that opened the experiment."""
+def refuse_reopening(identity: int) -> None:
+    """Raises RuntimeError where the object `identity` already owns an open experiment: a second
+    `__init__` on it would leave that one open with no owner."""
+def finish_off_main_thread(id: _ScopeId, *, in_shell: bool) -> bool:
+    """The experiment was finished on another thread: its teardown waits for the main thread's next
+    safe point. Returns whether that is the running cell's end (else the next opening or exit)."""
+def finish_cut_opening(id: _ScopeId, cut_by: str) -> tuple[list[Report], bool]:
+    """Finishes an experiment whose opening `cut_by` (an error's type) stopped before it was bound
+    to a name, deleting no name. Returns the reports and whether an interrupt came meanwhile."""
 def cell_ended_for_scopes(adapter: _NamespaceAdapter, sighted: Iterable[_ScopeId], bound: Iterable[str]) -> None:
     """A cell has ended: `sighted`, the open experiments one of the user's names still leads to;
     `bound`, the names the cell's own code binds; `adapter`, the user's namespace."""
