@@ -361,15 +361,16 @@ class LedgerRun:
         before = self.optimizer_state_entries()
         try:
             returned.append(step(batch))
-        except NoEstimate:
-            raise
+        except (NoEstimate, KeyboardInterrupt, SystemExit):
+            raise  # an interrupt or an exit leaves as itself
         except BaseException as error:  # noqa: BLE001  (each is raised again, as NoEstimate)
             operator = getattr(error, "func", None)
             if operator is None:
                 operator = self.last_op
-            raise self._books.failed_at(
-                None if operator is None else str(operator), type(error).__name__, _text(error)
-            ) from error
+            failed = self._books.failed_at(
+                None if operator is None else str(operator), type(error).__name__, _text(error), _users_line(error)
+            )
+            raise failed from error
         return self.optimizer_state_entries() > before
 
     def mark_gradients_and_state(self):
@@ -453,6 +454,26 @@ class LedgerRun:
             hook.remove()
 
 
+def _users_line(error):
+    """Where the user's own code raised ``error``: ``file:line`` of the innermost frame outside
+    torch and gpuexp, where the error was raised there (None where torch raised it: an operator
+    under fake tensors, named by the caller)."""
+    import os
+
+    innermost, users = None, None
+    trace = error.__traceback__
+    while trace is not None:
+        innermost = trace
+        path = trace.tb_frame.f_code.co_filename
+        parts = os.path.normpath(path).split(os.sep)
+        if "torch" not in parts and "gpuexp" not in parts:
+            users = trace
+        trace = trace.tb_next
+    if users is None or users is not innermost:
+        return None
+    return f"{users.tb_frame.f_code.co_filename}:{users.tb_lineno}"
+
+
 def _text(error):
     """``str(error)``, or nothing where that raises."""
     try:
@@ -461,36 +482,69 @@ def _text(error):
         return ""
 
 
-def fake_device_tensors(mode, dicts, lists, globals_):
-    """Swaps the real GPU tensors held in the containers the estimate saved (a GradScaler's scale,
-    an EMA copy, a metric on the GPU) for fakes of ``mode``: ``dicts`` and ``lists`` by their items,
-    ``globals_`` as ``(namespace, name, value)``. Given to the fake mode as they are, small ones
-    would become constants that it computes with for real, on the device. The estimate puts the
-    real ones back with the containers."""
-    tensor = sys.modules["torch"].Tensor
+def fake_reached_tensors(mode, dicts, lists, places):
+    """Swaps every real tensor the step reaches for a fake of ``mode``: those in the containers
+    the estimate saved (a GradScaler's scale, an EMA copy, a metric, a lookup table), ``dicts``
+    and ``lists`` by their items, and those held by the globals the step loads and its closure
+    cells, ``places`` as ``(namespace, name)`` or ``(cell, None)``. Given to the fake mode as they
+    are, they would be computed with for real (a CPU table multiplied, a counter's ``add_`` run).
+    A tensor that requires grad is left: it is a parameter the model's fakes stand for, and one
+    the walk did not find stops the estimate. A scalar on the host becomes a fake holding a copy
+    of its value, so ``.item()`` still reads it. Returns ``(holder, key, real)`` for each swap,
+    for ``put_back_reached``; the containers are also put back with the rest of the saved state."""
+    torch = sys.modules["torch"]
+    tensor = torch.Tensor
     from torch._subclasses.fake_tensor import FakeTensor
 
     fakes = {}  # id of a real tensor: its fake, so a tensor held twice stays one
+    swapped = []
 
     def fake_of(value):
-        if not isinstance(value, tensor) or isinstance(value, FakeTensor) or value.device.type != "cuda":
+        if not isinstance(value, tensor) or isinstance(value, FakeTensor) or value.requires_grad:
             return None
         fake = fakes.get(id(value))
         if fake is None:
-            fake = fakes[id(value)] = mode.from_tensor(value)
+            if value.numel() <= 1 and value.device.type == "cpu":
+                converter = mode.fake_tensor_converter
+                fake = converter.from_real_tensor(mode, value.clone(), make_constant=True)
+            else:
+                fake = mode.from_tensor(value)
+            fakes[id(value)] = fake
         return fake
+
+    def swap(holder, key, value, put):
+        fake = fake_of(value)
+        if fake is not None:
+            put(fake)
+            swapped.append((holder, key, value))
 
     for container in dicts:
         for key, value in list(container.items()):
-            fake = fake_of(value)
-            if fake is not None:
-                container[key] = fake
+            swap(container, key, value, lambda fake, c=container, k=key: c.__setitem__(k, fake))
     for container in lists:
         for index, value in enumerate(container):
-            fake = fake_of(value)
-            if fake is not None:
-                container[index] = fake
-    for namespace, name, value in globals_:
-        fake = fake_of(value)
-        if fake is not None:
-            namespace[name] = fake
+            swap(container, index, value, lambda fake, c=container, i=index: c.__setitem__(i, fake))
+    for holder, name in places:
+        if name is None:
+            value = getattr(holder, "cell_contents", None)
+            swap(holder, None, value, lambda fake, h=holder: setattr(h, "cell_contents", fake))
+        elif name in holder:
+            swap(holder, name, holder[name], lambda fake, h=holder, n=name: h.__setitem__(n, fake))
+    return swapped
+
+
+def put_back_reached(swapped):
+    """Puts back each real tensor ``fake_reached_tensors`` swapped out, where its fake still is
+    (what the step rebound is the saved containers' to put back). Everything is tried before the
+    first error met is raised."""
+    errors = []
+    for holder, key, real in reversed(swapped):
+        try:
+            if key is None:
+                holder.cell_contents = real
+            else:
+                holder[key] = real
+        except Exception as error:  # noqa: BLE001  (raised below, once the rest is back)
+            errors.append(error)
+    if errors:
+        raise errors[0]
