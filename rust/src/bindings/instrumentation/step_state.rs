@@ -341,7 +341,7 @@ pub(in crate::bindings) struct StepState<'py> {
     places: Vec<Place<'py>>,
     /// Each RNG's state, by name, with how to put it back (`gpuexp.saved_state.rng_states`).
     rngs: Bound<'py, PyAny>,
-    /// The real tensors swapped for fakes (`gpuexp.fake_step.fake_reached_tensors`).
+    /// The real tensors swapped for fakes (`gpuexp.reached_tensors.fake_reached_tensors`).
     swapped: Option<Bound<'py, PyAny>>,
     /// GradScalers reached: told, for the estimate, that the gradients are finite.
     pub(in crate::bindings) scalers: usize,
@@ -379,8 +379,8 @@ impl<'py> StepState<'py> {
         for place in &self.places {
             places.append(place)?;
         }
-        let fake_step = py.import("gpuexp.fake_step")?;
-        self.swapped = Some(fake_step.call_method1("fake_reached_tensors", (mode, dicts, lists, places))?);
+        let reached = py.import("gpuexp.reached_tensors")?;
+        self.swapped = Some(reached.call_method1("fake_reached_tensors", (mode, dicts, lists, places))?);
         Ok(())
     }
 
@@ -389,7 +389,9 @@ impl<'py> StepState<'py> {
     pub(in crate::bindings) fn restore(mut self) -> PyResult<Vec<String>> {
         let py = self.rngs.py();
         let put_back = match self.swapped.take() {
-            Some(swapped) => py.import("gpuexp.fake_step")?.call_method1("put_back_reached", (swapped,)).map(drop),
+            Some(swapped) => {
+                py.import("gpuexp.reached_tensors")?.call_method1("put_back_reached", (swapped,)).map(drop)
+            }
             None => Ok(()),
         };
         let notes = step_state::restore(&mut self.step, self.saving);
