@@ -23,7 +23,7 @@ $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.5,<2" ziglang pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
-		ruff mypy auditwheel jupyterlab selenium lightning transformers accelerate
+		ruff mypy auditwheel jupyterlab selenium lightning transformers accelerate hypothesis
 	touch $@
 
 venv: $(DEPS)

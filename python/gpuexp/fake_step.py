@@ -361,15 +361,16 @@ class LedgerRun:
         before = self.optimizer_state_entries()
         try:
             returned.append(step(batch))
-        except NoEstimate:
-            raise
+        except (NoEstimate, KeyboardInterrupt, SystemExit):
+            raise  # an interrupt or an exit leaves as itself
         except BaseException as error:  # noqa: BLE001  (each is raised again, as NoEstimate)
             operator = getattr(error, "func", None)
             if operator is None:
                 operator = self.last_op
-            raise self._books.failed_at(
-                None if operator is None else str(operator), type(error).__name__, _text(error)
-            ) from error
+            failed = self._books.failed_at(
+                None if operator is None else str(operator), type(error).__name__, _text(error), _users_line(error)
+            )
+            raise failed from error
         return self.optimizer_state_entries() > before
 
     def mark_gradients_and_state(self):
@@ -453,44 +454,29 @@ class LedgerRun:
             hook.remove()
 
 
+def _users_line(error):
+    """Where the user's own code raised ``error``: ``file:line`` of the innermost frame outside
+    torch and gpuexp, where the error was raised there (None where torch raised it: an operator
+    under fake tensors, named by the caller)."""
+    import os
+
+    innermost, users = None, None
+    trace = error.__traceback__
+    while trace is not None:
+        innermost = trace
+        path = trace.tb_frame.f_code.co_filename
+        parts = os.path.normpath(path).split(os.sep)
+        if "torch" not in parts and "gpuexp" not in parts:
+            users = trace
+        trace = trace.tb_next
+    if users is None or users is not innermost:
+        return None
+    return f"{users.tb_frame.f_code.co_filename}:{users.tb_lineno}"
+
+
 def _text(error):
     """``str(error)``, or nothing where that raises."""
     try:
         return str(error)
     except Exception:  # noqa: BLE001
         return ""
-
-
-def fake_device_tensors(mode, dicts, lists, globals_):
-    """Swaps the real GPU tensors held in the containers the estimate saved (a GradScaler's scale,
-    an EMA copy, a metric on the GPU) for fakes of ``mode``: ``dicts`` and ``lists`` by their items,
-    ``globals_`` as ``(namespace, name, value)``. Given to the fake mode as they are, small ones
-    would become constants that it computes with for real, on the device. The estimate puts the
-    real ones back with the containers."""
-    tensor = sys.modules["torch"].Tensor
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    fakes = {}  # id of a real tensor: its fake, so a tensor held twice stays one
-
-    def fake_of(value):
-        if not isinstance(value, tensor) or isinstance(value, FakeTensor) or value.device.type != "cuda":
-            return None
-        fake = fakes.get(id(value))
-        if fake is None:
-            fake = fakes[id(value)] = mode.from_tensor(value)
-        return fake
-
-    for container in dicts:
-        for key, value in list(container.items()):
-            fake = fake_of(value)
-            if fake is not None:
-                container[key] = fake
-    for container in lists:
-        for index, value in enumerate(container):
-            fake = fake_of(value)
-            if fake is not None:
-                container[index] = fake
-    for namespace, name, value in globals_:
-        fake = fake_of(value)
-        if fake is not None:
-            namespace[name] = fake

@@ -53,7 +53,7 @@ def fit(step, batch_size, *, limit=None, verify=False, device=None, model=None):
     started = time.perf_counter()
     reached = _Reached(step, torch, model)
     gathered = _Gathered(step, batch_size, memory, limit, reached, torch)
-    found = gathered.under_own_rng(gathered.gather)
+    found = gathered.gather()
     if verify:
         found["verified"] = _verify(step, batch_size, memory, limit, reached, gathered, verify)
     found["seconds"] = time.perf_counter() - started
@@ -89,14 +89,6 @@ class _Gathered:
                "gradients_at_peak": estimated["categories"]["gradients"], **fields}
         self.found["runs"].append(run)
         return run
-
-    def under_own_rng(self, call, *args):
-        """``call(*args)`` with torch's RNG put back after it: fake steps draw from it too."""
-        rng = _rng_states(self.torch)
-        try:
-            return call(*args)
-        finally:
-            _restore_rng(self.torch, rng)
 
     def gather(self):
         torch, model = self.torch, self.reached.model
@@ -395,6 +387,8 @@ class _Reached:
 
     def model_seen(self):
         model = self.model
+        if model is None:
+            return None
         dtypes = {}
         for parameter in model.parameters():
             dtypes[parameter.dtype] = dtypes.get(parameter.dtype, 0) + parameter.numel()
@@ -443,20 +437,6 @@ def _loaded_names(code):
     return names
 
 
-def _rng_states(torch):
-    """The CPU's RNG state and, once CUDA is initialised, every GPU's: nothing of fit draws from
-    them, and it proves it by putting them back."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(torch, states):
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _last_oom_cached():
     """Torch's reserved-but-unallocated bytes at the last out-of-memory error the rescue saw."""
     from . import extension
@@ -486,7 +466,7 @@ def _verify(step, batch_size, memory, limit, reached, gathered, which):
     measured, widened = _verify_option(verify, step, batch_size, limit, reached, chosen, state), None
     if chosen["option"] == "checkpoint" and measured.out_of_memory and measured.stranded:
         first = chosen
-        if gathered.under_own_rng(gathered.widen_checkpointing, measured.stranded):
+        if gathered.widen_checkpointing(measured.stranded):
             chosen = _chosen(found, ("checkpoint",))
             widened = {"paths": first["paths"], "stranded": measured.stranded}
             measured = _verify_option(verify, step, batch_size, limit, reached, chosen, state)

@@ -182,7 +182,14 @@ def capture(modules=(), optimizers=(), scalers=(), objects=()):
             state._add_tensor(path, parameter)
         for path, buffer in module.named_buffers(prefix=name):
             state._add_tensor(path, buffer)
-        state._training.extend((path or name, m, m.training) for path, m in module.named_modules(prefix=name))
+        for path, sub in module.named_modules(prefix=name):
+            state._training.append((path or name, sub, sub.training))
+            # A step that rebinds a parameter or buffer (`self.count = self.count + 1`) puts a new
+            # tensor in these dicts: they are put back as containers, the old tensors in them.
+            for attribute in ("_parameters", "_buffers"):
+                held = getattr(sub, attribute, None)
+                if isinstance(held, dict):
+                    state._containers.append((f"{path or name}.{attribute}", held, dict(held)))
     for kind, group in (("optimizers", optimizers), ("scalers", scalers), ("objects", objects)):
         for name, obj in _named(group, kind):
             attributes = getattr(obj, "__dict__", None)
@@ -194,7 +201,7 @@ def capture(modules=(), optimizers=(), scalers=(), objects=()):
     leaves = [s for s in state._tensors.values() if s.tensor.requires_grad and s.tensor.is_leaf]
     for saved in leaves:
         state._grads.append(_Grad(torch, saved.name, saved.tensor))
-    state._rng = _rng_states(torch)
+    state._rng = rng_states(torch)
     return state
 
 
@@ -214,9 +221,10 @@ def _named(group, kind):
     raise TypeError(f"{kind} must be a dict of name to object or a list, e.g. {kind}={{'name': obj}}; got {group!r}")
 
 
-def _rng_states(torch):
-    """Each generator's state, with how to put it back. CUDA's only where torch initialised it:
-    looking must not create a CUDA context."""
+def rng_states(torch):
+    """Each generator's state, with how to put it back: the one RNG saving, which ``estimate``
+    (and through it ``fit``) and ``capture`` use. CUDA's only where torch initialised it: looking
+    must not create a CUDA context."""
     cpu = torch.get_rng_state()
     states = {"torch's CPU RNG": lambda: torch.set_rng_state(cpu)}
     if torch.cuda.is_initialized():

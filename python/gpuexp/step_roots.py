@@ -16,9 +16,11 @@ _MISSING = object()
 
 
 def step_roots(step):
-    """The roots of ``step`` as ``(name, value)`` pairs, and the globals its code assigns to
-    (``global`` names) as ``(namespace, name)`` pairs."""
-    roots, assigned = [("step", step)], []
+    """The roots of ``step`` as ``(name, value)`` pairs, the globals its code assigns to
+    (``global`` names) as ``(namespace, name)`` pairs, and where each root that is not the step
+    itself is held, as ``(namespace, name)`` for a global it loads and ``(cell, None)`` for a
+    closure cell: a tensor there is swapped for a fake while the estimate runs."""
+    roots, assigned, places = [("step", step)], [], []
     pending, seen = [step], set()
     while pending:
         callable_ = pending.pop()
@@ -48,11 +50,14 @@ def step_roots(step):
                 if isinstance(value, types.FunctionType):
                     pending.append(value)
                 roots.append((name, value))
+                places.append((globals_, name))
         for cell in callable_.__closure__ or ():
-            contents = _attribute(cell, "cell_contents")
+            contents = _attribute(cell, "cell_contents", _MISSING)
             if isinstance(contents, types.FunctionType):
                 pending.append(contents)
-    return roots, assigned
+            if contents is not _MISSING:
+                places.append((cell, None))
+    return roots, assigned, places
 
 
 def _attribute(value, name, missing=None):

@@ -132,12 +132,18 @@ pub fn call_step<E>(most: u32, mut call: impl FnMut() -> Result<bool, E>) -> Res
 }
 
 /// Why no estimate was made: the step raised (`kind`: `message`) at `operator` (None: before its
-/// first one).
-pub fn failed_at(operator: Option<&str>, kind: &str, message: &str) -> String {
+/// first one), or, where the user's own code raised it, at `raised_at` (its file and line, the
+/// innermost frame outside torch and gpuexp), which the message starts with.
+pub fn failed_at(operator: Option<&str>, kind: &str, message: &str, raised_at: Option<&str>) -> String {
+    let first = message.lines().next().unwrap_or("");
+    if let Some(place) = raised_at {
+        let error = if first.is_empty() { kind.to_string() } else { format!("{kind}: {first}") };
+        return format!("{error} at {place}; no estimate was made: the step raised it under fake tensors");
+    }
     format!(
         "no estimate was made: the step failed under fake tensors at {} ({kind}: {})",
         operator.unwrap_or("its first operator"),
-        message.lines().next().unwrap_or("")
+        first
     )
 }
 
@@ -311,9 +317,16 @@ mod tests {
 
     #[test]
     fn a_failure_names_its_operator_and_the_first_line_of_its_error() {
-        let failed = failed_at(Some("aten.geqrf.default"), "UnsupportedOperatorException", "geqrf\nmore");
+        let failed = failed_at(Some("aten.geqrf.default"), "UnsupportedOperatorException", "geqrf\nmore", None);
         assert!(failed.ends_with("at aten.geqrf.default (UnsupportedOperatorException: geqrf)"), "{failed}");
-        assert!(failed_at(None, "TypeError", "").contains("at its first operator (TypeError: )"));
+        assert!(failed_at(None, "TypeError", "", None).contains("at its first operator (TypeError: )"));
+    }
+
+    #[test]
+    fn the_users_own_error_comes_first_at_its_file_and_line() {
+        let failed = failed_at(Some("aten.mm.default"), "KeyError", "'missing'", Some("train.py:12"));
+        assert!(failed.starts_with("KeyError: 'missing' at train.py:12; no estimate was made"), "{failed}");
+        assert!(failed_at(None, "StopIteration", "", Some("a.py:1")).starts_with("StopIteration at a.py:1;"));
     }
 
     #[test]

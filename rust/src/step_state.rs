@@ -36,8 +36,8 @@ pub trait StepObjects: Heap {
     fn save_assigned(&mut self) -> Result<Vec<Self::Saved>, Self::Error>;
     /// A copy of a container the walk reached; None where it can't be copied.
     fn save(&mut self, container: &Self::Object) -> Option<Self::Saved>;
-    /// Puts a saved container back, where the step changed it.
-    fn restore(&mut self, saved: &Self::Saved) -> Result<(), Self::Error>;
+    /// Puts a saved container back, where the step changed it; a note where it could not be.
+    fn restore(&mut self, saved: &Self::Saved) -> Result<Option<String>, Self::Error>;
     /// The globals the step assigns to, bound as they are now.
     fn assigned_now(&mut self) -> Result<Vec<(String, Self::Object)>, Self::Error>;
     /// Whether `object` is a GradScaler.
@@ -85,14 +85,14 @@ pub fn save<W: StepObjects>(
 /// Puts back every container the step changed; returns notes naming the fakes still reachable
 /// (in what no copy could put back), and the walk's limit if it was reached.
 pub fn restore<W: StepObjects>(world: &mut W, saving: Saving<W::Saved, W::Object>) -> Result<Vec<String>, W::Error> {
+    let mut notes = Vec::new();
     for saved in &saving.saved {
-        world.restore(saved)?;
+        notes.extend(world.restore(saved)?);
     }
     // A global the step assigned is checked where it is now.
     let mut roots = saving.roots;
     roots.extend(world.assigned_now()?);
     let survey = walk_from(world, &roots);
-    let mut notes = Vec::new();
     let left = &survey.held;
     if !left.is_empty() {
         let named: Vec<&str> = left.iter().take(MOST_NAMED).map(|(_, holder)| holder.path.as_str()).collect();
@@ -144,6 +144,8 @@ mod tests {
         globals: Vec<(&'static str, usize)>,
         assigned: Vec<&'static str>,
         log: Vec<String>,
+        /// Containers whose putting back refuses (a `ModelOutput` whose methods raise).
+        refused: Vec<usize>,
     }
 
     impl World {
@@ -217,12 +219,15 @@ mod tests {
             self.log.push(format!("saved {container}"));
             Some(Saved::Container(*container, self.objects[*container].clone()))
         }
-        fn restore(&mut self, saved: &Saved) -> Result<(), String> {
+        fn restore(&mut self, saved: &Saved) -> Result<Option<String>, String> {
             match saved {
+                Saved::Container(at, _) if self.refused.contains(at) => {
+                    return Ok(Some(format!("container {at} refused")));
+                }
                 Saved::Container(at, before) => self.objects[*at] = before.clone(),
                 Saved::Global(name, before) => self.bind(name, *before),
             }
-            Ok(())
+            Ok(None)
         }
         fn assigned_now(&mut self) -> Result<Vec<(String, usize)>, String> {
             Ok(self.assigned.iter().filter_map(|name| Some((name.to_string(), self.global(name)?))).collect())
@@ -302,6 +307,25 @@ mod tests {
         let told = world.log.iter().position(|line| line.starts_with("scaler")).unwrap();
         assert_eq!(told, world.log.len() - 1, "{:?}", world.log);
         assert_eq!(world.log[0], "globals saved");
+    }
+
+    #[test]
+    fn a_container_that_refuses_is_named_and_the_rest_are_put_back() {
+        let mut world = World::default();
+        let tensor = world.add(Object::Tensor);
+        let output = world.dict(&[("logits", tensor)]);
+        let ema = world.dict(&[("shadow", tensor)]);
+        let root = world.dict(&[("output", output), ("ema", ema)]);
+        let saving = save(&mut world, vec![("state".into(), root)]).unwrap();
+        world.refused = vec![output];
+        let before = world.objects[ema].clone();
+        let fake = world.add(Object::Text("changed"));
+        if let Object::Dict(items) = &mut world.objects[ema] {
+            items[0].1 = fake;
+        }
+        let notes = restore(&mut world, saving).unwrap();
+        assert_eq!(notes, vec![format!("container {output} refused")]);
+        assert_eq!(world.objects[ema], before, "the others are put back all the same");
     }
 
     #[test]

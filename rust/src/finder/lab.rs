@@ -11,8 +11,9 @@ use crate::units;
 /// What the search acts on.
 pub trait Lab {
     type Error: From<Error>;
-    /// Estimates the step's peak under fake tensors and seeds the search, or notes why not.
-    fn seed(&mut self, search: &mut Search);
+    /// Estimates the step's peak under fake tensors and seeds the search, or notes why not; an
+    /// error only for what must stop the search (Ctrl-C, an exit), which leaves as itself.
+    fn seed(&mut self, search: &mut Search) -> Result<(), Self::Error>;
     /// Caps torch's allocations at `limit` bytes.
     fn apply_limit(&mut self, limit: u64) -> Result<(), Self::Error>;
     /// Takes the cap off (none to take off is no error).
@@ -90,7 +91,7 @@ impl<E: From<Error>> TrialEnd<E> {
 /// after); then the ranks agree, and the result is shown.
 pub fn find<L: Lab>(search: &mut Search, lab: &mut L, limit: Option<u64>, estimate: bool) -> Result<(), L::Error> {
     if estimate {
-        lab.seed(search);
+        lab.seed(search)?;
     }
     if let Some(limit) = limit {
         lab.apply_limit(limit)?;
@@ -195,8 +196,9 @@ mod tests {
 
     impl Lab for Fake {
         type Error = String;
-        fn seed(&mut self, _: &mut Search) {
+        fn seed(&mut self, _: &mut Search) -> Result<(), String> {
             self.calls.push("seed".into());
+            Ok(())
         }
         fn apply_limit(&mut self, limit: u64) -> Result<(), String> {
             self.calls.push(format!("limit {limit}"));

@@ -15,7 +15,7 @@ use crate::bindings::fakes::Fakes;
 use crate::bindings::holders::{reachable_owners, Memory};
 use crate::bindings::ledger_mode;
 use crate::bindings::snapshot::take_snapshot;
-use crate::bindings::step_state::{AssignedGlobal, Roots, StepState};
+use crate::bindings::step_state::{AssignedGlobal, Place, Roots, StepState};
 use crate::bindings::torch::PyTorch;
 use crate::estimate::{Estimate, Room};
 use crate::estimate_run::{self, call_step, Estimating, Ran, Run, Swapped, Unready};
@@ -27,6 +27,7 @@ use crate::snapshot::GpuSelection;
 pub(in crate::bindings) struct StepReach<'py> {
     roots: Roots<'py>,
     assigned: Vec<AssignedGlobal<'py>>,
+    places: Vec<Place<'py>>,
     owners: Vec<Bound<'py, PyAny>>,
 }
 
@@ -35,9 +36,9 @@ impl<'py> StepReach<'py> {
     /// step's own; a parameter it uses that is not found stops the estimate (`ledger_mode`),
     /// never a real tensor's gradient set.
     pub(in crate::bindings) fn of(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<StepReach<'py>> {
-        let (roots, assigned) = step_roots(py, step)?;
+        let (roots, assigned, places) = step_roots(py, step)?;
         let owners = reachable_owners(py, roots.clone())?;
-        Ok(StepReach { roots, assigned, owners })
+        Ok(StepReach { roots, assigned, places, owners })
     }
 }
 
@@ -78,16 +79,16 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
     type Error = PyErr;
 
     fn save_state(&mut self) -> PyResult<()> {
-        self.state = Some(StepState::save(self.py, &self.reach.roots, &self.reach.assigned)?);
+        self.state = Some(StepState::save(self.py, &self.reach.roots, &self.reach.assigned, &self.reach.places)?);
         Ok(())
     }
 
     fn swap_in_fakes(&mut self) -> PyResult<Swapped> {
-        let (py, state) = (self.py, self.state.as_ref().expect("the state is saved first"));
+        let (py, state) = (self.py, self.state.as_mut().expect("the state is saved first"));
         let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone())
             .map_err(|error| no_estimate(py, estimate_run::not_swapped(&error.value(py).to_string()), error))?;
         // On an error `fakes` is dropped here, which puts the real tensors back.
-        state.fake_device_tensors(&fakes.mode)?;
+        state.fake_reached_tensors(&fakes.mode)?;
         let swapped =
             Swapped { fastpath_skipped: fakes.fastpath_skipped, loaded: fakes.loaded, scalers: state.scalers };
         self.fakes = Some(fakes);
@@ -115,6 +116,9 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
     }
 
     fn not_restored(&self, error: PyErr, left: Vec<String>) -> PyErr {
+        if stops(self.py, &error) {
+            return error;
+        }
         no_estimate(self.py, format!("{}; {}", error.value(self.py), left.join("; ")), error)
     }
 }
@@ -126,12 +130,15 @@ fn no_estimate(py: Python, message: String, error: PyErr) -> PyErr {
     wrapped
 }
 
-/// Where the step's modules and optimizers can be found from, and the globals its code assigns
-/// to (`global` names) with the namespace they are in: `gpuexp.step_roots` reads them from the
-/// step's code objects, which is only driving Python objects.
-fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<(Roots<'py>, Vec<AssignedGlobal<'py>>)> {
+/// Where the step's modules and optimizers can be found from, the globals its code assigns to
+/// (`global` names) with the namespace they are in, and where each root is held: `gpuexp.step_roots`
+/// reads them from the step's code objects, which is only driving Python objects.
+fn step_roots<'py>(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<StepRoots<'py>> {
     py.import("gpuexp.step_roots")?.call_method1("step_roots", (step,))?.extract()
 }
+
+/// A step's roots, the globals it assigns, and where each root is held.
+type StepRoots<'py> = (Roots<'py>, Vec<AssignedGlobal<'py>>, Vec<Place<'py>>);
 
 /// What the step is checked against on `memory`, read now. Without NVML the GPU's free memory
 /// is unknown, and the estimate says so rather than failing.
@@ -160,6 +167,14 @@ fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
 /// `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both.
 #[pyfunction]
 pub(in crate::bindings) fn check_step(step: &Bound<PyAny>, call: &str) -> PyResult<()> {
+    if step.is_instance_of::<pyo3::types::PyType>() {
+        let name = step.getattr("__name__")?;
+        return Err(PyTypeError::new_err(format!(
+            "step must be a function of the batch size, e.g. {call}; got the class {name}, which calling would \
+             only build: pass a function that builds or uses it and runs one training step, \
+             e.g. def train_step(batch_size): ..."
+        )));
+    }
     if step.is_callable() {
         return Ok(());
     }
@@ -239,14 +254,15 @@ pub(in crate::bindings) fn estimate(
 }
 
 /// Starts `search` from estimates of `step` on cuda:`index` ([`Search::seed_by`]). A step that
-/// can't run under fake tensors leaves the search to its trials, and the search's table says why.
+/// can't run under fake tensors leaves the search to its trials, and the search's table says why;
+/// a Ctrl-C or an exit during an estimate stops the search, raised as itself.
 pub(in crate::bindings) fn seed_search(
     py: Python,
     search: &mut Search,
     step: &Bound<PyAny>,
     index: u32,
     progress: bool,
-) {
+) -> PyResult<()> {
     let (started, memory, steps) = (Instant::now(), Memory::Cuda(index), search.settings.steps_per_trial);
     let mut ready = None;
     let mut estimate = |batch| -> PyResult<(u64, u32)> {
@@ -263,9 +279,20 @@ pub(in crate::bindings) fn seed_search(
         }
         Ok(())
     };
-    search.seed_by(
-        started,
-        |batch| estimate(batch).map_err(|e| e.value(py).to_string()),
-        |line| shown(line).map_err(|e| e.value(py).to_string()),
-    );
+    let stopped = std::cell::RefCell::new(None);
+    let said = |error: PyErr| {
+        let text = error.value(py).to_string();
+        if stops(py, &error) {
+            *stopped.borrow_mut() = Some(error);
+        }
+        text
+    };
+    search.seed_by(started, |batch| estimate(batch).map_err(said), |line| shown(line).map_err(said));
+    stopped.into_inner().map_or(Ok(()), Err)
+}
+
+/// Whether `error` is a Ctrl-C or an exit, which leaves an estimate as itself, never as `NoEstimate`.
+pub(in crate::bindings) fn stops(py: Python, error: &PyErr) -> bool {
+    error.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
+        || error.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
 }

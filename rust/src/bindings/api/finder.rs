@@ -128,8 +128,8 @@ struct PyLab<'py> {
 impl Lab for PyLab<'_> {
     type Error = PyErr;
 
-    fn seed(&mut self, search: &mut Search) {
-        seed_search(self.py, search, &self.step, self.index, self.progress.is_some());
+    fn seed(&mut self, search: &mut Search) -> PyResult<()> {
+        seed_search(self.py, search, &self.step, self.index, self.progress.is_some())
     }
     fn apply_limit(&mut self, limit: u64) -> PyResult<()> {
         self.limited = apply_limit(self.py, &GpuSelection::Only(vec![self.index]), limit)?;

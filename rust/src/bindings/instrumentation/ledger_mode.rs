@@ -97,9 +97,18 @@ impl BooksPy {
     fn unknown_parameter(&self, py: Python, shape: &str) -> Py<PyAny> {
         NoEstimate::new_err(estimate_run::unknown_parameter(shape)).into_value(py).into_any()
     }
-    /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before its first).
-    fn failed_at(&self, py: Python, operator: Option<&str>, kind: &str, message: &str) -> Py<PyAny> {
-        NoEstimate::new_err(estimate_run::failed_at(operator, kind, message)).into_value(py).into_any()
+    /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before
+    /// its first), or in the user's own code at `raised_at` (file and line).
+    #[pyo3(signature = (operator, kind, message, raised_at=None))]
+    fn failed_at(
+        &self,
+        py: Python,
+        operator: Option<&str>,
+        kind: &str,
+        message: &str,
+        raised_at: Option<&str>,
+    ) -> Py<PyAny> {
+        NoEstimate::new_err(estimate_run::failed_at(operator, kind, message, raised_at)).into_value(py).into_any()
     }
     /// The error that stops an estimate at cuDNN's RNN (`crate::cudnn_rnn`).
     fn cudnn_rnn_refusal(&self, py: Python, mode: i64) -> Py<PyAny> {

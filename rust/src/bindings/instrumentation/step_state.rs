@@ -18,8 +18,12 @@ pub(in crate::bindings) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
 /// A container as it was before the step, by the identity of what it held.
 pub(in crate::bindings) enum Saved<'py> {
-    /// A dict, or an object's `__dict__`.
+    /// An exact dict, or an object's `__dict__`: copied and put back through the C API.
     Dict(Bound<'py, PyDict>, Bound<'py, PyDict>),
+    /// A dict subclass (an `OrderedDict`, a module's hook dicts, a `defaultdict`, a `ModelOutput`):
+    /// its items as (key, value) pairs, put back through its own methods, since the C API would
+    /// bypass what it keeps beside the dict (an `OrderedDict`'s links).
+    Mapping(Bound<'py, PyDict>, Bound<'py, PyList>),
     List(Bound<'py, PyList>, Bound<'py, PyList>),
     /// A set (refilled with `update`) or a deque (with `extend`): neither is assigned in place.
     Refilled {
@@ -196,8 +200,12 @@ impl<'py> StepObjects for PythonStep<'py> {
     }
 
     fn save(&mut self, object: &Self::Object) -> Option<Saved<'py>> {
-        if let Ok(dict) = object.cast::<PyDict>() {
+        if let Ok(dict) = object.cast_exact::<PyDict>() {
             return dict.copy().ok().map(|copy| Saved::Dict(dict.clone(), copy));
+        }
+        if let Ok(dict) = object.cast::<PyDict>() {
+            let items = PyList::new(object.py(), dict.iter()).ok()?;
+            return Some(Saved::Mapping(dict.clone(), items));
         }
         if let Ok(list) = object.cast::<PyList>() {
             return Some(Saved::List(list.clone(), PyList::new(object.py(), list.iter()).ok()?));
@@ -214,8 +222,9 @@ impl<'py> StepObjects for PythonStep<'py> {
         Some(Saved::Refilled { container: object.clone(), items, refill })
     }
 
-    fn restore(&mut self, saved: &Saved<'py>) -> PyResult<()> {
+    fn restore(&mut self, saved: &Saved<'py>) -> PyResult<Option<String>> {
         match saved {
+            Saved::Mapping(dict, before) => return Ok(put_back_mapping(dict, before)),
             Saved::Dict(dict, before) => {
                 let same = dict.len() == before.len()
                     && before
@@ -246,7 +255,7 @@ impl<'py> StepObjects for PythonStep<'py> {
                 }
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     fn assigned_now(&mut self) -> PyResult<Roots<'py>> {
@@ -269,51 +278,129 @@ impl<'py> StepObjects for PythonStep<'py> {
     }
 }
 
+/// Whether `dict` holds the very objects of `before`'s pairs, read through the C API (reading
+/// bypasses nothing).
+fn same_mapping<'py>(dict: &Bound<'py, PyDict>, before: &Bound<'py, PyList>) -> bool {
+    dict.len() == before.len()
+        && before.iter().all(|pair| {
+            let Ok((key, value)) = pair.extract::<(Bound<PyAny>, Bound<PyAny>)>() else { return false };
+            dict.get_item(&key).ok().flatten().is_some_and(|now| now.is(&value))
+        })
+}
+
+/// Puts a dict subclass back by its own `clear` and `update`; where those refuse (a
+/// `ModelOutput`'s `update` raises), by its base's (`OrderedDict`'s, keeping its links, or
+/// `dict`'s). A note where neither put it back: never left half-restored unsaid.
+fn put_back_mapping<'py>(dict: &Bound<'py, PyDict>, before: &Bound<'py, PyList>) -> Option<String> {
+    if same_mapping(dict, before) {
+        return None;
+    }
+    let refill = |owner: &Bound<'py, PyAny>| -> PyResult<()> {
+        owner.call_method1("clear", (dict,))?;
+        for pair in before.iter() {
+            let (key, value): (Bound<PyAny>, Bound<PyAny>) = pair.extract()?;
+            owner.call_method1("__setitem__", (dict, key, value))?;
+        }
+        Ok(())
+    };
+    let own = dict.get_type().into_any();
+    let py = dict.py();
+    let base = py
+        .import("collections")
+        .and_then(|c| c.getattr("OrderedDict"))
+        .ok()
+        .filter(|ordered| dict.is_instance(ordered).unwrap_or(false))
+        .unwrap_or_else(|| py.get_type::<PyDict>().into_any());
+    let mut error = None;
+    for owner in [own, base] {
+        match refill(&owner) {
+            Ok(()) if same_mapping(dict, before) => return None,
+            Ok(()) => {}
+            Err(failed) => error = Some(failed.value(py).to_string()),
+        }
+    }
+    let kind = dict.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    let why = error.map(|e| format!(" ({e})")).unwrap_or_default();
+    Some(format!(
+        "a {kind} the step changed could not be put back as it was{why}: rebuild it before the next real step"
+    ))
+}
+
 fn same_items<'py>(now: impl Iterator<Item = Bound<'py, PyAny>>, before: &Bound<'py, PyList>, len: usize) -> bool {
     len == before.len() && now.zip(before.iter()).all(|(a, b)| a.is(&b))
 }
 
-/// The containers reachable from a step, as they were, until [`StepState::restore`].
+/// Where a root the step loads is held: a global's namespace and name, or a closure cell and None.
+pub(in crate::bindings) type Place<'py> = (Bound<'py, PyAny>, Option<String>);
+
+/// What the step reaches, as it was, until [`StepState::restore`]: the containers, the RNGs, and
+/// the real tensors swapped for fakes while it runs.
 pub(in crate::bindings) struct StepState<'py> {
     step: PythonStep<'py>,
     saving: Saving<Saved<'py>, Bound<'py, PyAny>>,
+    places: Vec<Place<'py>>,
+    /// Each RNG's state, by name, with how to put it back (`gpuexp.saved_state.rng_states`).
+    rngs: Bound<'py, PyAny>,
+    /// The real tensors swapped for fakes (`gpuexp.reached_tensors.fake_reached_tensors`).
+    swapped: Option<Bound<'py, PyAny>>,
     /// GradScalers reached: told, for the estimate, that the gradients are finite.
     pub(in crate::bindings) scalers: usize,
 }
 
 impl<'py> StepState<'py> {
-    /// Saves what the step reaches from `roots` and the globals it assigns ([`step_state::save`]).
+    /// Saves what the step reaches from `roots` and the globals it assigns ([`step_state::save`]),
+    /// and the four RNGs (torch's CPU and CUDA, Python's, NumPy's): a step draws from them.
     pub(in crate::bindings) fn save(
         py: Python<'py>,
         roots: &Roots<'py>,
         assigned: &[AssignedGlobal<'py>],
+        places: &[Place<'py>],
     ) -> PyResult<StepState<'py>> {
+        let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
+        let rngs = py.import("gpuexp.saved_state")?.call_method1("rng_states", (torch,))?;
         let mut step = PythonStep::find(py, assigned)?;
         let saving = step_state::save(&mut step, roots.clone())?;
-        Ok(StepState { scalers: saving.scalers, step, saving })
+        Ok(StepState { scalers: saving.scalers, step, saving, places: places.to_vec(), rngs, swapped: None })
     }
 
-    /// Swaps the real GPU tensors held in the saved containers for fakes of `mode`
-    /// (`gpuexp.fake_step.fake_device_tensors`); `restore` puts the real ones back with the containers.
-    pub(in crate::bindings) fn fake_device_tensors(&self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
+    /// Swaps every real tensor the step reaches (in the saved containers, the globals it loads,
+    /// its closure cells) for fakes of `mode`; `restore` puts the real ones back.
+    pub(in crate::bindings) fn fake_reached_tensors(&mut self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = mode.py();
-        let (dicts, lists, globals) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
+        let (dicts, lists, places) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
         for saved in &self.saving.saved {
             match saved {
-                Saved::Dict(dict, _) => dicts.append(dict)?,
+                Saved::Dict(dict, _) | Saved::Mapping(dict, _) => dicts.append(dict)?,
                 Saved::List(list, _) => lists.append(list)?,
-                Saved::Global { globals: namespace, name, before: Some(value) } => {
-                    globals.append((namespace, name, value))?
-                }
+                Saved::Global { globals: namespace, name, before: Some(_) } => places.append((namespace, name))?,
                 _ => {}
             }
         }
-        let fake_step = py.import("gpuexp.fake_step")?;
-        fake_step.call_method1("fake_device_tensors", (mode, dicts, lists, globals)).map(drop)
+        for place in &self.places {
+            places.append(place)?;
+        }
+        let reached = py.import("gpuexp.reached_tensors")?;
+        self.swapped = Some(reached.call_method1("fake_reached_tensors", (mode, dicts, lists, places))?);
+        Ok(())
     }
 
-    /// Puts back every container the step changed ([`step_state::restore`]); the notes.
+    /// Puts back the real tensors, every container the step changed ([`step_state::restore`])
+    /// and the RNGs; the notes. Each is tried before the first error met is raised.
     pub(in crate::bindings) fn restore(mut self) -> PyResult<Vec<String>> {
-        step_state::restore(&mut self.step, self.saving)
+        let py = self.rngs.py();
+        let put_back = match self.swapped.take() {
+            Some(swapped) => {
+                py.import("gpuexp.reached_tensors")?.call_method1("put_back_reached", (swapped,)).map(drop)
+            }
+            None => Ok(()),
+        };
+        let notes = step_state::restore(&mut self.step, self.saving);
+        let mut rngs = Ok(());
+        for put in self.rngs.cast::<PyDict>()?.values() {
+            rngs = rngs.and(put.call0().map(drop));
+        }
+        put_back?;
+        rngs?;
+        notes
     }
 }
