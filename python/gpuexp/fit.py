@@ -350,40 +350,19 @@ class _Reached:
                 self._consider(f"{name}.{attribute}", inner, depth + 1)
 
     def _walk(self, step):
-        pending, seen = [step], set()
-        while pending and len(seen) < 64:
-            function = pending.pop()
-            if function is None or id(function) in seen:
-                continue
-            seen.add(id(function))
-            for attribute in ("__wrapped__", "__func__", "func"):
-                inner = getattr(function, attribute, None)
-                if callable(inner):
-                    pending.append(inner)
-            owner = getattr(function, "__self__", None)
-            if owner is not None:
-                self._consider("self", owner)
-            for index, argument in enumerate(getattr(function, "args", ()) or ()):
-                self._consider(f"args[{index}]", argument)
-            code = getattr(function, "__code__", None)
-            if code is None:
-                # A callable object: its attributes, and the globals its __call__ loads.
-                if not isinstance(function, type):
-                    self._consider("step", function)
-                    pending.append(type(function).__call__)
-                continue
-            for name, cell in zip(code.co_freevars, function.__closure__ or ()):
-                value = getattr(cell, "cell_contents", None)
-                self._consider(name, value)
-                if callable(value) and hasattr(value, "__code__"):
-                    pending.append(value)
-            globals_ = getattr(function, "__globals__", {})
-            for name in _loaded_names(code):
-                if name in globals_:
-                    value = globals_[name]
+        """Classifies the roots of the one walk of what a step reaches (``step_roots``)."""
+        from .step_roots import step_roots
+
+        roots, _, _ = step_roots(step)
+        for name, value in roots:
+            if name == "step.args":
+                for index, argument in enumerate(value or ()):
+                    self._consider(f"args[{index}]", argument)
+            elif name == "step":
+                if isinstance(value, self.torch.nn.Module):
                     self._consider(name, value)
-                    if callable(value) and hasattr(value, "__code__"):
-                        pending.append(value)
+            elif not isinstance(value, type):
+                self._consider(name, value)
 
     def model_seen(self):
         model = self.model
@@ -425,16 +404,6 @@ class _Reached:
         if self.model is None:
             return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-
-
-def _loaded_names(code):
-    """The global names a code object and the code nested in it may load (a superset: attribute
-    names too, which are only looked up in the globals)."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if hasattr(constant, "co_names"):
-            names |= _loaded_names(constant)
-    return names
 
 
 def _last_oom_cached():

@@ -35,6 +35,8 @@ def step_roots(step):
             values = _attribute(callable_, arguments, _MISSING)
             if values is not _MISSING:
                 roots.append((f"step.{arguments}", values))
+        if isinstance(callable_, types.MethodType):
+            roots.append(("self", callable_.__self__))
         if not isinstance(callable_, types.FunctionType):
             call = _attribute(type(callable_), "__call__")
             if call is not None:
@@ -51,11 +53,12 @@ def step_roots(step):
                     pending.append(value)
                 roots.append((name, value))
                 places.append((globals_, name))
-        for cell in callable_.__closure__ or ():
+        for name, cell in zip(callable_.__code__.co_freevars, callable_.__closure__ or ()):
             contents = _attribute(cell, "cell_contents", _MISSING)
             if isinstance(contents, types.FunctionType):
                 pending.append(contents)
             if contents is not _MISSING:
+                roots.append((name, contents))
                 places.append((cell, None))
     return roots, assigned, places
 
