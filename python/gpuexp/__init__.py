@@ -106,14 +106,13 @@ def holders(device=None, min_bytes=1 << 20):
     device: a GPU (``0``, ``'cuda:1'``, ``'cuda'`` for torch's current one, a ``torch.device``)
         or ``'cpu'`` for host memory (CPU tensors and numpy arrays). By default, torch's current
         GPU once CUDA is initialised, else the host. Each storage counts once, however many tensors view it.
-    min_bytes: the smallest holder worth listing (1 MiB).
+    min_bytes: the smallest holder worth listing, in bytes or as ``"1MiB"`` (the default).
 
     Also shows what no reachable Python object accounts for: tensors only C++ holds, memory
     torch allocated with no Python tensor (saved for backward, CUDA graphs, workspaces) and its
     reserved-but-unallocated cache. Keeps no reference to anything it found.
     """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise ValueError(f"min_bytes must be a number of bytes, e.g. holders(min_bytes=1 << 20); got {min_bytes!r}")
+    min_bytes = experiment.size(min_bytes, "min_bytes", zero=True)
     adapter = ipython.namespace_for(sys._getframe(1))
     return _core.holders(_holder_memory(device), min_bytes, adapter=adapter)
 
