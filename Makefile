@@ -74,7 +74,8 @@ lint: $(DEPS) rust-linters
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build browser
+# The docs' dependencies first: tests/test_docs.py builds the site, and skips without mkdocs.
+test-python: build browser $(DOCS_DEPS)
 	$(PY) -m pytest -q tests
 
 # The browser tests (tests/test_browser*.py) drive JupyterLab in Debian's Chromium through its
