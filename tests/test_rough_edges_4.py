@@ -164,3 +164,12 @@ def test_fit_gives_the_largest_batch_once_and_batchnorm_only_where_there_is_one(
     shared.run(FIT_STEP.format(norm="torch.nn.BatchNorm1d(4096), "))
     text = shared.value("text")
     assert "BatchNorm sees" in text, text
+
+
+# ---- section 6: what a newcomer reads ---------------------------------------------------------
+
+
+def test_the_returned_classes_import_from_gpuexp_and_config_documents_host_peak(shared):
+    for name in ("BatchSizeResult", "Holders", "OomDiagnosis", "Ranks"):
+        assert shared.value(f"gpuexp.{name} is gpuexp._core.{name} and {name!r} in gpuexp.__all__"), name
+    assert shared.value("'host_peak' in gpuexp.config() and 'host_peak' in gpuexp.config.__doc__")

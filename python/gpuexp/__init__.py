@@ -11,16 +11,20 @@ import sys
 
 from . import _core, experiment, extension, files, ipython
 from ._core import (
+    BatchSizeResult,
     CellRecord,
     Comparison,
     Estimate,
     Explanation,
     FitReport,
     GpuReport,
+    Holders,
     HostReport,
     Metric,
     NoEstimate,
     NvmlUnavailable,
+    OomDiagnosis,
+    Ranks,
     Report,
     SiteDiff,
     Snapshot,
@@ -37,6 +41,7 @@ from .ranks import host_ranks_store, ranks
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeResult",
     "CellRecord",
     "Comparison",
     "CPUExperiment",
@@ -45,11 +50,14 @@ __all__ = [
     "FitReport",
     "GPUExperiment",
     "GpuReport",
+    "Holders",
     "HostReport",
     "Metric",
     "Monitor",
     "NoEstimate",
     "NvmlUnavailable",
+    "OomDiagnosis",
+    "Ranks",
     "Report",
     "SiteDiff",
     "Snapshot",
@@ -245,6 +253,8 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         chosen so that they cost about 1% of the run) and map the other steps' blocks to a
         sampled step's sites (default True; the peak stays exact to the byte, the report says
         how much was mapped). False: stacks on every step, from the next traced experiment on.
+    The dict also has ``host_peak``, read-only: ``"exact"`` where the kernel's peak RSS can be
+    reset (Linux's ``/proc/self/clear_refs``), ``"sampled"`` where the sampler thread stands in.
     """
     for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue),
                        ("flight_recorder", flight_recorder), ("trace_sampling", trace_sampling)):
