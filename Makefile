@@ -74,17 +74,23 @@ lint: $(DEPS) rust-linters
 test-rust:
 	cargo test --workspace --quiet
 
-test-python: build browser
+# The docs' dependencies first: tests/test_docs.py builds the site, and skips without mkdocs.
+test-python: build browser $(DOCS_DEPS)
 	$(PY) -m pytest -q tests
 
 # The browser tests (tests/test_browser*.py) drive JupyterLab in Debian's Chromium through its
 # chromedriver. As root with apt (CI), this installs both when chromedriver is missing, without
 # apt's recommended packages (about 26 packages instead of 131, and no avahi, which would change
-# the system's default browser); elsewhere it says how, and those tests skip.
+# the system's default browser); elsewhere it says how, and those tests skip. Chromium's package
+# makes itself the default x-www-browser; the one before (or none) is put back.
 browser:
 	@command -v chromedriver >/dev/null || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
+		echo "make test: installing Chromium and chromedriver with apt for the browser tests (about 26 packages)"; \
+		before=$$(readlink -f /etc/alternatives/x-www-browser 2>/dev/null || true); \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver && \
+		if [ -n "$$before" ]; then update-alternatives --quiet --set x-www-browser "$$before"; \
+		else update-alternatives --quiet --remove x-www-browser /usr/bin/chromium 2>/dev/null || true; fi; \
 	else \
 		echo "no chromedriver: the browser tests will skip (sudo apt-get install --no-install-recommends chromium chromium-driver)"; \
 	fi

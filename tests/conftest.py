@@ -1,4 +1,5 @@
 import ctypes
+import os
 import signal
 
 import pytest
@@ -46,6 +47,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under CI (.ci/run exports GPUEXP_CI=1) a skip is a failure: a test that skips for a missing
+# dependency proves nothing. Only what CI's machine can't have is let skip: a GPU, two GPUs,
+# and the browser where the run isn't root and so could not install it.
+CI_SKIPS = ("needs an NVIDIA GPU", "needs two GPUs")
+
+
+def allowed_skip(reason):
+    if reason.startswith(CI_SKIPS):
+        return True
+    return "chromedriver" in reason and "not found" in reason and os.geteuid() != 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("GPUEXP_CI") != "1" or not report.skipped or getattr(report, "wasxfail", None) is not None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if not allowed_skip(reason):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI (GPUEXP_CI=1), where only GPU and browser tests may skip: {reason}"
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_the_arguments_are_checked_before_the_gpu(kernel):
     not_callable = kernel.run("gpuexp.find_batch_size(None)", expect_error=True)
     assert not_callable.error.startswith("TypeError") and "find_batch_size(train_step)" in not_callable.error
     for call, expected in (
-        ("start=0", "start must be at least 1"),
+        ("start=0", "start must be a positive int"),
         ("start=64, max=8", "max at least start"),
         ("multiple_of=0", "multiple_of must be at least 1"),
         ("margin=1.5", "margin must be a share below 1"),

@@ -143,7 +143,7 @@ def test_the_users_own_metadata_is_never_overwritten(marks, monkeypatch):
     assert marks == []
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks")
+@pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")
 def test_compiled_code_skips_the_hooks_even_with_fullgraph(marks):
     assert module_paths.install() is None
     compiled = torch.compile(Net(), backend="eager", fullgraph=True)

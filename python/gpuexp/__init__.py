@@ -11,16 +11,20 @@ import sys
 
 from . import _core, experiment, extension, files, ipython
 from ._core import (
+    BatchSizeResult,
     CellRecord,
     Comparison,
     Estimate,
     Explanation,
     FitReport,
     GpuReport,
+    Holders,
     HostReport,
     Metric,
     NoEstimate,
     NvmlUnavailable,
+    OomDiagnosis,
+    Ranks,
     Report,
     SiteDiff,
     Snapshot,
@@ -37,6 +41,7 @@ from .ranks import host_ranks_store, ranks
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeResult",
     "CellRecord",
     "Comparison",
     "CPUExperiment",
@@ -45,11 +50,14 @@ __all__ = [
     "FitReport",
     "GPUExperiment",
     "GpuReport",
+    "Holders",
     "HostReport",
     "Metric",
     "Monitor",
     "NoEstimate",
     "NvmlUnavailable",
+    "OomDiagnosis",
+    "Ranks",
     "Report",
     "SiteDiff",
     "Snapshot",
@@ -106,14 +114,13 @@ def holders(device=None, min_bytes=1 << 20):
     device: a GPU (``0``, ``'cuda:1'``, ``'cuda'`` for torch's current one, a ``torch.device``)
         or ``'cpu'`` for host memory (CPU tensors and numpy arrays). By default, torch's current
         GPU once CUDA is initialised, else the host. Each storage counts once, however many tensors view it.
-    min_bytes: the smallest holder worth listing (1 MiB).
+    min_bytes: the smallest holder worth listing, in bytes or as ``"1MiB"`` (the default).
 
     Also shows what no reachable Python object accounts for: tensors only C++ holds, memory
     torch allocated with no Python tensor (saved for backward, CUDA graphs, workspaces) and its
     reserved-but-unallocated cache. Keeps no reference to anything it found.
     """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise ValueError(f"min_bytes must be a number of bytes, e.g. holders(min_bytes=1 << 20); got {min_bytes!r}")
+    min_bytes = experiment.size(min_bytes, "min_bytes", zero=True)
     adapter = ipython.namespace_for(sys._getframe(1))
     return _core.holders(_holder_memory(device), min_bytes, adapter=adapter)
 
@@ -246,6 +253,8 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         chosen so that they cost about 1% of the run) and map the other steps' blocks to a
         sampled step's sites (default True; the peak stays exact to the byte, the report says
         how much was mapped). False: stacks on every step, from the next traced experiment on.
+    The dict also has ``host_peak``, read-only: ``"exact"`` where the kernel's peak RSS can be
+    reset (Linux's ``/proc/self/clear_refs``), ``"sampled"`` where the sampler thread stands in.
     """
     for name, flag in (("cell_log_all_gpus", cell_log_all_gpus), ("oom_rescue", oom_rescue),
                        ("flight_recorder", flight_recorder), ("trace_sampling", trace_sampling)):

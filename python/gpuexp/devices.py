@@ -9,7 +9,7 @@ def device_indices(devices, argument="devices"):
     if devices is None:
         return None
     given = devices
-    if isinstance(devices, (int, str)) or hasattr(devices, "type"):
+    if isinstance(devices, (int, str)) or hasattr(devices, "type") or not hasattr(devices, "__iter__"):
         devices = [devices]
     indices = []
     for device in devices:
@@ -20,21 +20,28 @@ def device_indices(devices, argument="devices"):
                 f"{argument}={given!r}: use GPU indices as torch numbers them, "
                 f"e.g. {argument}={example}, {argument}='cuda:1' or {argument}=torch.device('cuda', 1)"
             )
+        if index in indices:
+            raise ValueError(f"{argument}={given!r} names GPU {index} twice: name each GPU once, e.g. "
+                             f"{argument}={sorted(set(indices))}")
         indices.append(index)
     return indices
+
+
+# Past any index a machine gives a GPU: larger ones are refused as no GPU, never overflow.
+_MOST_GPUS = 1 << 16
 
 
 def _device_index(device):
     if isinstance(device, bool):
         return None
     if isinstance(device, int):
-        return device if device >= 0 else None
+        return device if 0 <= device < _MOST_GPUS else None
     if isinstance(device, str):
         text = device.strip().lower()
         if text == "cuda":
             return _current_cuda_index()
         text = text[len("cuda:"):] if text.startswith("cuda:") else text
-        return int(text) if text.isdigit() else None
+        return _device_index(int(text)) if text.isdigit() else None
     if getattr(device, "type", None) == "cuda":
         return _current_cuda_index() if device.index is None else device.index
     return None

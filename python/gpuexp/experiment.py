@@ -65,6 +65,8 @@ class GPUExperiment:
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")
         if not isinstance(delete, bool):
             raise TypeError(f"delete must be True or False (False: measure and delete nothing), got {delete!r}")
+        if not isinstance(cell_log, bool):
+            raise ValueError(f"cell_log must be True or False (False: no line after each cell), got {cell_log!r}")
         devices = device_indices(devices) if self._gpu else None
         creator = _creator_frame()
         # What the cell binds to a constructor is this experiment's only where the cell itself
@@ -288,8 +290,20 @@ def find_batch_size(step, start=8, max=4096, *, limit=None, margin=None, power_o
     With ``progress``, each trial shows as it ends: in Jupyter the table so far, updated in place;
     in a terminal one line, rewritten; in a script a line per trial.
     """
+    count(start, "start", "find_batch_size(step, start=8)")
+    count(max, "max", "find_batch_size(step, max=4096)")
+    if want is not None:
+        count(want, "want", "find_batch_size(step, want=512)")
+    if isinstance(verifications, bool) or not isinstance(verifications, int) or not 0 <= verifications < 1 << 32:
+        raise ValueError(f"verifications is how often the answer is run again, 0 or more, e.g. verifications=2; "
+                         f"got {verifications!r}")
+    if isinstance(device, str) and device.strip().lower() in ("cpu", "host"):
+        raise ValueError(f"find_batch_size(device={device!r}): the search runs real steps on a GPU and measures "
+                         "torch's CUDA allocator; for the host, gpuexp.estimate(step, 64, device='cpu') or "
+                         "gpuexp.fit(step, 64, device='cpu') predict the peak")
     return _core.find_batch_size(
-        step, start, max, device=None if device is None else device_indices(device)[0], limit=size(limit, "limit"),
+        step, start, max, device=None if device is None else device_indices(device, argument="device")[0],
+        limit=size(limit, "limit"),
         margin=margin, power_of_two=power_of_two, multiple_of=multiple_of, verifications=verifications, steps=steps,
         progress=live.Progress() if progress else None, estimate=estimate, ranks_timeout=ranks_timeout,
         adapter=ipython.DetachedNamespace(), want=want,
@@ -323,9 +337,15 @@ def size(value, name, *, zero=False):
 
 def count(value, name, example):
     """Raises ValueError naming ``name`` and showing ``example`` (a call that passes one) unless
-    ``value`` is a positive int: a batch size, a number of steps."""
+    ``value`` is a positive int that the core can count (below 2**63): a batch size, a number of steps."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, e.g. {example}; got {value!r}")
+    if value >= _PAST_ANY_COUNT:
+        raise ValueError(f"{name}={value} is past what any step runs (gpuexp counts up to 2**63 - 1): "
+                         f"pass a smaller one, e.g. {example}")
+
+
+_PAST_ANY_COUNT = 1 << 63
 
 
 def _creator_frame():

@@ -10,7 +10,9 @@ import contextlib
 import difflib
 import gc
 import inspect
+import threading
 import time
+import weakref
 
 from . import _core
 from .devices import device_indices
@@ -35,14 +37,22 @@ def checkpointed(model, paths):
         its own ``gradient_checkpointing_enable()``: the recompute would write it twice.
     On exit the modules are exactly as before: the same objects, their own ``forward``, hooks
     (which run once per call, not again in the recompute) and ``state_dict`` keys. An unknown
-    path raises ValueError naming it and the closest valid names; nothing is wrapped then.
+    path raises ValueError naming it and the closest valid names; nothing is wrapped then. So
+    does a module that an open ``checkpointed`` (on any thread) already wraps, inside or around
+    it: two wrappers on one module, exited out of order, would leave one there for good.
     """
     torch = imported_torch("checkpointed")
     chosen = _chosen_modules(model, paths)
     checkpoint = _checkpoint_function()
+    opened = f"checkpointed({type(model).__name__}, {[p for p, _ in chosen]!r})"
+    with _OPEN_LOCK:
+        for path, module in chosen:
+            _refuse_overlap(path, module)
+        for _, module in chosen:
+            _OPEN[module] = opened
     wrapped = []
     try:
-        for module in chosen:
+        for _, module in chosen:
             wrapped.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
             module.forward = _checkpointing_forward(torch, checkpoint, module, module.forward)
         yield model
@@ -52,6 +62,24 @@ def checkpointed(model, paths):
                 module.forward = own
             else:
                 del module.forward
+        with _OPEN_LOCK:
+            for _, module in chosen:
+                _OPEN.pop(module, None)
+
+
+# The modules an open ``checkpointed`` wraps, each with that call as its error shows it.
+_OPEN = weakref.WeakKeyDictionary()
+_OPEN_LOCK = threading.Lock()
+
+
+def _refuse_overlap(path, module):
+    inside = set(map(id, module.modules()))
+    for other, opened in list(_OPEN.items()):
+        if id(other) in inside or any(m is module for m in other.modules()):
+            raise ValueError(
+                f"{path!r} is already checkpointed, or inside or around a module that is, by the open "
+                f"{opened}: exit that block first, or name these blocks in that call"
+            )
 
 
 def _chosen_modules(model, paths):
@@ -60,14 +88,15 @@ def _chosen_modules(model, paths):
         raise TypeError(
             f"checkpointed() takes a torch.nn.Module and paths of its submodules; got {type(model).__name__}"
         )
+    given = paths
     if isinstance(paths, str):
         paths = [paths]
     try:
-        paths = list(dict.fromkeys(paths))
+        paths = [] if isinstance(paths, (bytes, bytearray)) else list(dict.fromkeys(paths))
     except TypeError:
-        raise TypeError(f"paths must be a list of submodule names, e.g. ['layers.0']; got {paths!r}") from None
+        raise TypeError(f"paths must be a list of submodule names, e.g. ['layers.0']; got {given!r}") from None
     if not paths or not all(isinstance(p, str) for p in paths):
-        raise TypeError(f"paths must be a non-empty list of submodule names, e.g. ['layers.0']; got {paths!r}")
+        raise TypeError(f"paths must be a non-empty list of submodule names, e.g. ['layers.0']; got {given!r}")
     modules = dict(model.named_modules(remove_duplicate=False))
     unknown = [p for p in paths if p not in modules]
     if unknown:
@@ -86,7 +115,7 @@ def _chosen_modules(model, paths):
             raise ValueError(
                 f"{path!r} is inside {outer!r}: checkpointing both would recompute {path!r} twice; name one of them"
             )
-    return [modules[path] for path in paths]
+    return [(path, modules[path]) for path in paths]
 
 
 def _checkpoint_function():
@@ -106,14 +135,16 @@ def _checkpointing_forward(torch, checkpoint, module, forward):
         args, kwargs = _without_cache(module, forward, args, kwargs)
         calls = []
 
-        def run(*args, **kwargs):
+        # The block's keywords are bound here, not passed to checkpoint, which would take its
+        # own (debug, preserve_rng_state, context_fn...) from them.
+        def run(*args):
             calls.append(None)
             if len(calls) == 1:
                 return forward(*args, **kwargs)
             with _recomputing(torch, module):  # the backward's replay
                 return forward(*args, **kwargs)
 
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False)
 
     checkpointed_forward.__wrapped__ = forward
     return checkpointed_forward
@@ -270,9 +301,8 @@ def _forwards_to_time(time_forwards):
         model, paths = time_forwards
     except (TypeError, ValueError):
         raise TypeError(f"time_forwards is (model, ['layers.0', ...]); got {time_forwards!r}") from None
-    paths = [paths] if isinstance(paths, str) else list(paths) if hasattr(paths, "__iter__") else paths
-    modules = _chosen_modules(model, paths)  # a bad list fails here, naming the fix
-    return list(dict.fromkeys(paths)), modules
+    chosen = _chosen_modules(model, paths)  # a bad list fails here, naming the fix
+    return [path for path, _ in chosen], [module for _, module in chosen]
 
 
 def _timed_forwards(torch, index, step, batch_size, steps, applied, timed):

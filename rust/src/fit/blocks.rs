@@ -18,8 +18,9 @@ pub struct ModuleSeen {
     pub parent: bool,
     /// Bytes of its parameters, its submodules' included.
     pub parameters: u64,
-    /// FLOPs of its forward pass, as torch's flop counter counts them (matmuls, convolutions).
-    pub forward_flops: u64,
+    /// FLOPs of its forward pass, as torch's flop counter counts them (matmuls, convolutions):
+    /// a float, since a large batch's count passes 2**64.
+    pub forward_flops: f64,
     /// Storages its inputs were in, `(storage, bytes)`: what checkpointing keeps instead.
     pub inputs: Vec<(u64, u64)>,
 }
@@ -43,7 +44,7 @@ pub struct Block {
     pub saved: u64,
     /// Bytes of its inputs: what checkpointing keeps alive in place of `saved`.
     pub kept: u64,
-    pub forward_flops: u64,
+    pub forward_flops: f64,
     pub parameters: u64,
 }
 
@@ -99,7 +100,7 @@ pub fn candidates(modules: &[ModuleSeen], blocks: &[Block]) -> Vec<usize> {
     for module in modules.iter().filter(|m| !m.path.is_empty()) {
         *siblings.entry((parent_of(&module.path), module.class.as_str())).or_default() += 1;
     }
-    let ran = |i: usize| blocks[i].saved > 0 || blocks[i].forward_flops > 0;
+    let ran = |i: usize| blocks[i].saved > 0 || blocks[i].forward_flops > 0.0;
     let repeated: Vec<usize> = (0..modules.len())
         .filter(|&i| {
             let m = &modules[i];
@@ -128,7 +129,7 @@ pub struct Plan {
     /// backward brings its saved tensors back for a while, mostly after the peak's temporaries
     /// (the loss, its gradient) are gone; the estimate of the plan says where that is not so.
     pub saving: u64,
-    pub forward_flops: u64,
+    pub forward_flops: f64,
     /// Whether the plan saves `need`; when no plan does, it is every candidate.
     pub enough: bool,
 }
@@ -154,9 +155,9 @@ pub fn plan(blocks: &[Block], candidates: &[usize], need: Option<u64>) -> Plan {
     // Bytes per FLOP, compared without division: a·d > c·b. A block that counted no FLOPs is free.
     order.sort_by(|&a, &b| {
         let (a, b) = (&blocks[a], &blocks[b]);
-        let left = a.saving() as u128 * b.forward_flops as u128;
-        let right = b.saving() as u128 * a.forward_flops as u128;
-        right.cmp(&left).then(b.saving().cmp(&a.saving()))
+        let left = a.saving() as f64 * b.forward_flops;
+        let right = b.saving() as f64 * a.forward_flops;
+        right.total_cmp(&left).then(b.saving().cmp(&a.saving()))
     });
     let Some(need) = need else {
         return Plan::of(blocks, &order, 0);
@@ -169,7 +170,7 @@ pub fn plan(blocks: &[Block], candidates: &[usize], need: Option<u64>) -> Plan {
         picked.push(i);
     }
     let mut by_cost = picked.clone();
-    by_cost.sort_by_key(|&i| std::cmp::Reverse(blocks[i].forward_flops));
+    by_cost.sort_by(|&a, &b| blocks[b].forward_flops.total_cmp(&blocks[a].forward_flops));
     for i in by_cost {
         let without: Vec<usize> = picked.iter().copied().filter(|&j| j != i).collect();
         if Plan::of(blocks, &without, need).enough {
@@ -186,7 +187,8 @@ mod tests {
     use super::*;
 
     fn module(path: &str, class: &str, parent: bool, flops: u64, inputs: Vec<(u64, u64)>) -> ModuleSeen {
-        ModuleSeen { path: path.into(), class: class.into(), parent, parameters: 10, forward_flops: flops, inputs }
+        let forward_flops = flops as f64;
+        ModuleSeen { path: path.into(), class: class.into(), parent, parameters: 10, forward_flops, inputs }
     }
 
     fn save(storage: u64, bytes: u64, path: &str) -> Save {
@@ -243,7 +245,7 @@ mod tests {
         // Stages of repeated blocks (a ResNet's layer1, layer2) give way to the blocks in them.
         let mut staged: Vec<ModuleSeen> =
             modules.iter().map(|m| ModuleSeen { path: m.path.replace("layers", "stage1"), ..m.clone() }).collect();
-        staged[2].forward_flops = 500; // stage1 ran
+        staged[2].forward_flops = 500.0; // stage1 ran
         staged.push(module("stage2", "ModuleList", true, 5, vec![]));
         assert_eq!(found(&staged)[..3], ["stage1.0", "stage1.1", "stage1.2"]);
         // Without repeated blocks, the model's children that have submodules.
@@ -260,11 +262,14 @@ mod tests {
         let small = plan(&blocks, &candidates, Some(200));
         assert_eq!(
             (small.paths.clone(), small.saving, small.forward_flops, small.enough),
-            (vec!["layers.0".to_string()], 400, 100, true)
+            (vec!["layers.0".to_string()], 400, 100.0, true)
         );
         // 1000 bytes: layers.0 and .1 save only 800, and with layers.2 they are not needed.
         let large = plan(&blocks, &candidates, Some(1000));
-        assert_eq!((large.paths.clone(), large.saving, large.forward_flops), (vec!["layers.2".to_string()], 1000, 300));
+        assert_eq!(
+            (large.paths.clone(), large.saving, large.forward_flops),
+            (vec!["layers.2".to_string()], 1000, 300.0)
+        );
         let too_much = plan(&blocks, &candidates, Some(10_000));
         assert!(!too_much.enough && too_much.paths.len() == 3 && too_much.saving == 1800);
         assert_eq!(plan(&blocks, &candidates, None).saving, 1800);
@@ -278,7 +283,7 @@ mod tests {
             class: "B".into(),
             saved,
             kept: 0,
-            forward_flops: flops,
+            forward_flops: flops as f64,
             parameters: 0,
         };
         // The cheap small block is picked first, then the big one makes it unnecessary.

@@ -103,7 +103,7 @@ pub struct FitInput {
     pub modules: Vec<ModuleSeen>,
     pub saves: Vec<Save>,
     /// FLOPs of the whole step (forward, backward), as the flop counter counts them.
-    pub step_flops: u64,
+    pub step_flops: f64,
     pub model: Option<ModelSeen>,
     pub optimizer: Option<OptimizerSeen>,
     pub gradient_bytes: u64,
@@ -197,7 +197,7 @@ pub struct FitReport {
     pub categories: Categories,
     /// Modules by what they keep for backward, the largest first.
     pub blocks: Vec<Block>,
-    pub step_flops: u64,
+    pub step_flops: f64,
     pub options: Vec<Ranked>,
     /// The largest batch that fits as the step is, from the estimates' line.
     pub largest_batch: Option<u64>,

@@ -232,8 +232,8 @@ fn ranked_run(input: &FitInput, run: &Run, budget: Option<&Budget>) -> Ranked {
 
 /// The recompute share of checkpointing `paths`: their forward FLOPs against the step's.
 pub fn recompute_share(input: &FitInput, paths: &[String]) -> Option<f64> {
-    let flops: u64 = input.modules.iter().filter(|m| paths.contains(&m.path)).map(|m| m.forward_flops).sum();
-    (input.step_flops > 0).then(|| flops as f64 / input.step_flops as f64)
+    let flops: f64 = input.modules.iter().filter(|m| paths.contains(&m.path)).map(|m| m.forward_flops).sum();
+    (input.step_flops > 0.0).then(|| flops / input.step_flops)
 }
 
 /// Title, cost and code of an option.
@@ -271,9 +271,12 @@ fn describe(input: &FitInput, run: &Run) -> (String, String, String) {
             let micro = run.micro_batch.unwrap_or(bs);
             let k = bs / micro.max(1);
             let optimizer = input.optimizer.as_ref().map(|o| o.name.clone()).unwrap_or_else(|| "opt".into());
+            // Only a batch norm's statistics see the micro-batch instead of the batch.
+            let norms = input.modules.iter().any(|m| m.class.contains("BatchNorm"));
+            let seen = if norms { format!("; BatchNorm sees {micro} samples") } else { String::new() };
             (
                 format!("accumulate gradients: {k} micro-batches of {micro}"),
-                format!("{k}× the calls per optimizer step; BatchNorm sees {micro} samples"),
+                format!("{k}× the calls per optimizer step{seen}"),
                 format!(
                     "{optimizer}.zero_grad(set_to_none=True)\nfor i in range({k}):\n    \
                      micro = slice(i * {micro}, (i + 1) * {micro})\n    \

@@ -43,11 +43,11 @@ impl View {
     }
 }
 
-fn percent(part: u64, whole: u64) -> String {
-    if whole == 0 {
+fn percent(part: f64, whole: f64) -> String {
+    if whole == 0.0 {
         "—".into()
     } else {
-        format!("{:.1}%", 100.0 * part as f64 / whole as f64)
+        format!("{:.1}%", 100.0 * part / whole)
     }
 }
 
@@ -102,7 +102,7 @@ impl FitReport {
                 vec![
                     c.label().to_string(),
                     bytes(self.categories.get(*c)),
-                    percent(self.categories.get(*c), self.categories.total()),
+                    percent(self.categories.get(*c) as f64, self.categories.total() as f64),
                 ]
             })
             .collect();
@@ -169,7 +169,10 @@ impl FitReport {
                 self.batch_size
             ));
         }
-        if let Some(batch) = self.largest_batch {
+        // Said once: where the smaller batch is an option, its row gives it.
+        if let Some(batch) =
+            self.largest_batch.filter(|_| !self.options.iter().any(|o| o.option == super::Choice::SmallerBatch))
+        {
             notes.push(format!("the largest batch that fits as the step is: about {batch}"));
         }
         notes.extend(prefixed("hint", &self.hints));

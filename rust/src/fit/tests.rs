@@ -157,7 +157,8 @@ fn the_tables_show_why_the_modules_and_the_options_and_the_code() {
         "{text}"
     );
     assert!(!text.lines().any(|line| line.ends_with(' ')), "no line ends in a space: {text}");
-    assert!(text.contains("the largest batch that fits as the step is: about 40"));
+    assert!(text.contains("batch size 40, the largest that fits as the step is"), "{text}");
+    assert!(!text.contains("the largest batch that fits as the step is: about"), "said once, as the option: {text}");
     let html = view.to_html();
     assert!(html.contains("<pre>import gpuexp\n\nwith gpuexp.checkpointed(net"), "{html}");
     let json = serde_json::to_value(&report).unwrap();
