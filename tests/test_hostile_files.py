@@ -198,3 +198,16 @@ def test_an_interrupt_while_a_line_is_named_is_raised_not_dropped(tmp_path):
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert ran.stdout.strip() == "raised", ran.stdout + ran.stderr
 
+
+
+def test_control_characters_in_a_files_filenames_are_escaped_in_its_text(tmp_path):
+    """A file from elsewhere can't send the terminal escapes: str(trace) shows them as `\\x1b`."""
+    frames = [{"filename": "/home/u/\x1b[31mtrain.py", "line": 3, "name": "step\x07"}]
+    trace = [{"action": "alloc", "addr": 1 << 40, "size": 512, "stream": 0, "time_us": 0, "frames": frames}]
+    path = tmp_path / "escapes.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+    import gpuexp
+
+    text = str(gpuexp.load_snapshot(str(path)))
+    assert "\\x1b[31mtrain.py" in text, text
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in text), repr(text)

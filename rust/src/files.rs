@@ -5,8 +5,10 @@
 //! The writer's guarantee: the target is the old file or the new one, never a mix or a cut-off
 //! file. The bytes go to a temporary file beside the target, created with `O_EXCL | O_NOFOLLOW`
 //! under a name with 64 random bits (a link planted at any name is never followed, and a name
-//! can't be guessed ahead), synced, given the old file's mode (a new file gets the umask's
-//! default), then renamed over the target, and the directory is synced. The temporary file is
+//! can't be guessed ahead; a long target name is shortened in it, so that any name the file
+//! system takes can be written), synced, given the old file's mode without its setuid and
+//! setgid bits (a new file gets the umask's default), then renamed over the target, and the
+//! directory is synced. The temporary file is
 //! removed on any failure, a panic included; a Python caller's interrupt waits for the write,
 //! which releases the GIL, to end. A symbolic link at the target itself is replaced by the
 //! file, not written through.
@@ -14,6 +16,7 @@
 use std::ffi::OsString;
 use std::fs::{File, Metadata, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -37,18 +40,39 @@ pub fn refuse_special(path: &Path, meta: &Metadata, fix: &str) -> Result<()> {
     Err(Error::InvalidArgument(format!("{} is {what}, not a regular file: {fix}", path.display())))
 }
 
+/// How much of a file `read_regular` reads before `check_start` judges it.
+pub const START: usize = 4096;
+
 /// A regular file's bytes, read without ever waiting on it: `O_NONBLOCK` makes opening a FIFO
 /// return at once, and what was opened is checked before a byte is read, so a special file
-/// swapped in after any earlier check is refused too. `keep_going` is asked between chunks of
-/// 64 MiB: an error from it stops the read.
-pub fn read_regular(path: &Path, fix: &str, keep_going: &mut dyn FnMut() -> Result<()>) -> Result<Vec<u8>> {
+/// swapped in after any earlier check is refused too. Its first `START` bytes go to
+/// `check_start` before the rest is read, so a large file of the wrong kind is refused at
+/// once; the room for the rest is asked for, not assumed (a file too large for memory is an
+/// error, not an abort). `keep_going` is asked between chunks of 64 MiB: an error from it
+/// stops the read.
+pub fn read_regular(
+    path: &Path,
+    fix: &str,
+    check_start: &dyn Fn(&[u8]) -> Result<()>,
+    keep_going: &mut dyn FnMut() -> Result<()>,
+) -> Result<Vec<u8>> {
     let cannot = |e: std::io::Error| Error::Io(format!("{}: cannot read it ({e})", path.display()));
-    let mut file =
-        OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC).open(path).map_err(cannot)?;
+    let opened = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC).open(path);
+    let mut file = match opened {
+        Ok(file) => file,
+        // Opening a UNIX socket fails (ENXIO): say what it is, as for one opened.
+        Err(e) => match std::fs::metadata(path) {
+            Ok(meta) => refuse_special(path, &meta, fix).and(Err(cannot(e)))?,
+            Err(_) => return Err(cannot(e)),
+        },
+    };
     let meta = file.metadata().map_err(cannot)?;
     refuse_special(path, &meta, fix)?;
+    let mut bytes = Vec::new();
+    (&mut file).take(START as u64).read_to_end(&mut bytes).map_err(cannot)?;
+    check_start(&bytes)?;
+    reserve_for(&mut bytes, meta.len(), path, fix)?;
     const CHUNK: usize = 64 << 20;
-    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0).saturating_add(1));
     loop {
         keep_going()?;
         let read = (&mut file).take(CHUNK as u64).read_to_end(&mut bytes).map_err(cannot)?;
@@ -56,6 +80,19 @@ pub fn read_regular(path: &Path, fix: &str, keep_going: &mut dyn FnMut() -> Resu
             return Ok(bytes);
         }
     }
+}
+
+/// Room in `bytes` for a file of `size` bytes (and one more, to see its end), asked for: an
+/// error names the file where the room is not to be had.
+fn reserve_for(bytes: &mut Vec<u8>, size: u64, path: &Path, fix: &str) -> Result<()> {
+    let more = usize::try_from(size).unwrap_or(usize::MAX).saturating_add(1).saturating_sub(bytes.len());
+    bytes.try_reserve_exact(more).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{} is {}, more than this process can hold in memory to read: {fix}",
+            path.display(),
+            crate::units::bytes(size)
+        ))
+    })
 }
 
 /// Writes `bytes` to `path` atomically (see the module's comment). The error names the path.
@@ -71,7 +108,8 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         Ok(meta) if meta.file_type().is_symlink() => None,
         Ok(meta) => {
             refuse_special(path, &meta, "name a file to write, which is replaced whole")?;
-            Some(meta.permissions().mode() & 0o7777)
+            // Never setuid or setgid: the new bytes are not the program that was trusted so.
+            Some(meta.permissions().mode() & 0o1777)
         }
         Err(_) => None,
     };
@@ -100,7 +138,7 @@ impl Temporary {
         let mut tries = 0;
         loop {
             let mut name = OsString::from(".");
-            name.push(target);
+            name.push(shortened(target));
             name.push(format!(".{:016x}.tmp", random_u64()?));
             let path = directory.join(name);
             let opened = OpenOptions::new()
@@ -122,6 +160,16 @@ impl Temporary {
             }
         }
     }
+}
+
+/// The longest name a file can have (Linux's NAME_MAX), and what the temporary name adds.
+const NAME_MAX: usize = 255;
+const TEMPORARY_ADDS: usize = ".".len() + ".0123456789abcdef.tmp".len();
+
+/// The target's name as the temporary one starts with it: cut so that the whole fits.
+fn shortened(target: &std::ffi::OsStr) -> &std::ffi::OsStr {
+    let bytes = target.as_bytes();
+    std::ffi::OsStr::from_bytes(&bytes[..bytes.len().min(NAME_MAX - TEMPORARY_ADDS)])
 }
 
 impl Drop for Temporary {

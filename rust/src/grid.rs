@@ -15,15 +15,36 @@ pub struct Grid {
     pub compact: bool,
 }
 
+/// `text` with its control characters written as escapes (`\x1b`): a name from a file or
+/// from the user (a snapshot's filename, an experiment's) can't move the terminal's cursor or
+/// change its colours. Newlines and tabs are kept; HTML and JSON escape on their own.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    let control = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !text.chars().any(control) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            c if control(c) && (c as u32) < 0x100 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if control(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.into()
+}
+
 impl Grid {
+    /// The table as text, every string through `printable`.
     pub fn to_text(&self) -> String {
         let mut table = Table::new();
+        let shown = |cells: &[String]| cells.iter().map(|cell| printable(cell).into_owned()).collect::<Vec<_>>();
         table
             .load_style(if self.compact { presets::NOTHING } else { presets::UTF8_FULL_CONDENSED })
             .set_content_arrangement(ContentArrangement::Disabled)
-            .set_header(&self.header);
+            .set_header(shown(&self.header));
         for row in &self.rows {
-            table.add_row(row);
+            table.add_row(shown(row));
         }
         for (column, align) in table.column_iter_mut().zip(self.alignments()) {
             column.set_cell_alignment(match align {
@@ -32,16 +53,16 @@ impl Grid {
             });
         }
         let mut out = String::new();
-        out.push_str(&self.title);
+        out.push_str(&printable(&self.title));
         out.push('\n');
         for line in &self.lines {
-            out.push_str(line);
+            out.push_str(&printable(line));
             out.push('\n');
         }
         out.push_str(&table.to_string());
         for note in &self.notes {
             out.push('\n');
-            out.push_str(note);
+            out.push_str(&printable(note));
         }
         out
     }
@@ -206,6 +227,19 @@ mod tests {
             notes: Vec::new(),
             compact: false,
         }
+    }
+
+    #[test]
+    fn control_characters_from_names_are_escaped_in_text_and_left_to_html() {
+        let mut grid = table(&[["\x1b[31mIn [1], line 2", "x\u{9b}y", "1 B", "2 B"]]);
+        grid.title = "gpuexp · \x1b[31mx".into();
+        grid.notes = vec!["note: \x07".into()];
+        let text = grid.to_text();
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        for shown in ["gpuexp · \\x1b[31mx", "\\x1b[31mIn [1], line 2", "x\\x9by", "note: \\x07"] {
+            assert!(text.contains(shown), "{shown} in {text}");
+        }
+        assert_eq!(printable("plain\ttext"), "plain\ttext");
     }
 
     #[test]

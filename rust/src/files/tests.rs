@@ -124,21 +124,78 @@ fn a_fifo_is_refused_at_once_and_a_regular_file_is_read_in_chunks() {
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let started = std::time::Instant::now();
-    let refused = read_regular(&fifo, "name a snapshot file", &mut || Ok(())).unwrap_err();
+    let refused = read_regular(&fifo, "name a snapshot file", &|_| Ok(()), &mut || Ok(())).unwrap_err();
     assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("FIFO") && m.contains("name a snapshot")));
     assert!(started.elapsed() < std::time::Duration::from_secs(1), "no writer was waited for");
-    let device = read_regular(Path::new("/dev/zero"), "fix", &mut || Ok(())).unwrap_err();
+    let device = read_regular(Path::new("/dev/zero"), "fix", &|_| Ok(()), &mut || Ok(())).unwrap_err();
     assert!(matches!(&device, Error::InvalidArgument(m) if m.contains("a device")), "{device:?}");
     let file = directory.join("f");
     std::fs::write(&file, vec![7u8; 100]).unwrap();
     let mut asked = 0;
-    let read = read_regular(&file, "fix", &mut || {
+    let read = read_regular(&file, "fix", &|_| Ok(()), &mut || {
         asked += 1;
         Ok(())
     });
     assert_eq!(read.unwrap(), vec![7u8; 100]);
     assert_eq!(asked, 1);
-    let stopped = read_regular(&file, "fix", &mut || Err(Error::Interrupted)).unwrap_err();
+    let stopped = read_regular(&file, "fix", &|_| Ok(()), &mut || Err(Error::Interrupted)).unwrap_err();
     assert_eq!(stopped, Error::Interrupted);
+    std::fs::remove_dir_all(directory).unwrap();
+}
+
+#[test]
+fn a_unix_socket_is_named_as_one() {
+    let directory = scratch("socket");
+    let path = directory.join("listening.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let refused = read_regular(&path, "name a snapshot file", &|_| Ok(()), &mut || Ok(())).unwrap_err();
+    assert!(matches!(&refused, Error::InvalidArgument(m) if m.contains("is a socket")), "{refused:?}");
+    std::fs::remove_dir_all(directory).unwrap();
+}
+
+#[test]
+fn the_start_is_judged_before_the_rest_is_read_and_a_file_too_large_for_memory_is_an_error() {
+    let directory = scratch("start");
+    let path = directory.join("sparse");
+    // 8 GiB with no disk used: refused at its start, never read whole.
+    let file = File::create(&path).unwrap();
+    file.set_len(8 << 30).unwrap();
+    let judged = std::cell::Cell::new(0);
+    let junk = |start: &[u8]| {
+        judged.set(start.len());
+        Err(Error::InvalidArgument("junk".into()))
+    };
+    let started = std::time::Instant::now();
+    let refused = read_regular(&path, "fix", &junk, &mut || Ok(())).unwrap_err();
+    assert_eq!((refused, judged.get()), (Error::InvalidArgument("junk".into()), START));
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    // Room no process has (past any address space) is an error, not an abort.
+    let too_large = reserve_for(&mut Vec::new(), 1 << 62, &path, "fix").unwrap_err();
+    assert!(matches!(&too_large, Error::InvalidArgument(m) if m.contains("more than this process can hold")));
+    std::fs::remove_dir_all(directory).unwrap();
+}
+
+#[test]
+fn names_up_to_the_longest_the_file_system_takes_are_written() {
+    let directory = scratch("long");
+    for length in [233, 234, 255] {
+        let path = directory.join("n".repeat(length));
+        write_atomically(&path, b"first").unwrap();
+        write_atomically(&path, b"second").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"second", "{length}");
+    }
+    assert_eq!(names(&directory).len(), 3, "no temporary file is left");
+    std::fs::remove_dir_all(directory).unwrap();
+}
+
+#[test]
+fn a_replaced_file_loses_its_setuid_and_setgid_bits_and_keeps_the_rest() {
+    let directory = scratch("setuid");
+    let path = directory.join("tool");
+    std::fs::write(&path, "old").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o6755)).unwrap();
+    assert_eq!(mode(&path), 0o6755, "the test's own file system keeps the bits");
+    write_atomically(&path, b"new").unwrap();
+    assert_eq!(mode(&path), 0o755);
     std::fs::remove_dir_all(directory).unwrap();
 }

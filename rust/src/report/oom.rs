@@ -360,7 +360,7 @@ mod tests {
             bytes,
             blocks: 1,
             share,
-            stack: Vec::new(),
+            stack: Default::default(),
         };
         let mut d = diagnosis();
         d.sites = Some(OomSites {
@@ -368,7 +368,11 @@ mod tests {
             time_us: 0,
             requested: 1 << 50,
             device_free: 0,
-            site: Site { label: "In [7], line 2".into(), source: Some("huge = alloc()".into()), stack: Vec::new() },
+            site: Site {
+                label: "In [7], line 2".into(),
+                source: Some("huge = alloc()".into()),
+                stack: Default::default(),
+            },
             live: SiteTable {
                 total: 3 * GIB,
                 sites: vec![row("In [6], line 1", 2 * GIB, 2.0 / 3.0), row("In [7], line 1", GIB, 1.0 / 3.0)],
@@ -389,7 +393,7 @@ mod tests {
             time_us: 0,
             requested,
             device_free: 0,
-            site: crate::trace::Site { label: String::new(), source: None, stack: Vec::new() },
+            site: crate::trace::Site { label: String::new(), source: None, stack: Default::default() },
             live: crate::trace::SiteTable {
                 total: 0,
                 sites: Vec::new(),

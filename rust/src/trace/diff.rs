@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use super::peak::{PeakSites, SiteRow};
+use super::sites::StackText;
 use crate::grid::Grid;
 use crate::params::{Param, Params};
 use crate::units::{bytes, signed_bytes};
@@ -72,7 +73,7 @@ pub struct SiteDiffRow {
     pub growth: Growth,
     /// The row in a sentence: "+2.40 GiB In [9], line 14 `…`: 4.0× (bs 64 → 128)".
     pub text: String,
-    pub stack: Vec<String>,
+    pub stack: StackText,
 }
 
 /// Two peaks compared site by site.

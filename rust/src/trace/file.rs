@@ -18,11 +18,15 @@ pub const NO_HISTORY: &str = "this snapshot holds no allocation history: no GPU'
                               records one only on a CUDA device, between torch.cuda.memory._record_memory_history() \
                               and the snapshot (a CPU-only process dumps an empty one)";
 
-/// The file's bytes and the snapshot they hold. `keep_going` is asked every few milliseconds
-/// (between chunks of the read, every so many opcodes of the parse); its error stops the load.
+/// The file's bytes and the snapshot they hold, a file that starts as no pickle refused before
+/// the rest is read. `keep_going` is asked every few milliseconds (between chunks of the read,
+/// by work done in the parse); its error stops the load.
 pub fn read(path: &Path, keep_going: &mut dyn FnMut() -> Result<()>) -> Result<(Vec<u8>, AllocationHistory)> {
-    let bytes = crate::files::read_regular(path, SNAPSHOT_FILE, keep_going)?;
-    refuse_compressed(path, &bytes)?;
+    let check_start = |start: &[u8]| {
+        refuse_compressed(path, start)?;
+        AllocationHistory::check_start(start)
+    };
+    let bytes = crate::files::read_regular(path, SNAPSHOT_FILE, &check_start, keep_going)?;
     let snapshot = AllocationHistory::from_pickle_checked(&bytes, keep_going)?;
     Ok((bytes, snapshot))
 }

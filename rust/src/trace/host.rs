@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(sites[NO_USER_FRAME], 512);
         let five = trace.table.sites.iter().find(|row| row.label.ends_with(":5")).expect("line 5");
         assert_eq!(five.blocks, 4);
-        assert_eq!(five.stack, [format!("{NUMPY}:190"), format!("{CELL}:5")], "its largest traceback");
+        assert_eq!(five.stack[..], [format!("{NUMPY}:190"), format!("{CELL}:5")], "its largest traceback");
         assert_eq!(trace.table.sites[0].label, format!("{CELL}:4"), "largest first");
         assert_eq!(trace.table.total, (51 << 20) + 512);
         assert_eq!(trace.net_bytes, 51 * MIB + 512);

@@ -65,7 +65,7 @@ pub use replay::{replay, Completeness, Peak, PeakBounds, Replay};
 pub use sampled::StepSpan;
 pub use sampling::Sampling;
 pub use scope::{peak_since, scope_traces, scope_traces_checked, snapshot_traces, DeviceTrace};
-pub use sites::{Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule};
+pub use sites::{clipped, Attribution, Phase, PlainNamer, Site, SiteKey, SiteNamer, SiteRule, StackText};
 pub use timeline::{timeline, Timeline, TimelineSeries, MAX_POINTS};
 
 /// How many items of a long loop (events, blocks) go by between two asks of `keep_going`: a

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::block::{Block, SiteSource};
 use super::replay::{Completeness, Peak, PeakBounds, Replay};
 use super::sampling::Sampling;
-use super::sites::{Attribution, SiteKey};
+use super::sites::{Attribution, SiteKey, StackText};
 use crate::error::Result;
 use crate::estimate::Category;
 use crate::grid::{escape, prefixed, Grid};
@@ -27,7 +27,7 @@ pub struct SiteRow {
     /// Of the total at that moment, 0 to 1.
     pub share: f64,
     /// The full stack of its largest block, innermost first.
-    pub stack: Vec<String>,
+    pub stack: StackText,
 }
 
 /// Everything past the top sites, together.

@@ -18,7 +18,9 @@ pub struct DeviceTrace {
     pub torch_index: u32,
     pub peak: PeakSites,
     pub timeline: Timeline,
-    /// Blocks the scope allocated that were still alive when it finished, largest first.
+    /// Blocks the scope allocated that were still alive when it finished, largest first (each
+    /// site's stack written once: see `held::each_stack_once`).
+    #[serde(serialize_with = "super::held::each_stack_once")]
     pub still_held: Vec<HeldBlock>,
     pub ooms: Vec<OomSites>,
 }

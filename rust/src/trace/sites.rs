@@ -3,8 +3,9 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use super::block::Block;
 use super::block::SiteSource;
@@ -90,13 +91,19 @@ impl Phase {
     /// The phase a stack shows: autograd's backward or an optimizer's step anywhere in it.
     /// Frames say nothing of the forward pass, so anything else is `Forward`.
     pub fn of(stacks: &Stacks, stack: StackId) -> Phase {
-        for frame in stacks.frames(stack) {
-            let file = frame.filename.replace('\\', "/");
-            if frame.name.contains("backward") || file.contains("torch/autograd/") {
+        Phase::of_frames(
+            stacks.frames(stack).map(|frame| (Strings::of_file(frame.filename), Strings::of_name(frame.name))),
+        )
+    }
+
+    /// `of`, with what each frame's filename and name tell found already.
+    fn of_frames(frames: impl Iterator<Item = (Strings, Strings)>) -> Phase {
+        for (file, name) in frames {
+            if name.backward || file.autograd {
                 return Phase::Backward;
             }
             // Not any `step`: a user's training step is one too.
-            if file.contains("/optim/") || frame.name.contains("optimizer") {
+            if file.optim || name.optimizer {
                 return Phase::OptimizerStep;
             }
         }
@@ -108,6 +115,42 @@ impl Phase {
             Phase::Forward => "forward",
             Phase::Backward => "backward",
             Phase::OptimizerStep => "optimizer step",
+        }
+    }
+}
+
+/// What a frame's filename or function name tells the attribution, found once per distinct
+/// string: a file's string may be megabytes long and shared by every frame.
+#[derive(Clone, Copy, Debug, Default)]
+struct Strings {
+    user: bool,
+    autograd: bool,
+    optim: bool,
+    init: bool,
+    module_py: bool,
+    backward: bool,
+    optimizer: bool,
+    parameter_method: bool,
+}
+
+impl Strings {
+    fn of_file(filename: &str) -> Strings {
+        let file = filename.replace('\\', "/");
+        Strings {
+            autograd: file.contains("torch/autograd/"),
+            optim: file.contains("/optim/"),
+            init: file.contains("torch/nn/init.py"),
+            module_py: file.contains("torch/nn/modules/module.py"),
+            ..Strings::default()
+        }
+    }
+
+    fn of_name(name: &str) -> Strings {
+        Strings {
+            backward: name.contains("backward"),
+            optimizer: name.contains("optimizer"),
+            parameter_method: ["_apply", "to", "cuda"].contains(&name),
+            ..Strings::default()
         }
     }
 }
@@ -137,7 +180,55 @@ pub struct Site {
     /// The line's source, when the namer could read it.
     pub source: Option<String>,
     /// The first block's full stack, innermost first: `file:line in name`.
-    pub stack: Vec<String>,
+    pub stack: StackText,
+}
+
+/// A stack as a report shows it, innermost first (`file:line in name`): formatted once per
+/// stack and shared by every row and held block that shows it, each string clipped to
+/// `CLIPPED` and the whole to `STACK_TEXT`, so that a file's long string referred to by a
+/// thousand frames is never a thousand copies.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StackText(Arc<[String]>);
+
+impl std::ops::Deref for StackText {
+    type Target = [String];
+    fn deref(&self) -> &[String] {
+        &self.0
+    }
+}
+
+impl Serialize for StackText {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter())
+    }
+}
+
+impl From<Vec<String>> for StackText {
+    fn from(lines: Vec<String>) -> StackText {
+        StackText(lines.into())
+    }
+}
+
+impl FromIterator<String> for StackText {
+    fn from_iter<I: IntoIterator<Item = String>>(lines: I) -> StackText {
+        StackText(lines.into_iter().collect())
+    }
+}
+
+/// The longest filename or function name a site shows whole (a real path is seldom half as
+/// long); a longer one shows its start and end around an ellipsis.
+const CLIPPED: usize = 1024;
+/// The most text a stack shows; the frames past it are counted in a last line.
+const STACK_TEXT: usize = 256 << 10;
+
+/// `text`, or its start and end around `…` when longer than `CLIPPED` bytes.
+pub fn clipped(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= CLIPPED {
+        return text.into();
+    }
+    let head = text.floor_char_boundary(CLIPPED / 2);
+    let tail = text.ceil_char_boundary(text.len() - CLIPPED / 2);
+    format!("{}…({} bytes)…{}", &text[..head], text.len() - head - (text.len() - tail), &text[tail..]).into()
 }
 
 /// Blocks to sites, with the rule, the namer and the snapshot's strings. What a stack tells (its
@@ -150,6 +241,9 @@ pub struct Attribution<'a> {
     line_keys: RefCell<HashMap<StackId, Option<(u32, u32)>>>,
     phases: RefCell<HashMap<StackId, Phase>>,
     parameter_stacks: RefCell<HashMap<StackId, bool>>,
+    stack_texts: RefCell<HashMap<StackId, StackText>>,
+    /// What each filename and name tells, by its id: user code, autograd, an optimizer.
+    strings: RefCell<HashMap<(u32, bool), Strings>>,
 }
 
 impl<'a> Attribution<'a> {
@@ -161,18 +255,42 @@ impl<'a> Attribution<'a> {
             line_keys: RefCell::default(),
             phases: RefCell::default(),
             parameter_stacks: RefCell::default(),
+            stack_texts: RefCell::default(),
+            strings: RefCell::default(),
         }
+    }
+
+    /// What a filename (`file`) or function name tells, looked at once per string.
+    fn strings(&self, id: u32, file: bool) -> Strings {
+        *self.strings.borrow_mut().entry((id, file)).or_insert_with(|| {
+            let text = self.stacks.string(id);
+            match file {
+                true => Strings { user: self.rule.is_user(text), ..Strings::of_file(text) },
+                false => Strings::of_name(text),
+            }
+        })
+    }
+
+    /// What each frame of `stack` tells: its filename's and its name's.
+    fn frame_strings(&self, stack: StackId) -> impl Iterator<Item = (FrameRef<'a>, Strings, Strings)> + '_ {
+        self.stacks
+            .frames(stack)
+            .map(|frame| (frame, self.strings(frame.file, true), self.strings(frame.name_id, false)))
     }
 
     fn line_key(&self, stack: StackId) -> Option<(u32, u32)> {
         *self.line_keys.borrow_mut().entry(stack).or_insert_with(|| {
-            let frame = self.rule.user_frame(self.stacks, stack)?;
+            let (frame, _, _) = self.frame_strings(stack).find(|(_, file, _)| file.user)?;
             Some((frame.file, frame.line))
         })
     }
 
     fn phase(&self, stack: StackId) -> Phase {
-        *self.phases.borrow_mut().entry(stack).or_insert_with(|| Phase::of(self.stacks, stack))
+        *self
+            .phases
+            .borrow_mut()
+            .entry(stack)
+            .or_insert_with(|| Phase::of_frames(self.frame_strings(stack).map(|(_, file, name)| (file, name))))
     }
 
     /// A block's phase: backward where the hooks marked it so, else what its `context` shows.
@@ -207,18 +325,34 @@ impl<'a> Attribution<'a> {
         SiteKey::Phase { phase, from: self.line_key(context), module: block.module }
     }
 
-    /// How `key` reads; `stack` is one of its blocks' stacks.
-    pub fn site(&self, replay: &Replay, key: SiteKey, stack: StackId) -> Site {
-        let stack_lines = self
-            .stacks
-            .frames(stack)
-            .map(|frame| format!("{}:{} in {}", frame.filename, frame.line, frame.name))
-            .collect();
+    /// `stack` as a report shows it, formatted the first time it is asked for.
+    pub fn stack_text(&self, stack: StackId) -> StackText {
+        let mut texts = self.stack_texts.borrow_mut();
+        let text = texts.entry(stack).or_insert_with(|| {
+            let (mut lines, mut length, mut frames) = (Vec::new(), 0, 0);
+            for frame in self.stacks.frames(stack) {
+                frames += 1;
+                if length < STACK_TEXT {
+                    let line = format!("{}:{} in {}", clipped(frame.filename), frame.line, clipped(frame.name));
+                    length += line.len();
+                    lines.push(line);
+                }
+            }
+            if frames > lines.len() {
+                lines.push(format!("… {} more frames", frames - lines.len()));
+            }
+            lines.into()
+        });
+        text.clone()
+    }
+
+    /// How `key` reads, without its stack: what a timeline's series needs.
+    pub fn label(&self, replay: &Replay, key: SiteKey) -> (String, Option<String>) {
         let module = |id: Option<u32>| id.map(|id| replay.modules.family(id));
-        let (label, source) = match key {
+        match key {
             SiteKey::Line { filename, line, module: id } => {
                 let file = self.stacks.string(filename);
-                let at = self.namer.label(file, line);
+                let at = self.namer.label(&clipped(file), line);
                 let label = match module(id) {
                     Some(family) => format!("{at} in {}", family.label()),
                     None => at,
@@ -233,7 +367,7 @@ impl<'a> Attribution<'a> {
                 let label = match from {
                     Some((filename, line)) => {
                         let file = self.stacks.string(filename);
-                        let at = self.namer.label(file, line);
+                        let at = self.namer.label(&clipped(file), line);
                         match self.namer.source(file, line) {
                             Some(source) => format!("{what}, `{source}` at {at}"),
                             None => format!("{what} at {at}"),
@@ -246,8 +380,13 @@ impl<'a> Attribution<'a> {
             SiteKey::BeforeRecording => ("(allocated before recording)".to_string(), None),
             SiteKey::NoFrame => ("(no Python frame)".to_string(), None),
             SiteKey::Unattributed => ("(unattributed: made in a step recorded without stacks)".to_string(), None),
-        };
-        Site { label, source, stack: stack_lines }
+        }
+    }
+
+    /// How `key` reads; `stack` is one of its blocks' stacks.
+    pub fn site(&self, replay: &Replay, key: SiteKey, stack: StackId) -> Site {
+        let (label, source) = self.label(replay, key);
+        Site { label, source, stack: self.stack_text(stack) }
     }
 
     /// What a block is to training, where the frames tell (see docs/trace.md): None for a block
@@ -262,11 +401,7 @@ impl<'a> Attribution<'a> {
         let event = block.alloc_event.filter(|_| block.sites != SiteSource::Unattributed)?;
         let context = if self.stacks.is_bare(block.stack) { replay.context[event] } else { block.stack };
         let is_parameter = *self.parameter_stacks.borrow_mut().entry(context).or_insert_with(|| {
-            self.stacks.frames(context).any(|frame| {
-                let file = frame.filename.replace('\\', "/");
-                file.contains("torch/nn/init.py")
-                    || (file.contains("torch/nn/modules/module.py") && ["_apply", "to", "cuda"].contains(&frame.name))
-            })
+            self.frame_strings(context).any(|(_, file, name)| file.init || (file.module_py && name.parameter_method))
         });
         if is_parameter {
             return Some(Category::Parameters);

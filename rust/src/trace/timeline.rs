@@ -160,8 +160,8 @@ pub(super) fn timeline_checked(
         .into_iter()
         .zip(values.iter())
         .map(|(key_stack, y)| {
-            let (key, stack) = key_stack.expect("every ranked site has a block");
-            TimelineSeries { label: attribution.site(replay, key, stack).label, y: y.clone() }
+            let (key, _) = key_stack.expect("every ranked site has a block");
+            TimelineSeries { label: attribution.label(replay, key).0, y: y.clone() }
         })
         .collect();
     series.push(TimelineSeries { label: "other sites".into(), y: values[other].clone() });

@@ -1,6 +1,9 @@
 //! The `Finish` hook that builds a snapshot as the pickle is read: each event dict an `Event` as
 //! soon as it is made or appended, each frames list a stack, so the trace is never held as dicts.
 
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use super::budget::Budget;
 use super::fields::size;
 use super::stacks::{StackId, Stacks};
@@ -8,12 +11,20 @@ use super::{Action, Event};
 use crate::error::{Error, Result};
 use crate::trace::pickle::{self, Finish, Value};
 
+/// How many items visited (or 16 bytes made) between two asks for Ctrl-C: some milliseconds.
+const CHECK_WORK: usize = 1 << 16;
+
 /// Turns each event dict into an `Event` as soon as the reader appends it to its trace, and
 /// interns frames: a shared frame dict is read once (its id noted on it).
 pub(super) struct Builder<'a> {
     pub(super) stacks: Stacks,
     pub(super) events: Vec<Event>,
     scratch: Vec<u32>,
+    /// Each string object of the file (memoized once, referred to by many frames and events)
+    /// and its id in `stacks`, by the object's address: a string shared a thousand times is
+    /// hashed and copied once, not a thousand times. The objects are kept so that no address
+    /// is reused by another string during the read.
+    string_ids: HashMap<*const Box<str>, (Rc<Box<str>>, u32)>,
     pub(super) budget: Budget,
     keep_going: &'a mut dyn FnMut() -> Result<()>,
     /// Why the read stopped, when `keep_going` said so.
@@ -29,6 +40,7 @@ impl<'a> Builder<'a> {
             stacks: Stacks::default(),
             events: Vec::new(),
             scratch: Vec::new(),
+            string_ids: HashMap::new(),
             keep_going,
             stopped: None,
             impossible: None,
@@ -43,6 +55,20 @@ impl<'a> Builder<'a> {
         })
     }
 
+    /// The id of a string object of the file (the empty string's for anything else), interned
+    /// once per object: its bytes are charged to the budget once.
+    fn string(&mut self, value: Option<&Value>) -> u32 {
+        let Some(Value::Str(text)) = value else { return self.stacks.intern_string("") };
+        if let Some((_, id)) = self.string_ids.get(&Rc::as_ptr(text)) {
+            return *id;
+        }
+        // Held twice by `Stacks` (its table and its map's key), and once by `string_ids`.
+        self.budget.hold(2 * text.len() + 64);
+        let id = self.stacks.intern_string(text);
+        self.string_ids.insert(Rc::as_ptr(text), (text.clone(), id));
+        id
+    }
+
     fn frame(&mut self, frame: &Value) -> u32 {
         if let Value::Dict(dict) = frame {
             if let Some(id) = dict.note.get() {
@@ -54,12 +80,13 @@ impl<'a> Builder<'a> {
         }
         let (mut filename, mut line, mut name) = (None, 0, None);
         frame.for_each_entry(|key, value| match key {
-            "filename" => filename = value.as_str().map(str::to_string),
+            "filename" => filename = Some(value.clone()),
             "line" => line = value.as_int().unwrap_or(0).clamp(0, u32::MAX as i64) as u32,
-            "name" => name = value.as_str().map(str::to_string),
+            "name" => name = Some(value.clone()),
             _ => {}
         });
-        let id = self.stacks.intern_frame(filename.as_deref().unwrap_or(""), line, name.as_deref().unwrap_or(""));
+        let (filename, name) = (self.string(filename.as_ref()), self.string(name.as_ref()));
+        let id = self.stacks.intern_frame_ids(filename, line, name);
         if let Value::Dict(dict) = frame {
             dict.note.set(Some(id));
         }
@@ -88,7 +115,12 @@ impl<'a> Builder<'a> {
         let mut ids = std::mem::take(&mut self.scratch);
         ids.clear();
         ids.extend(frames.map(|frame| self.frame(frame)));
+        let known = self.stacks.count();
         let stack = self.stacks.intern_stack(&ids);
+        if self.stacks.count() > known {
+            // Its frames in `Stacks`, and again as its map's key.
+            self.budget.hold(ids.len() * 8 + 64);
+        }
         self.scratch = ids;
         stack
     }
@@ -105,6 +137,9 @@ impl<'a> Builder<'a> {
                 other => 1 + other.item_count(),
             };
             if !self.budget.charge(items) {
+                return events;
+            }
+            if !self.budget.hold(items * std::mem::size_of::<Event>()) {
                 return events;
             }
             if let Value::Kept { first, count } = item {
@@ -134,6 +169,7 @@ impl<'a> Builder<'a> {
     /// Reads an event into `events`.
     fn keep<'v>(&mut self, entries: impl Iterator<Item = (&'v Value, &'v Value)>, read: &mut Vec<(Value, u32)>) -> u32 {
         let event = self.event(entries, read);
+        self.budget.hold(std::mem::size_of::<Event>());
         self.events.push(event);
         (self.events.len() - 1) as u32
     }
@@ -175,7 +211,7 @@ impl<'a> Builder<'a> {
             "time_us" => event.time_us = number(value),
             "device_free" => event.device_free = sized(value, "device_free"),
             "frames" => frames = Some(value),
-            "user_metadata" => annotation = value.as_str().filter(|text| !text.is_empty()).map(str::to_string),
+            "user_metadata" => annotation = value.as_str().filter(|text| !text.is_empty()).map(|_| value),
             _ => {}
         });
         if let Some((field, shown)) = impossible {
@@ -188,7 +224,7 @@ impl<'a> Builder<'a> {
         if let Some(list @ Value::List(_)) = frames.filter(|frames| frames.read_list().is_none()) {
             read.push((list.clone(), event.stack));
         }
-        event.annotation = annotation.map(|text| self.stacks.intern_string(&text));
+        event.annotation = annotation.map(|text| self.string(Some(text)));
         event
     }
 }
@@ -216,11 +252,23 @@ impl Finish for Builder<'_> {
     }
 
     fn keep_going(&mut self) -> std::result::Result<(), pickle::Error> {
+        self.budget.since_check = 0;
         (self.keep_going)().map_err(|stopped| {
             let why = stopped.to_string();
             self.stopped = Some(stopped);
             why
         })
+    }
+
+    fn due(&self) -> bool {
+        self.budget.since_check >= CHECK_WORK
+    }
+
+    fn hold(&mut self, bytes: usize) -> std::result::Result<(), pickle::Error> {
+        match self.budget.hold(bytes) {
+            true => Ok(()),
+            false => Err("it makes more than its size allows".into()),
+        }
     }
 
     /// A frames list (every item a frame dict: one read already, or one with a `filename`) is

@@ -159,16 +159,23 @@ impl AllocationHistory {
     /// (`Error::Interrupted`: Ctrl-C) stops the read. A size no device could hold is refused,
     /// with its field and where it is.
     pub fn from_pickle_checked(bytes: &[u8], keep_going: &mut dyn FnMut() -> Result<()>) -> Result<AllocationHistory> {
-        let invalid = |why: String| {
-            Error::InvalidArgument(format!(
-                "not a torch memory snapshot ({why}); write one with \
-                 pickle.dump(torch.cuda.memory._snapshot(), f)"
-            ))
-        };
+        let invalid = not_a_snapshot;
         let mut builder = Builder::new(keep_going, bytes.len());
         let read = pickle::read(bytes, &mut builder);
         if let Some(stopped) = builder.stopped.take() {
             return Err(stopped);
+        }
+        let refused = |builder: &Builder| {
+            invalid(format!(
+                "its entries refer to one another so that reading it would build more than {} events, blocks \
+                 and frames, or hold more than {}, from a file of {} bytes, which no snapshot torch writes does",
+                builder.budget.limit,
+                crate::units::bytes(builder.budget.held_limit as u64),
+                bytes.len()
+            ))
+        };
+        if builder.budget.spent() {
+            return Err(refused(&builder));
         }
         let pickled = read.map_err(invalid)?;
         let root = &pickled.root;
@@ -189,13 +196,7 @@ impl AllocationHistory {
         let segments = segments.items().iter().map_while(|segment| builder.segment(segment)).collect();
         let gpuexp = root.get("gpuexp").map(|key| builder.gpuexp(&key)).unwrap_or_default();
         if builder.budget.spent() {
-            let why = format!(
-                "its entries refer to one another so that reading it would build more than {} events, \
-                 blocks and frames from a file of {} bytes, which no snapshot torch writes does",
-                builder.budget.limit,
-                bytes.len()
-            );
-            return Err(invalid(why));
+            return Err(refused(&builder));
         }
         if let Some(impossible) = builder.impossible {
             return Err(Error::InvalidArgument(format!(
@@ -207,6 +208,12 @@ impl AllocationHistory {
         Ok(AllocationHistory { segments, device_traces, stacks: builder.stacks, gpuexp })
     }
 
+    /// Refuses a file whose first bytes are no pickle (see `pickle::check_start`): a large
+    /// file of something else is never read whole.
+    pub fn check_start(start: &[u8]) -> Result<()> {
+        pickle::check_start(start).map_err(not_a_snapshot)
+    }
+
     /// The devices that have a trace or a segment.
     pub fn devices(&self) -> Vec<usize> {
         let mut devices: Vec<usize> =
@@ -216,6 +223,12 @@ impl AllocationHistory {
         devices.dedup();
         devices
     }
+}
+
+fn not_a_snapshot(why: String) -> Error {
+    Error::InvalidArgument(format!(
+        "not a torch memory snapshot ({why}); write one with pickle.dump(torch.cuda.memory._snapshot(), f)"
+    ))
 }
 
 #[cfg(test)]

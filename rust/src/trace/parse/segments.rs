@@ -30,7 +30,7 @@ impl Builder<'_> {
 
     /// A segment's block, none once the budget is spent.
     fn block(&mut self, block: &Value, segment: &dyn Fn() -> String) -> Option<SegmentBlock> {
-        if !self.budget.charge(1 + block.item_count()) {
+        if !self.budget.charge(1 + block.item_count()) || !self.budget.hold(std::mem::size_of::<SegmentBlock>()) {
             return None;
         }
         let at = int(block, "address") as u64;

@@ -14,6 +14,8 @@ pub struct FrameRef<'a> {
     pub file: u32,
     pub filename: &'a str,
     pub line: u32,
+    /// The function name's id in the string table.
+    pub name_id: u32,
     pub name: &'a str,
 }
 
@@ -65,7 +67,13 @@ impl Stacks {
     }
 
     pub fn intern_frame(&mut self, filename: &str, line: u32, name: &str) -> u32 {
-        let key = (self.intern_string(filename), line, self.intern_string(name));
+        let (filename, name) = (self.intern_string(filename), self.intern_string(name));
+        self.intern_frame_ids(filename, line, name)
+    }
+
+    /// `intern_frame` with the strings interned already.
+    pub fn intern_frame_ids(&mut self, filename: u32, line: u32, name: u32) -> u32 {
+        let key = (filename, line, name);
         let next = self.frames.len() as u32;
         *self.frame_ids.entry(key).or_insert_with(|| {
             self.frames.push(key);
@@ -95,7 +103,7 @@ impl Stacks {
         let (start, end) = (self.stack_starts[stack as usize], self.stack_starts[stack as usize + 1]);
         self.stack_frames[start as usize..end as usize].iter().map(|&frame| {
             let (filename, line, name) = self.frames[frame as usize];
-            FrameRef { file: filename, filename: self.string(filename), line, name: self.string(name) }
+            FrameRef { file: filename, filename: self.string(filename), line, name_id: name, name: self.string(name) }
         })
     }
 

@@ -51,9 +51,21 @@ pub trait Finish {
         None
     }
 
-    /// Asked every `CHECK_EVERY` opcodes whether to go on: an error stops the read (Ctrl-C
-    /// during a large file's load).
+    /// Asked every `CHECK_EVERY` opcodes, every `CHECK_BYTES` of the file and whenever `due`
+    /// says so, whether to go on: an error stops the read (Ctrl-C during a large file's load).
     fn keep_going(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Whether the hook's own work since the last `keep_going` (frames and events read) calls
+    /// for another one now: the check goes by work done, not by opcodes, whatever they cost.
+    fn due(&self) -> bool {
+        false
+    }
+
+    /// The reader made `bytes` more that it holds (stack and memo entries, containers, their
+    /// items, strings): an error stops the read, so what a file makes is bounded by its size.
+    fn hold(&mut self, _bytes: usize) -> Result<(), Error> {
         Ok(())
     }
 }
@@ -65,6 +77,22 @@ pub type Error = String;
 pub struct Pickled {
     pub root: Value,
     _shared: Shared,
+}
+
+/// What a pickle's first bytes tell of the whole: an error here is the error reading all of it
+/// (the reader goes byte by byte and nothing later changes what came before), so a large file
+/// of something else is refused from its start. Running out of bytes is no error here.
+pub fn check_start(start: &[u8]) -> Result<(), Error> {
+    struct Plain;
+    impl Finish for Plain {
+        fn finish(&mut self, item: Value, _read: &mut Vec<(Value, u32)>) -> Value {
+            item
+        }
+    }
+    match read(start, &mut Plain) {
+        Err(why) if why != reader::ENDS_EARLY && why != reader::NO_END_OF_LINE => Err(why),
+        _ => Ok(()),
+    }
 }
 
 /// Reads one pickled value from `bytes`, handing each list item to `finish` as it is appended.

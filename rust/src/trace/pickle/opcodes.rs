@@ -8,19 +8,42 @@ use super::reader::Reader;
 use super::value::{Dict, List, Value};
 use super::{Error, Finish};
 
-/// How many opcodes are read between two `Finish::keep_going` (a few milliseconds' worth).
-const CHECK_EVERY: u32 = 1 << 16;
+/// How many opcodes are read between two `Finish::keep_going` (a millisecond's worth)...
+const CHECK_EVERY: u32 = 1 << 14;
+/// ...or how many bytes of the file (a long string is one opcode).
+const CHECK_BYTES: usize = 1 << 20;
+/// What a value on the stack or in the memo holds, a mark, a new list or dict and a new tuple
+/// (with their reference counts), before their items.
+const VALUE: usize = std::mem::size_of::<Value>();
+const MARK: usize = std::mem::size_of::<usize>();
+const CONTAINER: usize = std::mem::size_of::<super::value::Container<(Value, Value)>>() + 16;
+const TUPLE: usize = std::mem::size_of::<Vec<Value>>() + 16;
 
 impl<F: Finish> Reader<'_, F> {
     /// Runs the opcodes up to STOP (`.`): the value on top of the stack then is the pickle's.
     pub(super) fn run(&mut self) -> Result<Value, Error> {
-        let mut ops = 0u32;
+        let (mut ops, mut check_at, mut stack_high, mut marks_high) = (0u32, CHECK_BYTES, 0usize, 0usize);
         loop {
-            ops = ops.wrapping_add(1);
-            if ops.is_multiple_of(CHECK_EVERY) {
+            ops += 1;
+            if ops >= CHECK_EVERY || self.pos >= check_at || self.finish.due() {
                 self.finish.keep_going()?;
+                (ops, check_at) = (0, self.pos.saturating_add(CHECK_BYTES));
+            }
+            if self.stack.len() > stack_high {
+                self.finish.hold((self.stack.len() - stack_high) * VALUE)?;
+                stack_high = self.stack.len();
+            }
+            if self.marks.len() > marks_high {
+                self.finish.hold((self.marks.len() - marks_high) * MARK)?;
+                marks_high = self.marks.len();
             }
             let op = self.byte()?;
+            match op {
+                b']' | b'}' | 0x8f | b'l' | b'd' => self.finish.hold(CONTAINER)?,
+                b')' | b't' | 0x91 => self.finish.hold(TUPLE)?,
+                0x85..=0x87 => self.finish.hold(TUPLE + (op - 0x84) as usize * VALUE)?,
+                _ => {}
+            }
             match op {
                 0x80 => {
                     let protocol = self.byte()?;
@@ -96,8 +119,9 @@ impl<F: Finish> Reader<'_, F> {
                     self.stack.push(text);
                 }
                 b'V' => {
-                    let text = Value::Str(Rc::new(self.line()?.into()));
-                    self.stack.push(text);
+                    let text: Box<str> = self.line()?.into();
+                    self.finish.hold(text.len())?;
+                    self.stack.push(Value::Str(Rc::new(text)));
                 }
                 b'C' | b'B' | 0x8e | 0x96 => {
                     let n = match op {
@@ -126,6 +150,7 @@ impl<F: Finish> Reader<'_, F> {
                 }
                 b't' | 0x91 => {
                     let items = self.pop_mark()?;
+                    self.finish.hold(items.len() * VALUE)?;
                     self.stack.push(Value::Tuple(Rc::new(items)));
                 }
                 0x85..=0x87 => {

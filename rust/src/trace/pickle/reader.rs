@@ -13,6 +13,10 @@ use super::{Error, Finish};
 /// (An empty batch is not: protocol 0 makes an empty list, then appends item by item.)
 const BATCH: usize = 1000;
 
+/// The errors of a pickle cut short.
+pub(super) const ENDS_EARLY: &str = "the pickle ends early";
+pub(super) const NO_END_OF_LINE: &str = "a text opcode has no end of line";
+
 /// Appends `item` to `list`, a `Kept` item to the run of them it follows.
 fn push(list: &mut Vec<Value>, item: Value) {
     if let (Some(Value::Kept { first, count }), Value::Kept { first: next, count: more }) = (list.last_mut(), &item) {
@@ -60,7 +64,7 @@ impl<'a, F: Finish> Reader<'a, F> {
     }
 
     pub(super) fn take(&mut self, n: usize) -> Result<&[u8], Error> {
-        let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len()).ok_or("the pickle ends early")?;
+        let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len()).ok_or(ENDS_EARLY)?;
         let slice = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(slice)
@@ -80,14 +84,16 @@ impl<'a, F: Finish> Reader<'a, F> {
 
     pub(super) fn line(&mut self) -> Result<&str, Error> {
         let rest = &self.bytes[self.pos..];
-        let end = rest.iter().position(|&b| b == b'\n').ok_or("a text opcode has no end of line")?;
+        let end = rest.iter().position(|&b| b == b'\n').ok_or(NO_END_OF_LINE)?;
         self.pos += end + 1;
         std::str::from_utf8(&rest[..end]).map_err(|_| "a text opcode is not UTF-8".to_string())
     }
 
     pub(super) fn text(&mut self, n: usize) -> Result<Value, Error> {
         let bytes = self.take(n)?;
-        Ok(Value::Str(Rc::new(String::from_utf8_lossy(bytes).into())))
+        let text: Box<str> = String::from_utf8_lossy(bytes).into();
+        self.finish.hold(text.len())?;
+        Ok(Value::Str(Rc::new(text)))
     }
 
     pub(super) fn pop(&mut self) -> Result<Value, Error> {
@@ -111,6 +117,9 @@ impl<'a, F: Finish> Reader<'a, F> {
             Value::List(list) => list.slot.set(slot),
             Value::Dict(dict) => dict.slot.set(slot),
             _ => {}
+        }
+        if self.memo.get(index).is_none() {
+            self.finish.hold(std::mem::size_of::<Value>())?;
         }
         self.memo.set(index, value);
         Ok(())
@@ -161,6 +170,11 @@ impl<'a, F: Finish> Reader<'a, F> {
             settle(&mut self.read, &mut self.memo);
             push(&mut finished, item);
         }
+        let held = finished.len() * std::mem::size_of::<Value>();
+        if let Err(refused) = self.finish.hold(held) {
+            self.finished = finished;
+            return Err(refused);
+        }
         let mut items = list.items.borrow_mut();
         items.reserve(finished.len());
         for item in finished.drain(..) {
@@ -191,6 +205,7 @@ impl<'a, F: Finish> Reader<'a, F> {
                 return Ok(());
             }
         }
+        self.finish.hold(pairs * 2 * std::mem::size_of::<Value>())?;
         let mut dict = dict.items.borrow_mut();
         dict.reserve(pairs);
         let mut items = self.stack.drain(from..);
