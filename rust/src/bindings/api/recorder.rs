@@ -41,6 +41,7 @@ pub(in crate::bindings) fn arm_recorder(py: Python) {
     if !wanted() || PyTorch::find(py).cuda().is_none() {
         return;
     }
+    crate::bindings::oom::attach_oom_observer(py);
     change_history(py, recorder::arm());
     step_hook(py, "install");
 }
