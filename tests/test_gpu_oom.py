@@ -228,3 +228,17 @@ def test_an_oom_beside_another_processs_allocation_names_that_process(kernel, tm
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_training_cell_after_setup_cells_oom_on_its_second_step_names_the_blocks_made_since(kernel):
+    # Issue 44, section 4: the opening cell and two setup cells end with no optimizer step; the
+    # cells' ends used to count as steps, so this cell's first step gave the history back.
+    kernel.run(SETUP + "exp = gpuexp.GPUExperiment('after setup')")
+    kernel.run(DEEP_MODEL)
+    kernel.run("torch._C._cuda_clearCublasWorkspaces()")
+    failed = kernel.run("step(x)\nstep(x[:1].expand(1 << 24, -1))", expect_error=True)
+    assert "OutOfMemoryError" in failed.error and "rescued" in failed.text, failed.error
+    text = failed.text.split("rescued")[1]
+    assert "since the last completed optimizer step" in text and "blocks made since hold" in text, text
+    assert "which blocks grew is not known" not in text, text
+    kernel.run("exp.finish()")
