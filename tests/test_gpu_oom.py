@@ -151,3 +151,94 @@ def test_a_users_own_recording_is_shared_and_left_running(kernel):
     kernel.run("gpuexp.config(flight_recorder=False)\nexp = gpuexp.GPUExperiment('off')")
     kernel.run("torch.cuda.memory._record_memory_history(enabled=None)\nexp2 = gpuexp.GPUExperiment('off2')")
     assert not kernel.value("torch._C._cuda_isHistoryEnabled()")  # turned off: never started
+
+
+# Issue 44: the figures at the error are the failure's own, not those read after the unwind.
+
+CAPPED = """\
+import torch, gpuexp
+torch.ones(1, device="cuda")
+total = torch.cuda.get_device_properties(0).total_memory
+seen = []
+def users_observer(device, alloc, limit, free):
+    seen.append(torch.cuda.memory_allocated(device))
+torch._C._cuda_attach_out_of_memory_observer(users_observer)
+"""
+
+
+def test_an_oom_with_a_large_unnamed_temporary_alive_gives_torchs_figures(kernel):
+    kernel.run(CAPPED + "torch.cuda.set_per_process_memory_fraction((6 << 30) / total)\n")
+    kernel.run("exp = gpuexp.GPUExperiment('temporary')")
+    failed = kernel.run(
+        "x = torch.ones(1 << 30, dtype=torch.uint8, device='cuda')\n"
+        "y = (x.float() + 1).sum()  # x.float(), 4 GiB, is alive and nameless when + asks 4 GiB more",
+        expect_error=True,
+    )
+    assert "at the error (torch's OOM observer)" in failed.text, failed.text
+    found = kernel.value("__import__('gpuexp.extension').extension.last_oom.to_dict()")
+    seen = kernel.value("seen")
+    assert len(seen) == 1, "the user's own observer ran too"
+    assert abs(found["torch_allocated_before"] - seen[0]) <= 1 << 20
+    assert found["torch_allocated_before"] >= 5 << 30  # x and its 4 GiB float copy
+    assert found["cause"] == "step_too_big"
+    assert "may fit" not in failed.text and "expandable_segments" not in failed.text
+    kernel.run("exp.finish()")
+
+
+def test_a_real_fragmentation_is_still_called_fragmentation(kernel):
+    kernel.run(CAPPED + "torch.cuda.set_per_process_memory_fraction(((2 << 30) + (100 << 20)) / total)\n")
+    kernel.run("exp = gpuexp.GPUExperiment('fragmented')")
+    kernel.run(
+        "big = torch.empty(2 << 30, dtype=torch.uint8, device='cuda'); del big\n"
+        "chunks = [torch.empty(64 << 20, dtype=torch.uint8, device='cuda') for _ in range(32)]\n"
+        "del chunks[::2]  # 16 free blocks of 64 MiB inside one segment that can't be given back"
+    )
+    failed = kernel.run("wide = torch.empty(256 << 20, dtype=torch.uint8, device='cuda')", expect_error=True)
+    found = kernel.value("__import__('gpuexp.extension').extension.last_oom.to_dict()")
+    assert found["at_error_source"] == "observer"
+    assert found["cause"] == "fragmentation", failed.text
+    assert "expandable_segments" in failed.text
+    kernel.run("exp.finish()")
+
+
+def test_an_oom_beside_another_processs_allocation_names_that_process(kernel, tmp_path):
+    ready = tmp_path / "ready"
+    holder = (
+        "import torch, time, pathlib\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "held = torch.empty(total // 5, dtype=torch.uint8, device='cuda')\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+    import subprocess
+    import sys
+    import time
+
+    other = subprocess.Popen([sys.executable, "-c", holder])
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert other.poll() is None and time.monotonic() < deadline, "the other process did not start"
+            time.sleep(0.2)
+        kernel.run(SETUP + "exp = gpuexp.GPUExperiment('crowded')")
+        failed = kernel.run("torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
+        assert f"process {other.pid}" in failed.text, failed.text
+        assert "other processes hold" in failed.text
+        kernel.run("exp.finish()")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_training_cell_after_setup_cells_oom_on_its_second_step_names_the_blocks_made_since(kernel):
+    # Issue 44, section 4: the opening cell and two setup cells end with no optimizer step; the
+    # cells' ends used to count as steps, so this cell's first step gave the history back.
+    kernel.run(SETUP + "exp = gpuexp.GPUExperiment('after setup')")
+    kernel.run(DEEP_MODEL)
+    kernel.run("torch._C._cuda_clearCublasWorkspaces()")
+    failed = kernel.run("step(x)\nstep(x[:1].expand(1 << 24, -1))", expect_error=True)
+    assert "OutOfMemoryError" in failed.error and "rescued" in failed.text, failed.error
+    text = failed.text.split("rescued")[1]
+    assert "since the last completed optimizer step" in text and "blocks made since hold" in text, text
+    assert "which blocks grew is not known" not in text, text
+    kernel.run("exp.finish()")

@@ -146,3 +146,18 @@ def test_an_empty_result_says_where_it_looked_and_that_nothing_was_found(kernel)
     said = "nothing found: no tensor or array of 1.00 TiB or more in host memory is reachable from your names"
     assert said in shown.text, shown.text
     assert "any module's globals (a script's own as __main__)" in shown.text, shown.text
+
+
+def test_a_tensor_inside_a_numpy_object_array_is_named_by_its_index(kernel):
+    # Issue 44, section 3: an object array gives the collector no referents.
+    kernel.run(SETUP + "import torch")
+    kernel.run(
+        "arr = np.empty(2, dtype=object)\n"
+        "arr[0] = torch.ones(1 << 22)\n"
+        "grid = np.empty((2, 2), dtype=object)\n"
+        "grid[1, 0] = torch.ones(3 << 20)"
+    )
+    paths = holder_paths(kernel)
+    assert "arr[0]" in paths, paths
+    assert "grid.flat[2]" in paths, paths
+    assert not any("no reachable referrer" in p for p in paths), paths

@@ -116,3 +116,25 @@ def test_the_flight_recorder_is_on_by_default_and_one_setting_turns_it_off(kerne
     # Off, and a step completed: the diagnosis says why it cannot tell what grew since.
     failed = kernel.run(MODEL_OOM + "model(torch.ones(3))", expect_error=True)
     assert "the flight recorder is off: gpuexp.config(flight_recorder=True)" in failed.text, failed.text
+
+
+# Torch 2.1's message (its "capacty"), as a user's report quotes it: with no observer run, the
+# table's "at the error" figures are the message's, and its header says so.
+TORCH_2_1_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 224.00 MiB. GPU 0 has a total capacty of 14.75 GiB of which 11.06 MiB "
+    "is free. Including non-PyTorch memory, this process has 14.73 GiB memory in use. Of the allocated memory "
+    "14.04 GiB is allocated by PyTorch, and 509.85 MiB is reserved by PyTorch but unallocated."
+)
+
+
+def test_without_an_observer_the_figures_at_the_error_are_torchs_message(kernel):
+    kernel.run(SETUP)
+    failed = kernel.run(f"raise torch.OutOfMemoryError({TORCH_2_1_MESSAGE!r})", expect_error=True)
+    assert "at the error (torch's message)" in failed.text, failed.text
+    row = lambda name: failed.text.split(name)[1].splitlines()[0]  # noqa: E731
+    assert "14.04 GiB" in row("torch allocated")
+    assert "509.85 MiB" in row("torch reserved, unallocated")
+    found = kernel.value("__import__('gpuexp.extension').extension.last_oom.to_dict()")
+    assert found["at_error_source"] == "message"
+    assert found["cause"] == "fragmentation"  # 509.85 MiB cached, more than the 224 MiB asked
+    assert found["torch_allocated_before"] == round(14.04 * (1 << 30))

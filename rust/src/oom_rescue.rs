@@ -4,11 +4,18 @@
 //! read again) runs here over [`RescueWorld`], which the bindings implement over Python and
 //! torch and the tests over a fake.
 
+#[path = "oom_rescue_message.rs"]
+pub mod message;
+#[path = "oom_rescue_observed.rs"]
+pub mod observed;
+
 use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
-use crate::report::{self, FailedLine, OomDiagnosis};
+use crate::report::{self, FailedLine, FiguresSource, OomDiagnosis, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
 use crate::teardown::{self, Step};
 use crate::training::Position;
+use message::OomMessage;
+use observed::Observed;
 
 /// What a rescue reads and does outside the core.
 pub trait RescueWorld {
@@ -38,7 +45,10 @@ pub fn rescue<W: RescueWorld>(
     message: String,
     training: Option<Position>,
 ) -> Result<OomDiagnosis, W::Error> {
-    let (requested, device) = report::parse_oom_message(&message);
+    let parsed = OomMessage::parse(&message);
+    let (requested, device) = (parsed.requested, parsed.device);
+    // Read first: what the observer saw belongs to this failure only if nothing ran since.
+    let observed = observed::take(device, requested);
     let before = world.snapshot();
     // The traceback is read before its frames are cleared.
     let failed_line = world.failed_line();
@@ -51,6 +61,7 @@ pub fn rescue<W: RescueWorld>(
         }
     };
     let gpu_before = failing(&before);
+    let at_error = AtError::of(observed, &parsed, gpu_before.as_ref());
     let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
     let levelled = recorder::last_level();
     let (since_step, sites, live_blocks) = match (recorded, step) {
@@ -58,9 +69,9 @@ pub fn rescue<W: RescueWorld>(
         (None, None) => (SinceStep::NoStep, None, None),
         // The history was given back after the cell's first steps: levels and the allocator's state.
         (None, Some(step)) if levelled.is_some() => {
-            match gpu_before.as_ref().and_then(|g| Some((g.torch_index, g.torch?))) {
-                Some((index, torch)) => (
-                    recorder::since_level(levelled, index, crate::torch_history::now_us(), torch.allocated),
+            match gpu_before.as_ref().and_then(|g| Some((g.torch_index, at_error.allocated?))) {
+                Some((index, allocated)) => (
+                    recorder::since_level(levelled, index, crate::torch_history::now_us(), allocated),
                     None,
                     world.live_in_state(index),
                 ),
@@ -77,24 +88,29 @@ pub fn rescue<W: RescueWorld>(
         }
     }
     let gpu_after = failing(&world.snapshot());
-    let others = gpu_before
-        .as_ref()
-        .map(|g| nvml::other_processes(&g.uuid, &own_pids()))
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used })
-        .collect();
+    let mut others: Vec<(u32, Option<u64>)> =
+        gpu_before.as_ref().map(|g| nvml::other_processes(&g.uuid, &own_pids())).unwrap_or_default();
+    // Where NVML lists none, torch's message may: only where it also names this process's own
+    // line, since in a container torch lists its own process under a pid of the host's.
+    if others.is_empty() && parsed.process_used.is_some() {
+        others = parsed.others.iter().map(|&(pid, used)| (pid, Some(used))).collect();
+    }
+    let others =
+        others.into_iter().map(|(pid, used)| report::OtherProcess { pid, name: process_name(pid), used }).collect();
     let mut diagnosis = OomDiagnosis {
         message,
         torch_index: gpu_before.as_ref().map(|g| g.torch_index).or(device),
         requested,
-        total: gpu_before.as_ref().map(|g| g.total),
-        free_before: gpu_before.as_ref().map(|g| g.free),
+        total: at_error.total,
+        at_error_source: at_error.source,
+        allowed: at_error.allowed,
+        free_before: at_error.free,
         free_after: gpu_after.as_ref().map(|g| g.free),
-        torch_allocated_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
+        torch_allocated_before: at_error.allocated,
         torch_allocated_after: gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated),
-        torch_reserved_before: gpu_before.as_ref().and_then(|g| g.torch).map(|t| t.reserved),
-        process_used_before: gpu_before.as_ref().and_then(|g| g.process_used),
+        torch_reserved_before: at_error.reserved,
+        torch_pools_before: at_error.pools,
+        process_used_before: at_error.process_used,
         others,
         hints: Vec::new(),
         cleared,
@@ -103,10 +119,69 @@ pub fn rescue<W: RescueWorld>(
         failed_line,
         since_step,
         live_blocks,
+        cause: None,
     };
+    diagnosis.cause = diagnosis.cause();
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(failed_steps);
     Ok(diagnosis)
+}
+
+/// The failing device's figures at the failure, from one source: the observer's, else torch's
+/// message, else (no figures in the message) the device read after the exception unwound.
+struct AtError {
+    source: FiguresSource,
+    total: Option<u64>,
+    allowed: Option<u64>,
+    free: Option<u64>,
+    allocated: Option<u64>,
+    reserved: Option<u64>,
+    pools: Option<TorchPools>,
+    process_used: Option<u64>,
+}
+
+impl AtError {
+    fn of(observed: Option<Observed>, parsed: &OomMessage, gpu: Option<&GpuReading>) -> AtError {
+        let total = parsed.capacity.or(gpu.map(|g| g.total));
+        // Torch's own use of the device, which no stats call gives: the message's, else the read's
+        // (the cached segments stay reserved through the unwind, so it barely moves).
+        let process_used = parsed.process_used.or(gpu.and_then(|g| g.process_used));
+        if let Some(o) = observed {
+            return AtError {
+                source: FiguresSource::Observer,
+                total,
+                allowed: parsed.allowed.or(total.filter(|&t| o.limit < t).map(|_| o.limit)),
+                free: Some(o.free),
+                allocated: Some(o.allocated.all),
+                reserved: Some(o.reserved.all),
+                pools: Some(TorchPools { allocated: o.allocated, reserved: o.reserved }),
+                process_used,
+            };
+        }
+        if let (Some(allocated), Some(unallocated)) = (parsed.allocated, parsed.reserved_unallocated) {
+            return AtError {
+                source: FiguresSource::Message,
+                total,
+                allowed: parsed.allowed,
+                free: parsed.free,
+                allocated: Some(allocated),
+                reserved: Some(allocated + unallocated),
+                pools: None,
+                process_used,
+            };
+        }
+        let torch = gpu.and_then(|g| g.torch);
+        AtError {
+            source: FiguresSource::AfterUnwind,
+            total,
+            allowed: parsed.allowed,
+            free: gpu.map(|g| g.free),
+            allocated: torch.map(|t| t.allocated),
+            reserved: torch.map(|t| t.reserved),
+            pools: None,
+            process_used,
+        }
+    }
 }
 
 /// Why no allocation record holds the OOM, for the diagnosis.

@@ -1,6 +1,7 @@
 use std::cell::{Cell, RefCell};
 
 use super::*;
+use crate::report::FiguresSource;
 use crate::snapshot::testing::{gpu, host, torch};
 
 /// A world that logs the rescue's steps; its GPU 1 holds `allocated` until the release.
@@ -59,6 +60,7 @@ const MESSAGE: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has
 
 #[test]
 fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_after() {
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let world = Fake { released: Cell::new(false), calls: RefCell::default() };
     let diagnosis = rescue(&world, MESSAGE.into(), None).expect("rescued");
     assert_eq!(
@@ -82,5 +84,55 @@ fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_aft
         diagnosis.hints.iter().any(|h| h.contains("FreeCublasWorkspaces failed: no cuBLAS")),
         "{:?}",
         diagnosis.hints
+    );
+}
+
+/// The GPT-2 step of issue 44, as torch's message wrote it; read after the unwind, the 24 GiB
+/// intermediate the failing operator made is cached, and looked like fragmentation.
+const TOO_BIG: &str = "CUDA out of memory. Tried to allocate 24.00 GiB. GPU 1 has a total capacity of 139.81 GiB of \
+    which 15.12 GiB is free. Including non-PyTorch memory, this process has 124.68 GiB memory in use. Of the \
+    allocated memory 123.97 GiB is allocated by PyTorch, and 164.25 MiB is reserved by PyTorch but unallocated.";
+
+#[test]
+fn without_an_observer_the_figures_are_torchs_message_and_a_too_big_step_is_no_fragmentation() {
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let diagnosis = rescue(&world, TOO_BIG.into(), None).expect("rescued");
+    const GIB: f64 = (1u64 << 30) as f64;
+    assert_eq!(diagnosis.at_error_source, FiguresSource::Message);
+    assert_eq!(diagnosis.torch_allocated_before, Some((123.97 * GIB).round() as u64));
+    assert_eq!(diagnosis.free_before, Some((15.12 * GIB).round() as u64));
+    assert_eq!(diagnosis.cause, Some(report::OomCause::StepTooBig));
+    let text = diagnosis.grid().to_text();
+    assert!(text.contains("at the error (torch's message)"), "{text}");
+    assert!(!text.contains("may fit") && !text.contains("expandable_segments"), "{text}");
+}
+
+#[test]
+fn the_observers_figures_come_first_and_say_so() {
+    use observed::{Observed, PoolBytes};
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let pools = |all: u64| PoolBytes { all, large_pool: all - 10, small_pool: 10 };
+    observed::record(Observed {
+        torch_index: 3,
+        requested: 3 << 30,
+        limit: 8 << 30,
+        free: 5 << 30,
+        allocated: pools(6 << 30),
+        reserved: pools((6 << 30) + 4096),
+    });
+    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let message = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 3 has a total capacity of 79.19 GiB of \
+        which 5.00 GiB is free. 8.00 GiB allowed; Of the allocated memory 6.00 GiB is allocated by PyTorch, and \
+        4.00 KiB is reserved by PyTorch but unallocated.";
+    let diagnosis = rescue(&world, message.into(), None).expect("rescued");
+    assert_eq!(diagnosis.at_error_source, FiguresSource::Observer);
+    assert_eq!(diagnosis.torch_reserved_before, Some((6 << 30) + 4096), "exact bytes, not the message's rounding");
+    assert_eq!(diagnosis.torch_pools_before.map(|p| p.allocated.small_pool), Some(10));
+    assert_eq!(diagnosis.allowed, Some(8 << 30));
+    let text = diagnosis.grid().to_text();
+    assert!(
+        text.contains("at the error (torch's OOM observer)") && text.contains("allowed (memory fraction)"),
+        "{text}"
     );
 }

@@ -116,13 +116,13 @@ pub fn disarm() -> HistoryChange {
 
 /// Whether the step ending at `now_us` needs its level read: the schedule wants levels, and the
 /// last was read `LEVEL_EVERY_US` ago or more (always at the step that gives the history back).
-pub fn wants_level(now_us: i64) -> bool {
+pub fn wants_level(kind: StepKind, now_us: i64) -> bool {
     with_record(|record| {
         let due = match (record.phase, record.levelled) {
             (Phase::History { .. }, _) | (_, None) => true,
             (_, Some((levelled, _))) => now_us - levelled.time_us >= LEVEL_EVERY_US,
         };
-        record.phase.wants_level() && due
+        record.phase.wants_level(kind == StepKind::Cell) && due
     })
 }
 
@@ -137,7 +137,7 @@ pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> History
             (None, Some((levelled, after))) => Some((levelled, after + 1)),
             (None, None) => None,
         };
-        record.phase.step_ended()
+        record.phase.step_ended(kind == StepKind::Cell)
     })
 }
 

@@ -19,7 +19,7 @@ pub use cell::{CellGpu, CellMetric, CellRecord};
 #[cfg(test)]
 pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PathEdge};
-pub use oom::{parse_oom_message, FailedLine, OomDiagnosis, OtherProcess};
+pub use oom::{parse_oom_message, FailedLine, FiguresSource, OomCause, OomDiagnosis, OtherProcess, TorchPools};
 pub use rank::{hostname, RankIdentity};
 pub use roles::{Role, TensorRoles};
 pub use snapshot::snapshot_grid;

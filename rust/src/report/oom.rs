@@ -4,10 +4,11 @@
 use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
+use crate::oom_rescue::observed::PoolBytes;
 use crate::recorder::{LiveBlocks, SinceStep};
 use crate::trace::{OomSites, SiteNamer, SiteRule, Stacks};
 use crate::training::Position;
-use crate::units::{bytes, size_in_bytes};
+use crate::units::bytes;
 
 /// Another process on a GPU, as NVML lists it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -25,11 +26,17 @@ pub struct OomDiagnosis {
     /// Bytes the failed allocation asked for, from torch's message.
     pub requested: Option<u64>,
     pub total: Option<u64>,
+    /// Where the "at the error" figures (the `_before` ones) come from.
+    pub at_error_source: FiguresSource,
+    /// The per-process cap `set_per_process_memory_fraction` set, where one is.
+    pub allowed: Option<u64>,
     pub free_before: Option<u64>,
     pub free_after: Option<u64>,
     pub torch_allocated_before: Option<u64>,
     pub torch_allocated_after: Option<u64>,
     pub torch_reserved_before: Option<u64>,
+    /// Torch's allocated and reserved bytes by pool at the failure, where the observer read them.
+    pub torch_pools_before: Option<TorchPools>,
     pub process_used_before: Option<u64>,
     pub others: Vec<OtherProcess>,
     pub hints: Vec<String>,
@@ -45,6 +52,51 @@ pub struct OomDiagnosis {
     pub since_step: SinceStep,
     /// The blocks live at the failure by size, where the record had no stacks.
     pub live_blocks: Option<LiveBlocks>,
+    /// What the figures at the failure say caused it.
+    pub cause: Option<OomCause>,
+}
+
+/// Where the table's "at the error" figures come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FiguresSource {
+    /// gpuexp's out-of-memory observer, called by torch inside the allocator before it raised.
+    Observer,
+    /// Torch's message (no observer ran: gpuexp was not active yet, or another allocator raised).
+    Message,
+    /// The device read after the exception unwound: the failing step's temporaries are cached
+    /// by then, so "reserved, unallocated" overstates fragmentation.
+    #[default]
+    AfterUnwind,
+}
+
+impl FiguresSource {
+    fn header(self) -> &'static str {
+        match self {
+            FiguresSource::Observer => "at the error (torch's OOM observer)",
+            FiguresSource::Message => "at the error (torch's message)",
+            FiguresSource::AfterUnwind => "at the error (read after the unwind)",
+        }
+    }
+}
+
+/// Torch's allocated and reserved bytes by pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TorchPools {
+    pub allocated: PoolBytes,
+    pub reserved: PoolBytes,
+}
+
+/// What the figures at the failure say caused an out-of-memory error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomCause {
+    /// Torch held more reserved but unallocated than the request: no free block could serve it.
+    Fragmentation,
+    /// Other processes held more than a tenth of the device.
+    OtherProcess,
+    /// The step needed more than the device (or the memory fraction's cap) had.
+    StepTooBig,
 }
 
 /// The line whose allocation failed, read from the exception's traceback: the innermost frame
@@ -85,65 +137,93 @@ impl FailedLine {
 
 /// Reads "Tried to allocate 2.00 GiB" and "GPU 0 has a total capacity" from torch's message.
 pub fn parse_oom_message(message: &str) -> (Option<u64>, Option<u32>) {
-    let requested = message.split("Tried to allocate ").nth(1).and_then(|rest| {
-        let mut words = rest.split_whitespace();
-        let number = words.next()?;
-        let unit = words.next()?.trim_end_matches(['.', ';', ',', ')']);
-        size_in_bytes(number, unit).map(|n| n.round() as u64)
-    });
-    // "GPU 0 has a total capacity" (torch 2) or "(GPU 1; 79.19 GiB total capacity" (torch 1).
-    let device = message.split("GPU ").nth(1).and_then(|rest| {
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
-    });
-    (requested, device)
+    let parsed = crate::oom_rescue::message::OomMessage::parse(message);
+    (parsed.requested, parsed.device)
 }
 
 impl OomDiagnosis {
+    /// Reserved by torch but unallocated at the failure.
+    fn reserved_unallocated(&self) -> Option<u64> {
+        self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a))
+    }
+
+    /// Whether other processes held more than a tenth of the device.
+    fn crowded(&self) -> bool {
+        let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
+        self.total.is_some_and(|total| others > total / 10)
+    }
+
+    /// What the step can have after the rescue: the device's free memory, within the memory
+    /// fraction's cap where one is set (torch counts its reserved bytes against the cap).
+    fn room_after(&self) -> Option<u64> {
+        let free = self.free_after?;
+        Some(match (self.allowed, self.torch_allocated_after) {
+            (Some(allowed), Some(allocated)) => free.min(allowed.saturating_sub(allocated)),
+            _ => free,
+        })
+    }
+
+    /// The cause, from the figures at the failure: fragmentation where torch held more reserved
+    /// but unallocated than the request, else another process where others held more than a
+    /// tenth of the device, else a step too big for what it had.
+    pub fn cause(&self) -> Option<OomCause> {
+        let requested = self.requested.filter(|&r| r > 0)?;
+        if self.reserved_unallocated().is_some_and(|cached| cached >= requested) {
+            Some(OomCause::Fragmentation)
+        } else if self.crowded() {
+            Some(OomCause::OtherProcess)
+        } else {
+            self.torch_allocated_before.map(|_| OomCause::StepTooBig)
+        }
+    }
+
     /// Suggestions a person can act on, from the figures. What the failed step held plus what
     /// it asked for is only a lower bound of its need (it failed before asking for the rest), so
     /// it is said as "at least", a batch factor from it is an upper bound, and a rerun is
     /// suggested only where a rerun removes the cause: fragmentation, or another process.
     pub fn hints(&self) -> Vec<String> {
         let mut hints = Vec::new();
-        let cached = self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
-        let fragmented =
-            cached.zip(self.requested).is_some_and(|(cached, requested)| requested > 0 && cached >= requested);
+        let cached = self.reserved_unallocated();
+        let cause = self.cause();
+        let fragmented = cause == Some(OomCause::Fragmentation);
         let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
-        let crowded = self.total.is_some_and(|total| others > total / 10);
+        let crowded = self.crowded();
         let freed = self.torch_allocated_before.zip(self.torch_allocated_after).map(|(b, a)| b.saturating_sub(a));
-        if let (Some(requested), Some(freed), Some(free)) = (self.requested, freed, self.free_after) {
+        if let (Some(requested), Some(freed), Some(free)) = (self.requested, freed, self.room_after()) {
             let at_least = freed + requested;
+            let free_now = match self.allowed {
+                Some(allowed) => {
+                    format!("{} is free now under the {} the memory fraction allows", bytes(free), bytes(allowed))
+                }
+                None => format!("{} is free now", bytes(free)),
+            };
             if at_least > 0 {
                 let factor = free as f64 / at_least as f64;
                 if factor < 1.0 {
                     hints.push(format!(
-                        "the failed step needed at least {} ({} it held + {} more, before it failed); {} is free now: \
+                        "the failed step needed at least {} ({} it held + {} more, before it failed); {free_now}: \
                          a batch of at most about {:.2}× the size could fit (memory grows about linearly with the batch; \
                          the step may need more than this lower bound)",
                         bytes(at_least),
                         bytes(freed),
                         bytes(requested),
-                        bytes(free),
                         (factor * 0.95).max(0.0)
                     ));
                 } else if fragmented || crowded {
                     hints.push(format!(
-                        "{} is free now, more than the at least {} the step held and asked for, and the cause is \
+                        "{free_now}, more than the at least {} the step held and asked for, and the cause is \
                          one a rerun can remove ({}): running it again may fit",
-                        bytes(free),
                         bytes(at_least),
                         if fragmented { "fragmentation" } else { "another process's memory" }
                     ));
                 } else {
                     hints.push(format!(
-                        "the failed step needed at least {} ({} it held + {} more); {} is free now, but that is a \
+                        "the failed step needed at least {} ({} it held + {} more); {free_now}, but that is a \
                          lower bound: the step failed before asking for the rest, so running it again as it is may \
                          fail the same way. Make the step smaller (batch, sequence length) or see what grew above",
                         bytes(at_least),
                         bytes(freed),
                         bytes(requested),
-                        bytes(free)
                     ));
                 }
             }
@@ -172,16 +252,20 @@ impl OomDiagnosis {
     pub fn grid(&self) -> Grid {
         let opt = |v: Option<u64>| v.map(bytes).unwrap_or_else(|| "n/a".into());
         let non_torch = self.process_used_before.zip(self.torch_reserved_before).map(|(p, r)| p.saturating_sub(r));
-        let fragmentation =
-            self.torch_reserved_before.zip(self.torch_allocated_before).map(|(r, a)| r.saturating_sub(a));
+        let fragmentation = self.reserved_unallocated();
         let mut rows = vec![
             vec!["requested".to_string(), opt(self.requested), "—".into()],
             vec!["device total".into(), opt(self.total), "—".into()],
+        ];
+        if let Some(allowed) = self.allowed {
+            rows.push(vec!["allowed (memory fraction)".into(), bytes(allowed), "—".into()]);
+        }
+        rows.extend([
             vec!["device free".into(), opt(self.free_before), opt(self.free_after)],
             vec!["torch allocated".into(), opt(self.torch_allocated_before), opt(self.torch_allocated_after)],
             vec!["torch reserved, unallocated".into(), opt(fragmentation), "—".into()],
             vec!["this process, not torch (context, libraries)".into(), opt(non_torch), "—".into()],
-        ];
+        ]);
         for other in &self.others {
             rows.push(vec![format!("process {} ({})", other.pid, other.name), opt(other.used), "—".into()]);
         }
@@ -206,7 +290,7 @@ impl OomDiagnosis {
         Grid {
             title: format!("gpuexp · CUDA out of memory on {device} · rescued"),
             lines,
-            header: ["memory", "at the error", "after the rescue"].map(String::from).to_vec(),
+            header: ["memory", self.at_error_source.header(), "after the rescue"].map(String::from).to_vec(),
             rows,
             notes: prefixed("hint", &self.hints),
             compact: false,
@@ -238,11 +322,14 @@ mod tests {
             torch_index: Some(0),
             requested: Some(2 * GIB),
             total: Some(80 * GIB),
+            at_error_source: FiguresSource::Observer,
+            allowed: None,
             free_before: Some(GIB),
             free_after: Some(6 * GIB),
             torch_allocated_before: Some(70 * GIB),
             torch_allocated_after: Some(62 * GIB),
             torch_reserved_before: Some(71 * GIB), // 1 GiB cached: less than the request
+            torch_pools_before: None,
             process_used_before: Some(73 * GIB),
             others: Vec::new(),
             hints: Vec::new(),
@@ -252,6 +339,7 @@ mod tests {
             failed_line: None,
             since_step: SinceStep::NoStep,
             live_blocks: None,
+            cause: None,
         }
     }
 

@@ -2,6 +2,7 @@
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::bindings::registry::registry;
 use crate::bindings::report::OomPy;
@@ -9,6 +10,8 @@ use crate::bindings::snapshot::take_snapshot;
 use crate::bindings::torch::{release, PyTorch};
 use crate::bindings::trace::{self, PyNamer};
 use crate::bindings::trace_recording;
+use crate::fork::PerProcess;
+use crate::oom_rescue::observed::{self, Observed, PoolBytes};
 use crate::oom_rescue::{self, RescueWorld};
 use crate::recorder::{LiveBlocks, OomRecord, StepEnd};
 use crate::report::FailedLine;
@@ -105,4 +108,51 @@ fn failed_line(py: Python, error: &Bound<PyAny>) -> Option<FailedLine> {
     let found = py.import("gpuexp.oom_frames").and_then(|m| m.call_method1("failed_frames", (error,))).ok()?;
     let (frames, module): (Vec<(String, u32, String)>, Option<String>) = found.extract().ok()?;
     FailedLine::from_frames(&frames, module, &SiteRule::default(), &PyNamer::new(py))
+}
+
+/// Attaches gpuexp's out-of-memory observer to torch's allocator, once per process (torch keeps
+/// every observer it is given, calls each at an OOM, and has no way to detach one). Called where
+/// the flight recorder arms, so CUDA is initialised. An allocator that takes no observers
+/// (`backend:cudaMallocAsync`) refuses it: the rescue then reads torch's message.
+pub(in crate::bindings) fn attach_oom_observer(py: Python) {
+    static ATTACHED: PerProcess<bool> = PerProcess::new(|| false);
+    let mut attached = ATTACHED.lock();
+    if *attached {
+        return;
+    }
+    let torch = PyTorch::find(py);
+    let (Some(torch), true) = (torch.torch.as_ref(), torch.cuda().is_some()) else { return };
+    // Tried once: a refusal would only repeat.
+    *attached = true;
+    let _ = wrap_pyfunction!(oom_observed, py)
+        .and_then(|observer| torch.getattr("_C")?.call_method1("_cuda_attach_out_of_memory_observer", (observer,)));
+}
+
+/// Torch's allocator calls this at an out-of-memory error, before it raises, with the device,
+/// the size it asked for, its limit (the memory fraction's cap, else the device's total) and the
+/// device's free bytes. It returns at once where gpuexp is not active, reads the allocator's
+/// figures with one stats call, and never raises: an error here would replace torch's.
+#[pyfunction]
+#[pyo3(signature = (*args))]
+fn oom_observed(py: Python, args: &Bound<PyTuple>) {
+    if !crate::bindings::recorder::wanted() {
+        return;
+    }
+    let Ok((torch_index, requested, limit, free)) = args.extract::<(u32, u64, u64, u64)>() else { return };
+    if let Some((allocated, reserved)) = pool_stats(py, torch_index) {
+        observed::record(Observed { torch_index, requested, limit, free, allocated, reserved });
+    }
+}
+
+/// Torch's allocated and reserved bytes on `torch_index`, by pool: one `_cuda_memoryStats` call.
+fn pool_stats(py: Python, torch_index: u32) -> Option<(PoolBytes, PoolBytes)> {
+    let torch = PyTorch::find(py);
+    let stats = torch.torch.as_ref()?.getattr("_C").ok()?.call_method1("_cuda_memoryStats", (torch_index,)).ok()?;
+    let pools = |group: &str| -> Option<PoolBytes> {
+        let group = stats.get_item(group).ok()?;
+        let current =
+            |pool: &str| -> Option<u64> { group.get_item(pool).ok()?.get_item("current").ok()?.extract().ok() };
+        Some(PoolBytes { all: current("all")?, large_pool: current("large_pool")?, small_pool: current("small_pool")? })
+    };
+    Some((pools("allocated_bytes")?, pools("reserved_bytes")?))
 }

@@ -41,6 +41,7 @@ pub(in crate::bindings) fn arm_recorder(py: Python) {
     if !wanted() || PyTorch::find(py).cuda().is_none() {
         return;
     }
+    crate::bindings::oom::attach_oom_observer(py);
     change_history(py, recorder::arm());
     step_hook(py, "install");
 }
@@ -84,7 +85,7 @@ pub(in crate::bindings) fn mark_step(py: Python, kind: &str) -> PyResult<()> {
 /// end, with a level where the schedule wants one, and the schedule's change to the history.
 pub(in crate::bindings) fn step_completed(py: Python, kind: StepKind) {
     let now_us = trace_recording::now_us();
-    let level = if recorder::wants_level(now_us) { level(py) } else { None };
+    let level = if recorder::wants_level(kind, now_us) { level(py) } else { None };
     change_history(py, recorder::step_ended(kind, now_us, level));
     crate::bindings::trace_sampling::step_ended(py, kind);
 }

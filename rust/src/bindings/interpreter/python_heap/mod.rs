@@ -20,6 +20,9 @@ mod lru_cache;
 pub(in crate::bindings) use buffers::tensor_piece;
 use buffers::{array_piece, shape_text};
 
+/// The elements of a NumPy object array the walk reads at most: bounded as a hunt must be.
+const OBJECT_ELEMENTS: usize = 100_000;
+
 pub(in crate::bindings) enum Collected {
     Tensor,
     Suspended,
@@ -298,6 +301,16 @@ impl<'py> PythonHeap<'py> {
                 }
             }
             Class::Array => {
+                // An object array gives the collector no referents: its elements are read through
+                // numpy's own `flat`, the first `OBJECT_ELEMENTS` of them.
+                if object.getattr("dtype")?.getattr("hasobject")?.is_truthy()? {
+                    let one_dimensional = object.getattr("ndim")?.extract::<usize>()? == 1;
+                    for (i, item) in object.getattr("flat")?.try_iter()?.take(OBJECT_ELEMENTS).enumerate() {
+                        let edge =
+                            if one_dimensional { Edge::Index(i) } else { Edge::Attr(Name::Text(format!("flat[{i}]"))) };
+                        self.add(refs, edge, item?);
+                    }
+                }
                 let base = object.getattr("base")?;
                 if matches!(self.class(&base), Class::Array) {
                     self.add(refs, attr("base"), base);
