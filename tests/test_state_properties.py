@@ -55,6 +55,7 @@ def build(optimizer, warmed):
     held.table = torch.arange(6.0)
     held.counter = torch.zeros((), dtype=torch.long)
     held.losses = []
+    held.free_weight = torch.ones(2, requires_grad=True)  # a leaf in no module or optimizer
     # What the docs say is not rewound.
     held.array = np.zeros(3)
     held.buffer = bytearray(b"x")
@@ -122,8 +123,8 @@ def _set(model, held):
     held.tags.discard(1)
 
 
-# kind -> what the step does. Sets and deques are rewound by estimate and fit, not by capture,
-# which saves the dicts and lists below the objects it is given (its docstring says so).
+# kind -> what the step does. Sets, deques and the user's globals are rewound by estimate and fit,
+# not by capture, which saves the dicts and lists below the objects it is given (its docstring).
 EFFECTS = {
     "plain dict": _plain,
     "OrderedDict": _ordered,
@@ -141,14 +142,40 @@ EFFECTS = {
     "numpy RNG": lambda model, held: np.random.rand(2),
     "tensor computed": _compute,
     "tensor in place": _change_tensors_in_place,
+    # Called by their names in the user's namespace (USER_GLOBALS), not through these.
+    "global rebound": None,
+    "global created": None,
+    "free leaf used": lambda model, held: held.losses.append((held.free_weight * 2).sum()),
 }
-NOT_FOR_CAPTURE = {"deque", "set"}
+NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created"}
 # kind -> (what the step does, the attribute of `held` it changes, the docs' words for it).
 UNREWOUND = {
     "numpy in place": (lambda model, held: held.array.__iadd__(1), "array", "a NumPy array changed in place"),
     "bytearray": (lambda model, held: held.buffer.extend(b"y"), "buffer", "a `bytearray` appended to"),
     "C iterator": (lambda model, held: next(held.ticks), "ticks", "iterators advanced in C"),
 }
+
+
+# Functions of the user's namespace that assign its globals; the step calls them by name.
+USER_GLOBALS = """
+def rebind_global(model, held):
+    global total
+    total = total + 1
+def create_global(model, held):
+    global created
+    created = torch_sum(held.table)
+"""
+
+
+GLOBAL_EFFECTS = {"global rebound": "rebind_global", "global created": "create_global"}
+
+
+def user_globals(names):
+    return {name: names.get(name, "absent") for name in ("total", "created")}
+
+
+# Effects that estimate and fit refuse, and the words their refusal has.
+REFUSED = {"free leaf used": "uses a tensor that requires grad"}
 
 
 class StepsOwnError(Exception):
@@ -242,29 +269,39 @@ def test_a_generated_step_leaves_everything_it_reaches_as_it_was(case):
         assert words in NOT_REWOUND, f"{words!r} is not in estimate-safety.md's list of what is not rewound"
     actions = [EFFECTS[kind] if kind in EFFECTS else UNREWOUND[kind][0] for kind in case["effects"]]
 
-    def step(bs):
-        for action in actions[:case["train_at"]]:
-            action(model, held)
-        loss = train(model, opt, bs)
-        for action in actions[case["train_at"]:]:
-            action(model, held)
-        if case["fails"]:
-            raise StepsOwnError("the step's own error")
-        return loss
-
-    before = snapshot(model, opt, held, unrewound)
-    refused = run_tool(case["tool"], step, model, opt, held)
-    after = snapshot(model, opt, held, unrewound)
+    # The step is written into a namespace as a notebook's would be, calling each effect by its
+    # global name, so that the globals it (and the functions it calls) assign are the user's.
+    names = {"__name__": "user_notebook", "model": model, "opt": opt, "held": held, "train": train,
+             "StepsOwnError": StepsOwnError, "torch_sum": torch.sum, "total": 0}
+    lines = []
+    for index, (kind, action) in enumerate(zip(case["effects"], actions)):
+        names[f"effect_{index}"] = action
+        lines.append(f"    {GLOBAL_EFFECTS.get(kind, f'effect_{index}')}(model, held)")
+    lines.insert(case["train_at"], "    loss = train(model, opt, bs)")
     if case["fails"]:
-        assert refused is not None, "the step raised: the tool must say so"
-        assert "StepsOwnError: the step's own error" in str(refused) or isinstance(refused, StepsOwnError), refused
+        lines.append("    raise StepsOwnError(\"the step's own error\")")
+    source = USER_GLOBALS + "def step(bs):\n" + "\n".join(lines) + "\n    return loss\n"
+    exec(compile(source, "user_notebook.py", "exec"), names)  # noqa: S102
+    step = names["step"]
+
+    before = snapshot(model, opt, held, unrewound), user_globals(names)
+    refused = run_tool(case["tool"], step, model, opt, held)
+    after = snapshot(model, opt, held, unrewound), user_globals(names)
+    assert after[1] == before[1], "the step's globals are not what they were"
+    before, after = before[0], after[0]
+    refusals = {REFUSED[kind] for kind in case["effects"] if kind in REFUSED and case["tool"] != "capture/restore"}
+    if case["fails"]:
+        refusals.add("StepsOwnError: the step's own error")
+    if refusals:
+        assert refused is not None, f"the tool must refuse: {refusals}"
+        assert isinstance(refused, StepsOwnError) or any(words in str(refused) for words in refusals), refused
     else:
         assert refused is None, refused
     assert after[1] == before[1], "the RNGs moved"
     assert after[0] == before[0], first_difference(before[0], after[0], "")
 
 
-@pytest.mark.parametrize("kind", sorted(EFFECTS) + sorted(UNREWOUND))
+@pytest.mark.parametrize("kind", sorted(set(EFFECTS) - set(GLOBAL_EFFECTS)) + sorted(UNREWOUND))
 def test_each_effect_is_one_the_comparison_sees_when_nothing_puts_it_back(kind):
     """Without a tool, each effect changes the snapshot (so the property above can fail); an
     unrewound one changes only what the comparison leaves out, and really changes it."""
