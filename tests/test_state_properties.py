@@ -56,10 +56,12 @@ def build(optimizer, warmed):
     held.counter = torch.zeros((), dtype=torch.long)
     held.losses = []
     held.free_weight = torch.ones(2, requires_grad=True)  # a leaf in no module or optimizer
+    held.spare = 1
     # What the docs say is not rewound.
     held.array = np.zeros(3)
     held.buffer = bytearray(b"x")
     held.ticks = itertools.count()
+    held.optimizer = opt
     if warmed:  # the optimizer's state exists before the tool runs
         train(model, opt, 4)
     return model, opt, held
@@ -95,6 +97,16 @@ def _compute(model, held):
 def _change_tensors_in_place(model, held):
     held.counter.add_(1)
     held.table.mul_(2)
+
+
+def _scale_gradients(model, held):
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.mul_(0.5)
+
+
+def _halve_learning_rate(model, held):
+    held.optimizer.param_groups[0]["lr"] *= 0.5
 
 
 def _defaultdict(model, held):
@@ -146,9 +158,23 @@ EFFECTS = {
     "global rebound": None,
     "global created": None,
     "free leaf used": lambda model, held: held.losses.append((held.free_weight * 2).sum()),
+    "backward hook": lambda model, held: held.handles.append(
+        model[0].register_full_backward_hook(lambda m, grad_in, grad_out: None)),
+    "pre-hook with kwargs": lambda model, held: held.handles.append(
+        model[2].register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)),
+    "eval mode": lambda model, held: model.eval(),
+    "attribute deleted": lambda model, held: vars(held).pop("spare", None),
+    "gradients in place": _scale_gradients,
+    "learning rate": _halve_learning_rate,
+    "parameter data rebound": lambda model, held: setattr(model[0].weight, "data", torch.zeros(8, 8)),
+    "requires_grad turned off": lambda model, held: model[2].bias.requires_grad_(False),
 }
-NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created"}
+# A parameter's requires_grad flag is not put back by restore (reported in issue 38; left out
+# here until it is fixed).
+NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created", "requires_grad turned off"}
 # kind -> (what the step does, the attribute of `held` it changes, the docs' words for it).
+# Not drawn: a real tensor in a tuple or deque changed in place, which estimate and fit leave real
+# (their page says so under "Real tensors") but the list of what is not rewound does not name.
 UNREWOUND = {
     "numpy in place": (lambda model, held: held.array.__iadd__(1), "array", "a NumPy array changed in place"),
     "bytearray": (lambda model, held: held.buffer.extend(b"y"), "buffer", "a `bytearray` appended to"),
@@ -193,7 +219,7 @@ def fingerprint(value, seen):
     if isinstance(value, torch.Tensor):
         grad = fingerprint(value.grad, seen) if value.is_leaf else None
         return ("tensor", type(value).__name__, id(value), value._version, value.dtype, value.device,
-                value.detach().tolist(), grad)
+                value.requires_grad, value.detach().tolist(), grad)
     kind = (type(value).__name__, id(value))
     if isinstance(value, dict):
         factory = getattr(value, "default_factory", None)
@@ -261,6 +287,7 @@ def cases(draw):
 # by a long run is kept here as an @example.
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # torch's, for a hook on the first layer
 def test_a_generated_step_leaves_everything_it_reaches_as_it_was(case):
     torch.set_num_threads(1)
     model, opt, held = build(case["optimizer"], case["warmed"])
