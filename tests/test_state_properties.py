@@ -57,6 +57,9 @@ def build(optimizer, warmed):
     held.losses = []
     held.free_weight = torch.ones(2, requires_grad=True)  # a leaf in no module or optimizer
     held.spare = 1
+    held.view = held.table[:3]
+    held.deep = {"k": [{"inner": torch.zeros(2)}]}
+    model.running = torch.zeros(2)  # a tensor attribute that is no buffer
     # What the docs say is not rewound.
     held.array = np.zeros(3)
     held.buffer = bytearray(b"x")
@@ -168,6 +171,10 @@ EFFECTS = {
     "learning rate": _halve_learning_rate,
     "parameter data rebound": lambda model, held: setattr(model[0].weight, "data", torch.zeros(8, 8)),
     "requires_grad turned off": lambda model, held: model[2].bias.requires_grad_(False),
+    "view in place": lambda model, held: held.view.add_(1),
+    "nested tensor in place": lambda model, held: held.deep["k"][0]["inner"].add_(1),
+    "module tensor attribute in place": lambda model, held: model.running.add_(1),
+    "tensor resized": lambda model, held: held.table.resize_(10),
 }
 # A parameter's requires_grad flag is not put back by restore (reported in issue 38; left out
 # here until it is fixed).
@@ -245,7 +252,9 @@ def first_difference(before, after, path):
         return None if before == after else f"{path}: {before!r:.300} became {after!r:.300}"
     pairs = before.items() if isinstance(before, dict) else enumerate(before)
     for key, item in pairs:
-        found = first_difference(item, after[key], f"{path}/{key}")
+        # A (key, value) pair of a dict's fingerprint is named by its key.
+        named = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+        found = first_difference(item, after[key], f"{path}/{item[0] if named else key}")
         if found:
             return found
     return None
