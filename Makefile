@@ -87,7 +87,7 @@ browser:
 	@command -v chromedriver >/dev/null || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "make test: installing Chromium and chromedriver with apt for the browser tests (about 26 packages)"; \
-		before=$$(readlink -f /etc/alternatives/x-www-browser 2>/dev/null || true); \
+		before=$$(if [ -e /etc/alternatives/x-www-browser ]; then readlink -f /etc/alternatives/x-www-browser; fi); \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver && \
 		if [ -n "$$before" ]; then update-alternatives --quiet --set x-www-browser "$$before"; \
 		else update-alternatives --quiet --remove x-www-browser /usr/bin/chromium 2>/dev/null || true; fi; \
