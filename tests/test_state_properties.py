@@ -64,6 +64,7 @@ def build(optimizer, warmed):
     held.array = np.zeros(3)
     held.buffer = bytearray(b"x")
     held.ticks = itertools.count()
+    held.pair = (torch.zeros(2),)
     held.optimizer = opt
     if warmed:  # the optimizer's state exists before the tool runs
         train(model, opt, 4)
@@ -176,16 +177,13 @@ EFFECTS = {
     "module tensor attribute in place": lambda model, held: model.running.add_(1),
     "tensor resized": lambda model, held: held.table.resize_(10),
 }
-# A parameter's requires_grad flag is not put back by restore (reported in issue 38; left out
-# here until it is fixed).
-NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created", "requires_grad turned off"}
+NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created"}
 # kind -> (what the step does, the attribute of `held` it changes, the docs' words for it).
-# Not drawn: a real tensor in a tuple or deque changed in place, which estimate and fit leave real
-# (their page says so under "Real tensors") but the list of what is not rewound does not name.
 UNREWOUND = {
     "numpy in place": (lambda model, held: held.array.__iadd__(1), "array", "a NumPy array changed in place"),
     "bytearray": (lambda model, held: held.buffer.extend(b"y"), "buffer", "a `bytearray` appended to"),
     "C iterator": (lambda model, held: next(held.ticks), "ticks", "iterators advanced in C"),
+    "tuple tensor in place": (lambda model, held: held.pair[0].add_(1), "pair", "a real tensor inside a tuple"),
 }
 
 

@@ -35,7 +35,7 @@ class RestoreFailed(RuntimeError):
 class _Tensor:
     """A tensor the step may change: the object, its value on the host, its version."""
 
-    __slots__ = ("name", "tensor", "host", "version", "shape", "dtype", "device")
+    __slots__ = ("name", "tensor", "host", "version", "shape", "dtype", "device", "requires_grad")
 
     def __init__(self, name, tensor):
         self.name = name
@@ -44,6 +44,7 @@ class _Tensor:
         # Inference tensors have no version counter (and take in-place updates only in inference mode).
         self.version = None if tensor.is_inference() else tensor._version
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.requires_grad = tensor.requires_grad  # a step may turn it off (freezing a layer)
 
 
 class _Grad:
@@ -258,6 +259,8 @@ def _put_back(torch, saved):
         tensor.data = saved.host.to(saved.device)  # the step resized it: the old shape, new memory
     with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
         tensor.copy_(saved.host)
+    if tensor.is_leaf and tensor.requires_grad != saved.requires_grad:
+        tensor.requires_grad_(saved.requires_grad)
 
 
 def _set_versions(torch, versions):
