@@ -59,3 +59,23 @@ class Kernel:
 
     def shutdown(self):
         self._setup.__exit__(None, None, None)
+
+
+def error_of(kernel, source):
+    """The error a cell ends with, as 'Name: message' (None where it ran)."""
+    return kernel.run(source, expect_error=True).error
+
+
+def module_kernel(setup):
+    """A fixture: one kernel for a module's checks that leave nothing behind (no experiment stays
+    open), started with `setup` run in it."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def shared():
+        k = Kernel()
+        k.run(setup)
+        yield k
+        k.shutdown()
+
+    return shared

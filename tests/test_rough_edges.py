@@ -1,6 +1,6 @@
 """Smaller rough edges (issue 21, section 5), one test each, in a real IPython kernel."""
 
-import pytest
+from kernel import error_of, module_kernel
 
 SETUP = """\
 import copy, json, math, os, pickle, sys
@@ -10,19 +10,7 @@ from gpuexp import GPUExperiment
 """
 
 
-@pytest.fixture(scope="module")
-def shared():
-    """One kernel for the checks that leave nothing behind (no experiment stays open)."""
-    from kernel import Kernel
-
-    k = Kernel()
-    k.run(SETUP)
-    yield k
-    k.shutdown()
-
-
-def error_of(kernel, source):
-    return kernel.run(source, expect_error=True).error
+shared = module_kernel(SETUP)
 
 
 # ---- %%gpuexp -------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ checkpointed's keywords and overlaps, arguments refused with a named fix, and fi
 
 import pytest
 
+from kernel import error_of, module_kernel
+
 SETUP = """\
 import threading
 import torch
@@ -31,19 +33,7 @@ plain = outputs()
 """
 
 
-@pytest.fixture(scope="module")
-def shared():
-    """One kernel for the checks that leave nothing behind (no experiment stays open)."""
-    from kernel import Kernel
-
-    k = Kernel()
-    k.run(SETUP)
-    yield k
-    k.shutdown()
-
-
-def error_of(kernel, source):
-    return kernel.run(source, expect_error=True).error
+shared = module_kernel(SETUP)
 
 
 # ---- checkpointed (section 4) ---------------------------------------------------------------
