@@ -58,8 +58,10 @@ class GPUExperiment:
     def __init__(self, name=None, *, devices=None, cell_log=True, limit=None, monitor=False, params=None,
                  trace=None, delete=True):
         # An open experiment re-initialised would leave its scope open with no owner: refused,
-        # before anything of this object changes.
-        _core.refuse_reopening(id(self))
+        # before anything of this object changes. Only an object that opened one asks: a new one
+        # can have the id of a dead owner whose finish waits for the main thread.
+        if self._id is not None:
+            _core.refuse_reopening(id(self))
         check_name(name)
         if params is not None and not isinstance(params, dict):
             raise TypeError(f"params must be a dict such as params={{'bs': 64}}, got {type(params).__name__}")

@@ -167,18 +167,17 @@ fn estimated_memory(py: Python, device: Option<u32>) -> PyResult<Memory> {
 /// `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both.
 #[pyfunction]
 pub(in crate::bindings) fn check_step(step: &Bound<PyAny>, call: &str) -> PyResult<()> {
-    if step.is_instance_of::<pyo3::types::PyType>() {
-        let name = step.getattr("__name__")?;
-        return Err(PyTypeError::new_err(format!(
-            "step must be a function of the batch size, e.g. {call}; got the class {name}, which calling would \
-             only build: pass a function that builds or uses it and runs one training step, \
-             e.g. def train_step(batch_size): ..."
-        )));
-    }
-    if step.is_callable() {
+    let got = if step.is_instance_of::<pyo3::types::PyType>() {
+        format!(
+            "the class {}, which calling would only build: pass a function that builds or uses it and runs \
+             one training step, e.g. def train_step(batch_size): ...",
+            step.getattr("__name__")?
+        )
+    } else if step.is_callable() {
         return Ok(());
-    }
-    let got = step.repr()?;
+    } else {
+        step.repr()?.to_string()
+    };
     Err(PyTypeError::new_err(format!("step must be a function of the batch size, e.g. {call}; got {got}")))
 }
 
