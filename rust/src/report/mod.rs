@@ -5,6 +5,7 @@
 mod cell;
 mod holders;
 mod oom;
+mod oom_message;
 mod rank;
 mod roles;
 mod snapshot;
@@ -19,7 +20,10 @@ pub use cell::{CellGpu, CellMetric, CellRecord};
 #[cfg(test)]
 pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PathEdge};
-pub use oom::{parse_oom_message, FailedLine, FiguresSource, OomCause, OomDiagnosis, OtherProcess, TorchPools};
+pub use oom::{
+    parse_oom_message, FailedLine, FiguresSource, OomCause, OomDiagnosis, OtherProcess, PoolBytes, TorchPools,
+};
+pub use oom_message::OomMessage;
 pub use rank::{hostname, RankIdentity};
 pub use roles::{Role, TensorRoles};
 pub use snapshot::snapshot_grid;

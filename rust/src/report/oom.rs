@@ -4,13 +4,23 @@
 use serde::Serialize;
 
 use crate::grid::{prefixed, Grid};
-use crate::oom_rescue::observed::PoolBytes;
 use crate::recorder::{LiveBlocks, SinceStep};
 use crate::trace::{OomSites, SiteNamer, SiteRule, Stacks};
 use crate::training::Position;
 use crate::units::bytes;
 
+use super::OomMessage;
+
 /// Another process on a GPU, as NVML lists it.
+/// Bytes torch's allocator counts, in all and by pool (blocks of 1 MiB or less are the small
+/// pool's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolBytes {
+    pub all: u64,
+    pub large_pool: u64,
+    pub small_pool: u64,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct OtherProcess {
     pub pid: u32,
@@ -137,7 +147,7 @@ impl FailedLine {
 
 /// Reads "Tried to allocate 2.00 GiB" and "GPU 0 has a total capacity" from torch's message.
 pub fn parse_oom_message(message: &str) -> (Option<u64>, Option<u32>) {
-    let parsed = crate::oom_rescue::message::OomMessage::parse(message);
+    let parsed = OomMessage::parse(message);
     (parsed.requested, parsed.device)
 }
 

@@ -4,17 +4,14 @@
 //! read again) runs here over [`RescueWorld`], which the bindings implement over Python and
 //! torch and the tests over a fake.
 
-#[path = "oom_rescue_message.rs"]
-pub mod message;
-#[path = "oom_rescue_observed.rs"]
 pub mod observed;
 
 use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
+use crate::report::OomMessage;
 use crate::report::{self, FailedLine, FiguresSource, OomDiagnosis, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
 use crate::teardown::{self, Step};
 use crate::training::Position;
-use message::OomMessage;
 use observed::Observed;
 
 /// What a rescue reads and does outside the core.
@@ -201,5 +198,4 @@ fn process_name(pid: u32) -> String {
 }
 
 #[cfg(test)]
-#[path = "oom_rescue_tests.rs"]
 mod tests;

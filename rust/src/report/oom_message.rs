@@ -96,5 +96,5 @@ fn size_before(text: &str, phrase: &str) -> Option<u64> {
 }
 
 #[cfg(test)]
-#[path = "oom_rescue_message_tests.rs"]
+#[path = "oom_message_tests.rs"]
 mod tests;

@@ -13,16 +13,8 @@
 use serde::Serialize;
 
 use crate::fork::PerProcess;
+pub use crate::report::PoolBytes;
 use crate::trace::held::message_matches;
-
-/// Bytes torch's allocator counts, in all and by pool (blocks of 1 MiB or less are the small
-/// pool's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct PoolBytes {
-    pub all: u64,
-    pub large_pool: u64,
-    pub small_pool: u64,
-}
 
 /// Torch's allocator at the failure, as the observer read it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
