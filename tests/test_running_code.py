@@ -65,6 +65,24 @@ def test_an_outer_scope_leaves_a_running_inner_one_open_and_its_names_bound(kern
     assert kernel.value("list(_core.open_experiments())") == []
 
 
+def test_an_outer_scope_keeps_a_name_the_running_inner_one_rebound_until_the_inner_exits(kernel):
+    # `shared` exists before either opens; b rebinds it while a's block is the outer one.
+    kernel.run(SETUP + "shared = 'before'\nseen = {}\nasync def t(tag, s):\n    with GPUExperiment('same'):\n"
+               "        if tag == 'b':\n            globals()['shared'] = bytearray(1 << 20)\n"
+               "        await asyncio.sleep(s)\n"
+               "        seen[tag] = type(globals().get('shared')).__name__")
+    cell = kernel.run("await asyncio.gather(t('a', 0.1), t('b', 0.5))")
+    assert cell.error is None, cell.text
+    assert kernel.value("seen") == {"a": "bytearray", "b": "bytearray"}, "shared was deleted while b's block ran"
+    [(outer, outer_rebound, outer_kept), (inner, inner_rebound, _)] = kernel.value(
+        "[(r.name, r.rebound, r.kept) for r in gpuexp.history()]"
+    )
+    assert outer_rebound == [] and "shared" in outer_kept, (outer_rebound, outer_kept)
+    assert inner_rebound == ["shared"], "at b's own exit the usual rule deletes what it rebound"
+    assert present(kernel, "shared") == []
+    assert kernel.value("list(_core.open_experiments())") == []
+
+
 # ---- a second experiment in the same cell ----
 
 

@@ -131,7 +131,7 @@ pub(super) fn finish_one<W: World>(
                 }
                 // A running one stays open; what was bound while it ran is its code's.
                 for running in inner.running {
-                    let bound = world.bound_since_opening(running)?;
+                    let bound = super::running::bound_while_running(world.names_since_opening(running)?);
                     keep.get_or_insert_with(BTreeSet::new).extend(bound);
                 }
             }

@@ -14,7 +14,7 @@ use super::{Identities, Owner, Registry, ScopeId};
 use crate::monitor::Sample;
 use crate::report::{Details, Params, Report};
 use crate::snapshot::{GpuSelection, Snapshot};
-use crate::teardown::Teardown;
+use crate::teardown::{NameState, Teardown};
 use crate::trace::TraceKinds;
 
 pub use super::finishing::{finish, finish_cut_opening, finish_unreachable};
@@ -169,8 +169,9 @@ pub trait World {
     fn collect_garbage(&mut self) -> Result<(), Self::Error>;
     /// The user's names now, for an experiment found unreachable (none outside a namespace).
     fn identities(&mut self, id: ScopeId) -> Result<Identities, Self::Error>;
-    /// The names bound or rebound since experiment `id` opened (none outside a namespace).
-    fn bound_since_opening(&mut self, id: ScopeId) -> Result<BTreeSet<String>, Self::Error>;
+    /// The user's names, each judged against what it held when experiment `id` opened (none
+    /// outside a namespace).
+    fn names_since_opening(&mut self, id: ScopeId) -> Result<Vec<NameState>, Self::Error>;
     fn snapshot(&mut self, selection: &GpuSelection) -> Snapshot;
     fn finish_host_trace(&mut self, held: &mut Self::Held);
     /// The core's teardown; `names`: whether it may act on the user's names at all.

@@ -11,7 +11,7 @@ use crate::monitor::Sample;
 use crate::report::Report;
 use crate::snapshot::testing::host;
 use crate::snapshot::{GpuSelection, Snapshot};
-use crate::teardown::{Names, Teardown};
+use crate::teardown::{Binding, NameState, Names, Teardown};
 use crate::trace::TraceKinds;
 
 #[derive(Debug, PartialEq)]
@@ -149,9 +149,14 @@ impl World for Fake {
         self.call(&format!("identities {id}"))?;
         Ok(Identities::from([("after".to_string(), 7)]))
     }
-    fn bound_since_opening(&mut self, id: ScopeId) -> Result<BTreeSet<String>, Failed> {
-        self.call(&format!("bound_since_opening {id}"))?;
-        Ok(BTreeSet::from([format!("bound in {id}")]))
+    fn names_since_opening(&mut self, id: ScopeId) -> Result<Vec<NameState>, Failed> {
+        self.call(&format!("names_since_opening {id}"))?;
+        let state = |name: String, binding| NameState { name, binding, is_module: false, is_owner: false };
+        Ok(vec![
+            state(format!("bound in {id}"), Binding::Created),
+            state(format!("rebound in {id}"), Binding::Rebound),
+            state("older".into(), Binding::Unchanged),
+        ])
     }
     fn snapshot(&mut self, _: &GpuSelection) -> Snapshot {
         self.record("snapshot");

@@ -10,6 +10,7 @@ use std::collections::BTreeSet;
 
 use super::unreachable::Unreachable;
 use super::{Dropped, Finish, Registry, Scope, ScopeId};
+use crate::teardown::{Binding, NameState};
 
 /// Which scopes opened inside one are finished with it, and which are left open.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -19,6 +20,15 @@ pub struct Inner {
     /// Their `with` block still runs (in another task or thread): left open, to finish at
     /// their own exit; the outer keeps the names bound while they ran.
     pub running: Vec<ScopeId>,
+}
+
+/// What an outer scope's finish keeps for an inner one whose `with` block still runs: every
+/// name its code created or rebound since it opened (`names`, judged against its opening). A
+/// name that existed before and was rebound while it ran holds the running code's object as
+/// much as a new one does, and so does a name bound to the inner experiment itself; the inner
+/// scope's own finish judges them all by the usual rule.
+pub fn bound_while_running(names: Vec<NameState>) -> BTreeSet<String> {
+    names.into_iter().filter(|state| state.binding != Binding::Unchanged).map(|state| state.name).collect()
 }
 
 impl Scope {

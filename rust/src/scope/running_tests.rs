@@ -5,7 +5,9 @@ use std::collections::BTreeSet;
 
 use super::lifecycle::{self, Request, World};
 use super::lifecycle_tests::{only, request, Fake};
+use super::running::bound_while_running;
 use super::{Finish, Identities, Inner, Owner, SafePoint};
+use crate::teardown::{Binding, NameState};
 
 fn names(list: &[&str]) -> BTreeSet<String> {
     list.iter().map(|n| n.to_string()).collect()
@@ -32,12 +34,26 @@ fn an_outer_finish_leaves_a_scope_whose_with_block_runs_and_keeps_what_it_bound(
     assert_eq!(finished, ["idle", "same"]);
     assert!(world.registry().scope(running).is_some(), "its block still runs: it stays open");
     let teardowns = only(&world.calls, &["teardown"]);
-    assert!(teardowns[1].ends_with(&format!(r#"keep=["bound in {running}"]"#)), "{teardowns:?}");
+    let kept = format!(r#"keep=["bound in {running}", "rebound in {running}"]"#);
+    assert!(teardowns[1].ends_with(&kept), "what it created and what it rebound: {teardowns:?}");
 
     world.registry().entered(running, false);
     assert_eq!(world.registry().inner_of(running), Inner::default());
     lifecycle::finish(&mut world, running, BTreeSet::new(), false).unwrap();
     assert!(world.registry().report(running).is_some(), "it finishes at its own exit");
+}
+
+#[test]
+fn a_running_scope_keeps_every_name_its_code_created_or_rebound_and_no_other() {
+    let state = |name: &str, binding, is_owner| NameState { name: name.into(), binding, is_module: false, is_owner };
+    let judged = vec![
+        state("made_b", Binding::Created, false),
+        state("shared", Binding::Rebound, false),
+        state("exp_b", Binding::Created, true),
+        state("model", Binding::Unchanged, false),
+    ];
+    assert_eq!(bound_while_running(judged), names(&["exp_b", "made_b", "shared"]));
+    assert!(bound_while_running(Vec::new()).is_empty());
 }
 
 #[test]

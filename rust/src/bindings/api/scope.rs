@@ -29,7 +29,7 @@ use crate::report::{Param, Params, Report};
 use crate::scope::lifecycle::{self, Request, World};
 use crate::scope::{Identities, Owner, Registry, ScopeId};
 use crate::snapshot::{GpuSelection, Snapshot};
-use crate::teardown::{self, Step, Teardown};
+use crate::teardown::{self, NameState, Step, Teardown};
 use crate::trace::HolderStorages;
 use crate::uninspectable::Uninspectable;
 
@@ -182,10 +182,10 @@ impl World for PyWorld<'_> {
             None => Ok(Identities::default()),
         }
     }
-    fn bound_since_opening(&mut self, id: ScopeId) -> PyResult<BTreeSet<String>> {
+    fn names_since_opening(&mut self, id: ScopeId) -> PyResult<Vec<NameState>> {
         match baseline_of(id) {
-            Some(baseline) => Ok(baseline.created(self.py)?.into_iter().collect()),
-            None => Ok(BTreeSet::new()),
+            Some(baseline) => baseline.judged(self.py),
+            None => Ok(Vec::new()),
         }
     }
     fn snapshot(&mut self, selection: &GpuSelection) -> Snapshot {

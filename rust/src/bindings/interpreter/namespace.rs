@@ -129,6 +129,24 @@ impl Baseline {
         self.adapter.bind(py).clone()
     }
 
+    /// The user's names now, each judged against what it held at the opening.
+    pub(in crate::bindings) fn judged(&self, py: Python) -> PyResult<Vec<NameState>> {
+        let names = user_names(self.adapter.bind(py))?;
+        Ok(names
+            .into_iter()
+            .map(|(name, value)| NameState {
+                binding: match self.names.get(&name) {
+                    None => Binding::Created,
+                    Some(pin) if pin.holds(&value) => Binding::Unchanged,
+                    Some(_) => Binding::Rebound,
+                },
+                is_module: value.is_instance_of::<PyModule>(),
+                is_owner: self.owner.as_ref().is_some_and(|owner| owner.holds(&value)),
+                name,
+            })
+            .collect())
+    }
+
     /// The user's names the scope created so far, the experiment's own name left out.
     pub(in crate::bindings) fn created(&self, py: Python) -> PyResult<Vec<String>> {
         let is_owner = |value: &Bound<PyAny>| self.owner.as_ref().is_some_and(|owner| owner.holds(value));
@@ -151,20 +169,7 @@ impl NamespaceAtTeardown<'_, '_> {
 
 impl teardown::Namespace for NamespaceAtTeardown<'_, '_> {
     fn names(&self) -> Result<Vec<NameState>, String> {
-        let names = user_names(&self.adapter()).map_err(|e| e.to_string())?;
-        Ok(names
-            .into_iter()
-            .map(|(name, value)| NameState {
-                binding: match self.baseline.names.get(&name) {
-                    None => Binding::Created,
-                    Some(pin) if pin.holds(&value) => Binding::Unchanged,
-                    Some(_) => Binding::Rebound,
-                },
-                is_module: value.is_instance_of::<PyModule>(),
-                is_owner: self.baseline.owner.as_ref().is_some_and(|owner| owner.holds(&value)),
-                name,
-            })
-            .collect())
+        self.baseline.judged(self.py).map_err(|e| e.to_string())
     }
 
     fn delete(&mut self, name: &str) -> Result<(), String> {
