@@ -161,3 +161,46 @@ def test_a_tensor_inside_a_numpy_object_array_is_named_by_its_index(kernel):
     assert "arr[0]" in paths, paths
     assert "grid.flat[2]" in paths, paths
     assert not any("no reachable referrer" in p for p in paths), paths
+
+
+def test_a_tensor_in_a_pandas_column_is_named_as_the_user_indexes_it(kernel):
+    # Issue 44, section 3: pandas keeps an object column in an object array, behind its blocks.
+    kernel.run(SETUP + "import torch, pandas as pd")
+    kernel.run(
+        "df = pd.DataFrame({'emb': [None] * 5, 'n': range(5), 7: [None] * 5})\n"
+        "df.at[3, 'emb'] = torch.ones(1 << 22)\n"
+        "df.at[1, 7] = torch.ones(3 << 20)\n"
+        "s = pd.Series([None, torch.ones(5 << 20)], index=['a', 'b'])\n"
+        "d = {3: torch.ones(6 << 20)}"
+    )
+    paths = holder_paths(kernel)
+    for expected in ("df['emb'][3]", "df[7][1]", "s['b']", "d[3]"):
+        assert expected in paths, (expected, paths)
+    assert not any("no reachable referrer" in p for p in paths), paths
+    assert kernel.value("hasattr(df, '_item_cache') and len(df._item_cache)") in (False, 0), "the hunt indexed df"
+
+
+def test_the_hunter_never_imports_pandas(kernel):
+    kernel.run(SETUP + "import torch\narr = np.empty(2, dtype=object)\narr[0] = torch.ones(1 << 22)")
+    assert "arr[0]" in holder_paths(kernel)
+    assert kernel.value("'pandas' in sys.modules") is False
+
+
+def test_a_container_read_in_part_is_said_in_the_table_and_the_leak_hunters_line(kernel):
+    kernel.run(SETUP + "import torch, pandas as pd\ncache = []")
+    kernel.run("big = np.empty(150_000, dtype=object)\nbig[0] = torch.ones(1 << 20)\n"
+               "big[120_000] = torch.ones(2 << 20)")
+    table = kernel.run("print(gpuexp.holders('cpu'))").text
+    assert "big[0]" in table and "8.00 MiB ┆ live tensors only C++" in table, table
+    assert "read in part: big (the first 100,000 of 150,000 elements)" in table, table
+    kernel.run("del big")
+    kernel.run('exp = gpuexp.CPUExperiment("partly read")')
+    kernel.run(
+        "col = pd.Series([None] * 150_000)\ncol[120_000] = torch.ones(24 << 20)\n"
+        "cache.append(col)\ndel col"
+    )
+    shown = kernel.run("del exp").text
+    assert "96.00 MiB with no reachable referrer" in shown, shown
+    assert "read in part: cache[0] (the first 100,000 of 150,000 elements)" in shown, shown
+    [held] = kernel.value("gpuexp.history()[-1].to_dict()['holders']")
+    assert held["partly_read"] == [{"path": "cache[0]", "elements": 150_000, "read": 100_000}], held

@@ -1,6 +1,6 @@
 """The types the leak hunter's walk tells apart (``bindings/python_heap``), looked up once per hunt.
 
-Torch and numpy are looked up only where already imported (never imported here), as is
+Torch, numpy and pandas are looked up only where already imported (never imported here), as is
 ``collections.deque``; what is missing is None, or left out of a list.
 """
 
@@ -68,6 +68,8 @@ def heap_types() -> dict[str, Any]:
         "lru_cache": _imported("functools", "_lru_cache_wrapper"),
         "tensor": _imported("torch", "Tensor"),
         "ndarray": _imported("numpy", "ndarray"),
+        "series": _imported("pandas", "Series"),
+        "dataframe": _imported("pandas", "DataFrame"),
         "grad_fn": _imported("torch", "autograd", "graph", "Node"),
         "saved_tensor": _imported("torch", "_C", "_autograd", "SavedTensor"),
         "owners": [owner for owner in owners if owner is not None],

@@ -194,7 +194,7 @@ mod tests {
         fn text(&self, name: &usize) -> String {
             self.describe(name)
         }
-        fn is_text(&self, key: &usize) -> bool {
+        fn is_plain(&self, key: &usize) -> bool {
             matches!(self.objects[*key], Object::Text(_))
         }
         fn describe(&self, key: &usize) -> String {

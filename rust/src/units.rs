@@ -1,5 +1,5 @@
-//! Sizes and times as people read and write them: binary units both ways, from one table,
-//! intervals ("100ms", "2min") and UTC timestamps.
+//! Sizes, counts and times as people read and write them: binary units both ways, from one
+//! table, counts grouped by thousands, intervals ("100ms", "2min") and UTC timestamps.
 
 use std::time::Duration;
 
@@ -29,6 +29,19 @@ pub fn bytes(n: u64) -> String {
         unit += 1;
     }
     format!("{value:.2} {}", UNITS[unit].0)
+}
+
+/// A count with its thousands grouped, as a person reads it: `250,000`.
+pub fn count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
 }
 
 pub fn signed_bytes(n: i64) -> String {
@@ -178,6 +191,14 @@ mod tests {
     const KIB: u64 = 1 << 10;
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn counts_group_their_thousands() {
+        let cases = [(0, "0"), (999, "999"), (1000, "1,000"), (100_000, "100,000"), (1_234_567, "1,234,567")];
+        for (n, text) in cases {
+            assert_eq!(count(n), text);
+        }
+    }
 
     // --- bytes ----------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ impl<O> Survey<O> {
             objects_visited: self.objects_visited,
             skipped: self.skipped,
             truncated: self.truncated,
+            partly_read: self.partly_read.clone(),
             seconds,
             min_bytes,
             holders: self

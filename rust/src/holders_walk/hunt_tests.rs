@@ -16,6 +16,7 @@ fn survey(held: Vec<(Buffer, Holder)>, found: &[(usize, u64)], live: &[(usize, u
         objects_visited: 42,
         skipped: 1,
         truncated: false,
+        partly_read: Vec::new(),
     }
 }
 

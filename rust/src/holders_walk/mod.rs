@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use crate::report::{render_path, Holder, PathEdge};
+use crate::report::{render_path, Holder, PartlyRead, PathEdge};
 
 mod hunt;
 mod installed;
@@ -143,13 +143,25 @@ pub trait Heap {
     fn look(&mut self, object: &Self::Object, refs: &mut Refs<Self::Object>) -> Result<Kind, Unreadable>;
     /// A name object as text: `weight`.
     fn text(&self, name: &Self::Object) -> String;
-    /// Whether a key is text (read by its repr, never by the path that reached it elsewhere).
-    fn is_text(&self, key: &Self::Object) -> bool;
+    /// Whether a key is a plain value, text or a number: read by its repr, never by a path that
+    /// reached the same object elsewhere (one small int is every name's `3`).
+    fn is_plain(&self, key: &Self::Object) -> bool;
     /// A key as a person reads it where the walk has no path to it: `'exp_avg'`, `<tensor [3]>`.
     fn describe(&self, key: &Self::Object) -> String;
     /// An `lru_cache` key as the call that made it: `(268435456,)`, `(2, k=3)`.
     fn call(&self, key: &Self::Object) -> String;
+    /// Asked after each `look`: where that object is a container whose elements it read one by
+    /// one (a NumPy object array, a pandas column) and it holds more than [`ELEMENTS_READ`], so
+    /// that `look` gave only the first of them, how many it holds.
+    fn elements_left_unread(&mut self) -> Option<u64> {
+        None
+    }
 }
+
+/// The elements of one container that the walk reads one by one at most, first to last: a
+/// NumPy object array or a pandas column gives the collector no referents, and a column of
+/// millions of rows would cost the hunt seconds. The report names what it read only in part.
+pub const ELEMENTS_READ: usize = 100_000;
 
 /// How far a walk goes: a kernel with millions of objects, or a linked list a million long,
 /// ends the walk with a note instead of hanging the kernel.
@@ -178,6 +190,8 @@ pub struct Survey<O> {
     pub skipped: u64,
     /// Whether a bound stopped the walk before it saw everything.
     pub truncated: bool,
+    /// The containers it read only the first [`ELEMENTS_READ`] elements of.
+    pub partly_read: Vec<PartlyRead>,
 }
 
 enum Step<O> {
@@ -217,6 +231,8 @@ struct Walk<'h, H: Heap> {
     owners: Vec<H::Object>,
     skipped: u64,
     truncated: bool,
+    /// Nodes read in part, with how many elements each holds.
+    partly_read: Vec<(usize, u64)>,
     /// Wanted buffers not found yet: the walk may stop once none is left.
     missing: Option<HashSet<Buffer>>,
 }
@@ -244,6 +260,7 @@ pub fn walk<H: Heap>(
         owners: Vec::new(),
         skipped: 0,
         truncated: false,
+        partly_read: Vec::new(),
         missing: until.cloned(),
     };
     let mut roots = roots.into_iter().peekable();
@@ -307,6 +324,9 @@ impl<H: Heap> Walk<'_, H> {
                     continue;
                 }
             };
+            if let Some(elements) = self.heap.elements_left_unread() {
+                self.partly_read.push((index, elements));
+            }
             match kind {
                 Kind::Leaf => continue,
                 Kind::Plain => {}
@@ -364,6 +384,10 @@ impl<H: Heap> Walk<'_, H> {
         held.sort_by(|(_, a), (_, b)| {
             (b.bytes + b.saved_for_backward).cmp(&(a.bytes + a.saved_for_backward)).then_with(|| a.path.cmp(&b.path))
         });
+        let read = ELEMENTS_READ as u64;
+        let partly_read =
+            self.partly_read.iter().map(|&(node, elements)| PartlyRead { path: self.path(node, 0), elements, read });
+        let partly_read = partly_read.collect();
         Survey {
             held,
             found: self.found.iter().map(|(buffer, found)| (*buffer, found.piece.bytes)).collect(),
@@ -372,6 +396,7 @@ impl<H: Heap> Walk<'_, H> {
             objects_visited: self.nodes.len() as u64,
             skipped: self.skipped,
             truncated: self.truncated,
+            partly_read,
         }
     }
 
@@ -423,10 +448,10 @@ impl<H: Heap> Walk<'_, H> {
         }
     }
 
-    /// A dict key: text by its repr; an object the walk reached otherwise by the path to it
+    /// A dict key: a plain value by its repr; an object the walk reached otherwise by the path to it
     /// (an optimizer's state is keyed by parameters: `opt.state[model.0.weight]`).
     fn key(&self, key: &H::Object, keyed: usize, nesting: u32) -> String {
-        if self.heap.is_text(key) {
+        if self.heap.is_plain(key) {
             return self.heap.describe(key);
         }
         match self.visited.get(&self.heap.address(key)) {

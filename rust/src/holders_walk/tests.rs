@@ -9,6 +9,8 @@ enum Fake {
     /// A tensor: its storage and bytes, and its references (grad, grad_fn).
     Tensor(usize, u64, Vec<(Edge<usize>, usize)>),
     Plain(Vec<(Edge<usize>, usize)>),
+    /// A container of this many elements, which gives only the first `ELEMENTS_READ` of them.
+    Large(Vec<(Edge<usize>, usize)>, u64),
     Owner(Vec<(Edge<usize>, usize)>),
     Leaf,
     Text(&'static str),
@@ -19,6 +21,8 @@ enum Fake {
 struct Graph {
     objects: Vec<Fake>,
     looked: usize,
+    /// What the last `look` left unread.
+    unread: Option<u64>,
 }
 
 impl Graph {
@@ -34,7 +38,9 @@ impl Graph {
     }
     fn refer(&mut self, from: usize, edge: Edge<usize>, to: usize) {
         match &mut self.objects[from] {
-            Fake::Tensor(_, _, refs) | Fake::Plain(refs) | Fake::Owner(refs) => refs.push((edge, to)),
+            Fake::Tensor(_, _, refs) | Fake::Plain(refs) | Fake::Large(refs, _) | Fake::Owner(refs) => {
+                refs.push((edge, to))
+            }
             _ => panic!("object {from} refers to nothing"),
         }
     }
@@ -54,6 +60,7 @@ impl Heap for Graph {
     }
     fn look(&mut self, object: &usize, refs: &mut Refs<usize>) -> Result<Kind, Unreadable> {
         self.looked += 1;
+        self.unread = None;
         Ok(match &self.objects[*object] {
             Fake::Tensor(storage, bytes, children) => {
                 refs.extend(children.iter().cloned());
@@ -73,6 +80,11 @@ impl Heap for Graph {
                 refs.extend(children.iter().cloned());
                 Kind::Owner
             }
+            Fake::Large(children, elements) => {
+                refs.extend(children.iter().take(ELEMENTS_READ).cloned());
+                self.unread = Some(*elements).filter(|n| *n > ELEMENTS_READ as u64);
+                Kind::Plain
+            }
             Fake::Leaf | Fake::Text(_) => Kind::Leaf,
             Fake::Raises => return Err(Unreadable),
         })
@@ -83,7 +95,7 @@ impl Heap for Graph {
             _ => format!("<object {name}>"),
         }
     }
-    fn is_text(&self, key: &usize) -> bool {
+    fn is_plain(&self, key: &usize) -> bool {
         matches!(self.objects[*key], Fake::Text(_))
     }
     fn describe(&self, key: &usize) -> String {
@@ -94,6 +106,9 @@ impl Heap for Graph {
     }
     fn call(&self, key: &usize) -> String {
         format!("({},)", self.text(key))
+    }
+    fn elements_left_unread(&mut self) -> Option<u64> {
+        self.unread.take()
     }
 }
 
@@ -361,4 +376,20 @@ fn a_graph_held_by_a_tensor_elsewhere_or_by_its_grad_fn_alone_is_still_charged()
     let (_, holder) = &survey.held[0];
     assert_eq!((holder.path.as_str(), holder.bytes, holder.saved_for_backward), ("loss_on_cpu", 0, 64 * MIB));
     assert_eq!((holder.kind.as_str(), holder.device.as_str()), ("autograd graph", "cuda:0"));
+}
+
+#[test]
+fn a_container_read_in_part_is_named_with_how_much_of_it_was_read() {
+    let mut g = Graph::default();
+    let first = g.tensor(1, MIB);
+    let large = g.add(Fake::Large(vec![(Edge::Index(0), first)], 250_000));
+    let other = g.tensor(2, MIB);
+    let small = g.add(Fake::Large(vec![(Edge::Index(0), other)], ELEMENTS_READ as u64));
+    let emb = g.word("emb");
+    let frame = g.add(Fake::Plain(vec![(Edge::Key(emb), large)]));
+    let survey = hunt(&mut g, vec![root(RootKind::Name, "df", frame), root(RootKind::Name, "fits", small)]);
+    let read = ELEMENTS_READ as u64;
+    assert_eq!(survey.partly_read, vec![PartlyRead { path: "df['emb']".into(), elements: 250_000, read }]);
+    let walked = vec![("df['emb'][0]".into(), MIB, 0), ("fits[0]".into(), MIB, 0)];
+    assert_eq!(paths(&survey), walked, "what it read is walked as ever");
 }

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TensorRoles;
 use crate::grid::Grid;
-use crate::units::bytes;
+use crate::units::{bytes, count};
 
 /// One object that keeps memory alive, and the way to it from something a person recognises.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +22,19 @@ pub struct Holder {
     pub kind: String,
     pub shape: String,
 }
+
+/// A container the walk read only the first elements of: what only the others hold is not named.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartlyRead {
+    /// The path to it, as holders' paths are written: `embeddings`, `df['emb']`.
+    pub path: String,
+    pub elements: u64,
+    /// How many it read, first to last.
+    pub read: u64,
+}
+
+/// The containers named in a note at most; the rest are counted.
+const PARTLY_READ_NAMED: usize = 3;
 
 /// What holds memory on a device (or on the host), largest first.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -43,6 +56,10 @@ pub struct Holders {
     /// Whether the walk stopped at a bound before it saw everything.
     #[serde(default)]
     pub truncated: bool,
+    /// Containers whose elements the walk read only in part (a very large NumPy object array
+    /// or pandas column), in the walk's order.
+    #[serde(default)]
+    pub partly_read: Vec<PartlyRead>,
     pub seconds: f64,
     /// The smallest holder listed: smaller ones were found and left out.
     #[serde(default)]
@@ -107,7 +124,29 @@ impl Holders {
         if self.truncated {
             notes.push("the walk stopped at its bound (objects or depth): some holders may be missing".into());
         }
+        notes.extend(self.partly_read_note());
         notes
+    }
+
+    /// Which large containers the walk read only in part: `embeddings (the first 100,000 of
+    /// 250,000 elements)`. What only their later elements hold counts as with no reachable
+    /// referrer, or is not seen at all on the host.
+    pub fn partly_read_note(&self) -> Option<String> {
+        if self.partly_read.is_empty() {
+            return None;
+        }
+        let named: Vec<String> = self
+            .partly_read
+            .iter()
+            .take(PARTLY_READ_NAMED)
+            .map(|p| format!("{} (the first {} of {} elements)", p.path, count(p.read), count(p.elements)))
+            .collect();
+        let more = match self.partly_read.len().saturating_sub(PARTLY_READ_NAMED) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        let whose = if self.partly_read.len() == 1 { "its" } else { "their" };
+        Some(format!("read in part: {}{more}, so what only {whose} later elements hold is not named", named.join(", ")))
     }
 
     /// The report's line for this device: the largest holders, each with where its memory was
@@ -117,6 +156,11 @@ impl Holders {
         let mut parts = vec![named.join(", ")];
         if self.unreachable > 0 {
             parts.push(format!("{} with no reachable referrer", bytes(self.unreachable)));
+        }
+        // A tensor only a container's unread elements hold counts as unreachable; on the host
+        // an array so held is not counted at all. Elsewhere the note would change nothing.
+        if self.unreachable > 0 || matches!(self.device.as_str(), "host" | "cpu") {
+            parts.extend(self.partly_read_note());
         }
         parts.retain(|part| !part.is_empty());
         format!("still held on {}: {}", self.device, parts.join("; "))
@@ -264,6 +308,7 @@ mod tests {
             objects_visited: 10,
             skipped: 0,
             truncated: false,
+            partly_read: Vec::new(),
             seconds: 0.01,
             min_bytes: 1 << 20,
         };
@@ -283,6 +328,33 @@ mod tests {
         let said = "nothing found: no tensor or array of 1.00 MiB or more in host memory is reachable from your names";
         assert!(text.contains(said) && text.contains("any module's globals (a script's own as __main__)"), "{text}");
         assert!(text.contains("7 objects visited"), "{text}");
+    }
+
+    #[test]
+    fn containers_read_in_part_are_named_in_the_table_and_where_they_may_hide_a_holder_in_the_line() {
+        let part = |path: &str| PartlyRead { path: path.into(), elements: 250_000, read: 100_000 };
+        let mut held = Holders {
+            device: "cuda:0".into(),
+            holders: vec![test_tensor("arr[0]", 1 << 20, 0)],
+            partly_read: vec![part("big")],
+            ..Holders::default()
+        };
+        let note = "read in part: big (the first 100,000 of 250,000 elements), so what only its later elements \
+                    hold is not named";
+        assert!(held.grid("holders").to_text().contains(note), "{}", held.grid("holders").to_text());
+        assert_eq!(held.line_with(|_| None), "still held on cuda:0: arr[0] (1.00 MiB)", "everything was found");
+        held.unreachable = 1 << 30;
+        assert!(held.line_with(|_| None).ends_with(&format!("1.00 GiB with no reachable referrer; {note}")));
+        held.unreachable = 0;
+        held.device = "host".into();
+        assert!(held.line_with(|_| None).ends_with(note), "on the host an array so held is not counted at all");
+
+        held.partly_read = ["a", "b", "c", "d", "e"].map(part).to_vec();
+        let many = held.partly_read_note().unwrap();
+        assert!(many.contains("c (the first 100,000 of 250,000 elements) and 2 more, so what only their"), "{many}");
+        assert!(!many.contains("d ("), "{many}");
+        held.partly_read.clear();
+        assert_eq!(held.partly_read_note(), None);
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
 #[cfg(test)]
 pub(crate) use holders::test_tensor;
-pub use holders::{render_path, Holder, Holders, PathEdge};
+pub use holders::{render_path, Holder, Holders, PartlyRead, PathEdge};
 pub use oom::{
     parse_oom_message, FailedLine, FiguresSource, OomCause, OomDiagnosis, OtherProcess, PoolBytes, TorchPools,
 };

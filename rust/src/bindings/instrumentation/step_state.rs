@@ -169,13 +169,13 @@ impl<'py> Heap for PythonStep<'py> {
         name.str().map(|s| s.to_string()).unwrap_or_default()
     }
 
-    fn is_text(&self, key: &Self::Object) -> bool {
+    fn is_plain(&self, key: &Self::Object) -> bool {
         key.is_instance_of::<PyString>() || key.is_instance_of::<PyInt>()
     }
 
     /// A key by its repr where it is text; by its type otherwise: a tensor's repr reads the device.
     fn describe(&self, key: &Self::Object) -> String {
-        if self.is_text(key) {
+        if self.is_plain(key) {
             return key.repr().map(|r| r.to_string()).unwrap_or_default();
         }
         format!("<{}>", key.get_type().name().map(|n| n.to_string()).unwrap_or_default())

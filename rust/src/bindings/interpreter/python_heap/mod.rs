@@ -15,13 +15,12 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType, PyWeakrefMethods, P
 use crate::holders_walk::{Edge, Heap, Kind, Memory, Name, Refs, Unreadable};
 
 mod buffers;
+mod elements;
 mod lru_cache;
 
 pub(in crate::bindings) use buffers::tensor_piece;
 use buffers::{array_piece, shape_text};
-
-/// The elements of a NumPy object array the walk reads at most: bounded as a hunt must be.
-const OBJECT_ELEMENTS: usize = 100_000;
+use elements::Table;
 
 pub(in crate::bindings) enum Collected {
     Tensor,
@@ -62,16 +61,18 @@ enum Class {
     SavedTensor,
     /// A class: its own attributes, if it was defined in Python.
     Type,
-    /// An instance of a class defined in Python: its `__dict__` and slots.
+    /// An instance of a class defined in Python: its `__dict__` and slots, and a pandas
+    /// table's elements first.
     Instance {
         slots: Rc<Vec<Py<PyString>>>,
         owner: bool,
+        table: Option<Table>,
     },
     /// A type written in C: whatever `gc.get_referents` reports.
     Other(Rc<str>),
 }
 
-/// The types the walk tells apart, looked up once per hunt; torch and numpy only if imported.
+/// The types the walk tells apart, looked up once per hunt; torch, numpy and pandas only if imported.
 struct Known<'py> {
     atomic: Vec<Bound<'py, PyAny>>,
     proxies: Vec<Bound<'py, PyAny>>,
@@ -85,6 +86,8 @@ struct Known<'py> {
     lru_cache: Option<Bound<'py, PyAny>>,
     tensor: Option<Bound<'py, PyAny>>,
     ndarray: Option<Bound<'py, PyAny>>,
+    series: Option<Bound<'py, PyAny>>,
+    dataframe: Option<Bound<'py, PyAny>>,
     grad_fn: Option<Bound<'py, PyAny>>,
     saved_tensor: Option<Bound<'py, PyAny>>,
     owners: Vec<Bound<'py, PyAny>>,
@@ -134,6 +137,8 @@ impl<'py> Known<'py> {
             lru_cache: maybe("lru_cache")?,
             tensor: maybe("tensor")?,
             ndarray: maybe("ndarray")?,
+            series: maybe("series")?,
+            dataframe: maybe("dataframe")?,
             grad_fn: maybe("grad_fn")?,
             saved_tensor: maybe("saved_tensor")?,
             owners: get("owners")?.extract()?,
@@ -151,6 +156,8 @@ pub(in crate::bindings) struct PythonHeap<'py> {
     classes: HashMap<usize, Class>,
     get_referents: Bound<'py, PyAny>,
     object_type: Bound<'py, PyAny>,
+    /// How many elements the object being looked at holds, where it gave only some (see `elements`).
+    unread: Option<u64>,
 }
 
 impl<'py> PythonHeap<'py> {
@@ -162,6 +169,7 @@ impl<'py> PythonHeap<'py> {
             classes: HashMap::new(),
             get_referents: py.import("gc")?.getattr("get_referents")?,
             object_type: py.import("builtins")?.getattr("object")?,
+            unread: None,
         })
     }
 
@@ -226,9 +234,11 @@ impl<'py> PythonHeap<'py> {
         } else if k.saved_tensor.as_ref().is_some_and(|t| class.is(t)) {
             Class::SavedTensor
         } else if is_heap_type(class) {
+            let table = if is(&k.dataframe) { Some(Table::DataFrame) } else { is(&k.series).then_some(Table::Series) };
             Class::Instance {
                 slots: Rc::new(k.slot_names.call1((class,))?.extract()?),
                 owner: k.owners.iter().any(sub),
+                table,
             }
         } else {
             Class::Other(class.name()?.to_string().into())
@@ -301,16 +311,7 @@ impl<'py> PythonHeap<'py> {
                 }
             }
             Class::Array => {
-                // An object array gives the collector no referents: its elements are read through
-                // numpy's own `flat`, the first `OBJECT_ELEMENTS` of them.
-                if object.getattr("dtype")?.getattr("hasobject")?.is_truthy()? {
-                    let one_dimensional = object.getattr("ndim")?.extract::<usize>()? == 1;
-                    for (i, item) in object.getattr("flat")?.try_iter()?.take(OBJECT_ELEMENTS).enumerate() {
-                        let edge =
-                            if one_dimensional { Edge::Index(i) } else { Edge::Attr(Name::Text(format!("flat[{i}]"))) };
-                        self.add(refs, edge, item?);
-                    }
-                }
+                self.object_array_elements(object, refs)?;
                 let base = object.getattr("base")?;
                 if matches!(self.class(&base), Class::Array) {
                     self.add(refs, attr("base"), base);
@@ -393,7 +394,10 @@ impl<'py> PythonHeap<'py> {
                     self.add_items(refs, &object.getattr("__dict__")?, false)?;
                 }
             }
-            Class::Instance { slots, owner } => {
+            Class::Instance { slots, owner, table } => {
+                if let Some(table) = table {
+                    self.table_elements(table, object, refs)?;
+                }
                 match object.getattr("__dict__") {
                     Ok(attributes) => self.add_items(refs, &attributes, false)?,
                     // Without a `__dict__` it has only slots; any other error is the object's own.
@@ -446,7 +450,12 @@ impl<'py> Heap for PythonHeap<'py> {
     }
 
     fn look(&mut self, object: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>) -> Result<Kind, Unreadable> {
+        self.unread = None;
         self.look_object(object, refs).map_err(|_| Unreadable)
+    }
+
+    fn elements_left_unread(&mut self) -> Option<u64> {
+        self.unread.take()
     }
 
     fn text(&self, name: &Bound<'py, PyAny>) -> String {
@@ -456,8 +465,8 @@ impl<'py> Heap for PythonHeap<'py> {
         }
     }
 
-    fn is_text(&self, key: &Bound<'py, PyAny>) -> bool {
-        key.is_instance_of::<PyString>()
+    fn is_plain(&self, key: &Bound<'py, PyAny>) -> bool {
+        key.is_instance_of::<PyString>() || self.known.atomic.iter().any(|t| key.get_type().is(t))
     }
 
     fn describe(&self, key: &Bound<'py, PyAny>) -> String {
