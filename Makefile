@@ -82,13 +82,20 @@ test-python: build browser $(DOCS_DEPS)
 # chromedriver. As root with apt (CI), this installs both when chromedriver is missing, without
 # apt's recommended packages (about 26 packages instead of 131, and no avahi, which would change
 # the system's default browser); elsewhere it says how, and those tests skip. Chromium's package
-# makes itself the default x-www-browser; the one before (or none) is put back.
+# makes itself the default x-www-browser; the one before (or none) is put back. apt's own output
+# (over a hundred lines) goes to APT_LOG: a heading and a one-line summary show, the log on failure.
+APT_LOG ?= target/apt-browser.log
 browser:
 	@command -v chromedriver >/dev/null || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "make test: installing Chromium and chromedriver with apt for the browser tests (about 26 packages)"; \
+		echo "make test: installing Chromium and chromedriver with apt for the browser tests (about 26 packages; log: $(APT_LOG))"; \
+		mkdir -p "$$(dirname $(APT_LOG))"; \
 		before=$$(if [ -e /etc/alternatives/x-www-browser ]; then readlink -f /etc/alternatives/x-www-browser; fi); \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver && \
+		if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; } >$(APT_LOG) 2>&1; then \
+			echo "make test: apt installed $$(grep -c '^Setting up ' $(APT_LOG)) packages"; \
+		else \
+			status=$$?; echo "make test: apt failed (status $$status); its log, $(APT_LOG):"; cat $(APT_LOG); exit $$status; \
+		fi; \
 		if [ -n "$$before" ]; then update-alternatives --quiet --set x-www-browser "$$before"; \
 		else update-alternatives --quiet --remove x-www-browser /usr/bin/chromium 2>/dev/null || true; fi; \
 	else \
