@@ -1,13 +1,25 @@
 # `make demo` and `make test` set up everything they need in .venv on a fresh machine
-# (Rust toolchain and CPython 3.9+ are the only prerequisites). Lightning and transformers
-# (with accelerate, which its Trainer needs) are there for the callbacks' tests and examples.
+# (a Rust toolchain and CPython 3.10+ are the only prerequisites: torch 2.11 needs 3.10; the
+# wheel itself runs on 3.9+). Lightning and transformers (with accelerate, which its Trainer
+# needs) are there for the callbacks' tests and examples.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(abspath $(VENV))/bin
 PY     := $(BIN)/python
+DEMO_DEPS := $(VENV)/.demo-deps-installed
 DEPS   := $(VENV)/.deps-installed
 DOCS_DEPS := $(VENV)/.docs-deps-installed
+# What each command installs, each bounded: from a release that installs on CPython 3.10 to
+# below the next major (the next minor for 0.x packages, whose minors break: ruff's rules, zig's
+# linker). The tests ran with versions inside these: torch 2.11 on the GPU machine and 2.15 on
+# the CPU one, the others' newest. `make demo` needs the build, the notebook runner and the
+# notebook's imports; `make test` adds the rest (tests/test_make_packages.py checks both).
+DEMO_PACKAGES := "maturin>=1.5,<2" "ziglang>=0.17,<0.18" "nbclient>=0.10,<1" "nbformat>=5.10,<6" \
+	"ipykernel>=7,<8" "numpy>=2,<3" "torch>=2.11,<3"
+TEST_PACKAGES := "pytest>=9,<10" "hypothesis>=6.100,<7" "pandas>=2.2,<4" "matplotlib>=3.8,<4" \
+	"ruff>=0.17,<0.18" "mypy>=2,<3" "auditwheel>=6,<7" "jupyterlab>=4,<5" "selenium>=4.20,<5" \
+	"lightning>=2.4,<3" "transformers>=5,<6" "accelerate>=1,<2"
 # An abi3 wheel for CPython 3.9+ on glibc 2.17 and newer (manylinux2014): pyproject.toml's
 # [tool.maturin] sets the tag and links through zig (rust/zig-linker), so a plain
 # `maturin build --release` and `pip install .` give it too.
@@ -19,23 +31,29 @@ export PATH := $(BIN):$(PATH)
 
 all: test
 
-$(DEPS): Makefile
+$(DEMO_DEPS): Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+		echo "make: $(PYTHON) is CPython $$($(PYTHON) -c 'import platform; print(platform.python_version())'); the set-up needs 3.10 or newer (torch 2.11's), e.g. make PYTHON=python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.5,<2" ziglang pytest nbclient nbformat ipykernel numpy torch pandas matplotlib \
-		ruff mypy auditwheel jupyterlab selenium lightning transformers accelerate hypothesis
+	$(PY) -m pip install -q $(DEMO_PACKAGES)
+	touch $@
+
+# The demo's packages again, so that the resolver keeps them within their bounds.
+$(DEPS): $(DEMO_DEPS)
+	$(PY) -m pip install -q $(DEMO_PACKAGES) $(TEST_PACKAGES)
 	touch $@
 
 venv: $(DEPS)
 
 # Builds the abi3 wheel and installs it into the venv, so tests exercise what users install.
-build: $(DEPS)
+build: $(DEMO_DEPS)
 	rm -rf dist
 	$(BIN)/maturin build $(WHEEL) --quiet -o dist
 	$(PY) -m pip install -q --force-reinstall --no-deps dist/gpuexp-*.whl
 
 # The wheel's platform tag as auditwheel sees it, and an install and import on CPython 3.9 to 3.13.
-wheel-check: build
+wheel-check: build $(DEPS)
 	tests/wheel_check.sh dist/gpuexp-*.whl
 
 demo: build
@@ -47,7 +65,7 @@ demo: build
 # so it needs neither the build nor the native module. mkdocs stays below 2, which these plugins
 # don't support. Never `--quiet`: it hides the warnings that strict mode counts, so nothing fails
 # (tests/test_docs.py plants a broken link and runs this recipe's command to prove it).
-$(DOCS_DEPS): $(DEPS)
+$(DOCS_DEPS): $(DEMO_DEPS)
 	$(PY) -m pip install -q "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2"
 	touch $@
 
@@ -56,7 +74,7 @@ docs: $(DOCS_DEPS)
 
 # Retakes the outputs the documentation shows that need no GPU (docs/capture.py --gpu on a GPU
 # machine retakes the others), and the README's example.
-docs-captures: build
+docs-captures: build $(DEPS)
 	$(PY) docs/capture.py --cpu --readme
 
 # rustfmt and clippy come with rustup's default profile; a minimal one gets them added here.
@@ -75,7 +93,7 @@ test-rust:
 	cargo test --workspace --quiet
 
 # The docs' dependencies first: tests/test_docs.py builds the site, and skips without mkdocs.
-test-python: build browser $(DOCS_DEPS)
+test-python: $(DEPS) build browser $(DOCS_DEPS)
 	$(PY) -m pytest -q tests
 
 # The browser tests (tests/test_browser*.py) drive JupyterLab in Debian's Chromium through its
@@ -103,13 +121,13 @@ browser:
 	fi
 
 # Retakes the documentation's JupyterLab screenshots (docs/jupyterlab-*.png).
-screenshots: build browser
+screenshots: $(DEPS) build browser
 	GPUEXP_SCREENSHOTS=docs $(PY) -m pytest -q -m browser tests
 
 test: lint test-rust test-python docs
 
 # The wheel for the GPU machine (see ../shared/gpu/README.md): .whl/ travels with `carry`.
-gpu-wheel: $(DEPS)
+gpu-wheel: $(DEMO_DEPS)
 	mkdir -p .whl
 	rm -f .whl/gpuexp-*.whl
 	$(BIN)/maturin build $(WHEEL) --quiet -o .whl
