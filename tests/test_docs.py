@@ -163,6 +163,10 @@ def test_the_api_page_has_every_public_name_each_with_its_text(site):
         page, re.S)]
     assert not empty, f"entries without text on the API page: {empty}"
     assert "_Table" not in page, "the API page names _core.pyi's _Table, which no user can import"
+    text = re.sub(r"<[^>]+>", "", re.sub(r"<script\b.*?</script>", "", page, flags=re.S))
+    private_defaults = sorted(set(re.findall(r"\w+=_\w+", text)))
+    assert not private_defaults, f"signatures whose default is a private name no reader can use: {private_defaults}"
+    assert 'live_view_after_s="unchanged"' in text.replace("&quot;", '"').replace("&#39;", "'"), "config's default"
 
 
 def test_the_gpu_suites_four_commands_name_every_gpu_test_file_once():

@@ -130,6 +130,27 @@ def wide_step(bs):
     assert shared.value("fitted.to_dict()['step_flops']") > 2**64, "the FLOPs past 2**64 are counted, not refused"
 
 
+def test_an_estimate_of_a_meta_model_mixing_meta_tensors_names_the_fix(shared):
+    shared.run("""\
+with torch.device('meta'):
+    planned = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+planned_device = next(planned.parameters()).device
+meta_mask = torch.ones(64, device='meta')
+def made_on_meta(bs):
+    planned(torch.randn(bs, 64, device=planned_device)).sum().backward()
+def reads_meta(bs):
+    planned(torch.randn(bs, 64) * meta_mask).sum().backward()
+def made_where_estimated(bs):
+    planned(torch.randn(bs, 64)).sum().backward()
+""")
+    for step in ("made_on_meta", "reads_meta"):
+        error = error_of(shared, f"gpuexp.estimate({step}, 8, device='cpu')")
+        assert error.startswith("NoEstimate: no estimate was made: the step mixes a tensor on the meta device"), error
+        assert "model.to_empty(device='cpu')" in error and "device='cpu'" in error, error
+        assert "FakeTensorDeviceMismatchError" not in error, error
+    assert shared.value("gpuexp.estimate(made_where_estimated, 8, device='cpu').peak") > 0
+
+
 # ---- fit's text -----------------------------------------------------------------------------
 
 FIT_STEP = """\

@@ -217,16 +217,8 @@ def compare(experiments=None):
     return _core.compare(reports)
 
 
-class _Unchanged:
-    def __repr__(self):
-        return "unchanged"
-
-
-_UNCHANGED = _Unchanged()
-
-
 def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, cell_log_min_change=None,
-           live_view_after_s=_UNCHANGED, trace=None, flight_recorder=None, trace_sampling=None):
+           live_view_after_s="unchanged", trace=None, flight_recorder=None, trace_sampling=None):
     """Changes settings and returns them all as a dict.
 
     sample_interval_ms: how often the native sampler reads NVML (and host RSS where the
@@ -238,7 +230,8 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         start reaches this ("1MiB" by default; a size string or bytes). ``%gpuexp log all``
         shows every cell's.
     live_view_after_s: a cell running longer than this shows its memory live (2.0 by default);
-        None or False: no live view.
+        None or False: no live view. Its default, "unchanged", leaves it as it is (None would
+        turn the view off, so None can't be the default as for the other settings).
     trace: every experiment records where in the code it allocates, as
         ``GPUExperiment(..., trace=...)`` does: True or "cuda" (torch's CUDA allocations), "host"
         (Python's, through tracemalloc; CPU experiments too), "all" (both), False (default).
@@ -269,7 +262,7 @@ def config(*, sample_interval_ms=None, cell_log_all_gpus=None, oom_rescue=None, 
         )
     if cell_log_min_change is not None:
         cell_log_min_change = experiment.size(cell_log_min_change, "cell_log_min_change", zero=True)
-    if live_view_after_s is _UNCHANGED:
+    if isinstance(live_view_after_s, str) and live_view_after_s == "unchanged":
         live_view_after_s = None
     elif live_view_after_s is None or live_view_after_s is False:
         live_view_after_s = False  # the core reads False as off, None as unchanged

@@ -136,6 +136,9 @@ pub fn call_step<E>(most: u32, mut call: impl FnMut() -> Result<bool, E>) -> Res
 /// innermost frame outside torch and gpuexp), which the message starts with.
 pub fn failed_at(operator: Option<&str>, kind: &str, message: &str, raised_at: Option<&str>) -> String {
     let first = message.lines().next().unwrap_or("");
+    if let Some(other) = meta_beside(kind, first) {
+        return meta_mixed(operator.unwrap_or("its first operator"), other);
+    }
     if let Some(place) = raised_at {
         let error = if first.is_empty() { kind.to_string() } else { format!("{kind}: {first}") };
         return format!("{error} at {place}; no estimate was made: the step raised it under fake tensors");
@@ -144,6 +147,34 @@ pub fn failed_at(operator: Option<&str>, kind: &str, message: &str, raised_at: O
         "no estimate was made: the step failed under fake tensors at {} ({kind}: {})",
         operator.unwrap_or("its first operator"),
         first
+    )
+}
+
+/// The device that torch's fake-tensor mismatch found beside `meta` ("found at least two devices,
+/// meta and cpu!"), where it names meta.
+fn meta_beside<'m>(kind: &str, message: &'m str) -> Option<&'m str> {
+    if kind != "FakeTensorDeviceMismatchError" {
+        return None;
+    }
+    let devices = message.rsplit_once("devices, ")?.1.trim_end_matches(['!', '.']);
+    match devices.split_once(" and ")? {
+        ("meta", other) | (other, "meta") if other != "meta" => Some(other),
+        _ => None,
+    }
+}
+
+/// Why no estimate was made of a step that mixes `meta` tensors with tensors on `device` (the
+/// one estimated for): the model's own tensors on meta count as loaded there, so the meta one is
+/// a tensor the step made on meta (a device read from the model before the step) or one that no
+/// module holds. What to do instead, in both ways.
+fn meta_mixed(operator: &str, device: &str) -> String {
+    format!(
+        "no estimate was made: the step mixes a tensor on the meta device with tensors on {device} at {operator}. \
+         The model's parameters, buffers and optimizer state on meta count as loaded onto {device}, but a tensor \
+         the step makes on meta (with a device read from the model before the step) or one no module holds stays \
+         there, without data. Make the step's tensors on the device estimated for \
+         (torch.randn(..., device='{device}'), or the device of a parameter read inside the step), or materialise \
+         the model first: model.to_empty(device='{device}'), then load its weights with model.load_state_dict(...)"
     )
 }
 
@@ -238,6 +269,22 @@ mod tests {
         fn not_restored(&self, error: String, left: Vec<String>) -> String {
             format!("{error}; {}", left.join("; "))
         }
+    }
+
+    #[test]
+    fn a_meta_tensor_beside_the_estimated_device_names_both_fixes() {
+        for message in [
+            "Expected all tensors to be on the same device, but found at least two devices, meta and cpu!",
+            "Expected all tensors to be on the same device, but found at least two devices, cpu and meta!",
+        ] {
+            let said = failed_at(Some("aten.mm.default"), "FakeTensorDeviceMismatchError", message, None);
+            assert!(said.starts_with("no estimate was made: the step mixes a tensor on the meta device"), "{said}");
+            assert!(said.contains("on cpu at aten.mm.default") && said.contains("device='cpu'"), "{said}");
+            assert!(said.contains("model.to_empty(device='cpu')") && said.contains("load_state_dict"), "{said}");
+        }
+        let other = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!";
+        let said = failed_at(Some("aten.mm.default"), "FakeTensorDeviceMismatchError", other, None);
+        assert!(said.contains("(FakeTensorDeviceMismatchError: Expected") && !said.contains("meta"), "{said}");
     }
 
     const ORDER: [&str; 5] = ["save state", "swap in fakes", "run ledger", "swap out fakes", "restore state"];

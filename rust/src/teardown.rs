@@ -80,11 +80,26 @@ pub struct Names {
     #[serde(default)]
     pub not_deleted: Vec<String>,
     /// Entries the scope created or rebound that look like IPython's own (`_1`, `_i9`,
-    /// `__cache__`, a key that is not a plain name): left in place, and listed so that the
-    /// report explains the memory they may hold.
+    /// `__cache__`, a key that is not a plain name) and are still there once the hidden
+    /// references are dropped: left in place, and listed so that the report explains the
+    /// memory they may hold.
     #[serde(default)]
     pub left: Vec<String>,
 }
+
+/// An entry that looks like IPython's (`_1`, `__builtins__`) that IPython does not keep now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub label: String,
+    /// It holds what it held at the scope's start, when IPython kept it: IPython forgot it (only
+    /// a reset clears IPython's own entries), the scope did not make it.
+    pub ipythons_at_start: bool,
+}
+
+/// Said where IPython's own entries were cleared under the scope.
+pub const RESET_NOTE: &str = "the namespace was reset while the experiment was open (by IPython's %reset, \
+    which clears IPython's own entries too): the reset deleted the names, not gpuexp, and what IPython keeps \
+    through a reset is not listed as left";
 
 /// The user's namespace as a scope sees it, judged against the identities pinned at its start.
 pub trait Namespace {
@@ -93,9 +108,10 @@ pub trait Namespace {
     /// Deletes a name and checks that it is gone; an error says why it is still bound. One
     /// already gone is no error: a `__del__` run by an earlier deletion may have removed it.
     fn delete(&mut self, name: &str) -> Result<(), String>;
-    /// The entries the scope created or rebound that [`Namespace::names`] leaves out because
-    /// they look like IPython's, as the report should name them.
-    fn left(&self) -> Result<Vec<String>, String>;
+    /// The entries [`Namespace::names`] leaves out because they look like IPython's that are
+    /// not IPython's own now and not as they were at the scope's start, as the report should
+    /// name them.
+    fn left(&self) -> Result<Vec<Entry>, String>;
     /// The hidden references (Out entries, `_`, the stored exception) that appeared or changed
     /// during the scope: they can only refer to what the scope displayed or raised.
     fn changed_hidden(&self) -> Result<Vec<String>, String>;
@@ -127,7 +143,7 @@ pub fn run(mut namespace: Option<&mut dyn Namespace>, memory: &mut dyn Release, 
     for step in ORDER {
         let done = match (step, namespace.as_deref_mut()) {
             (Step::DeleteNames, Some(namespace)) => delete_names(namespace, keep, &mut names),
-            (Step::DropHiddenRefs, Some(namespace)) => drop_hidden(namespace, &mut names),
+            (Step::DropHiddenRefs, Some(namespace)) => drop_hidden(namespace, &mut names, &mut notes),
             (Step::DeleteNames | Step::DropHiddenRefs, None) => Ok(()),
             (Step::CollectGarbage | Step::FreeCublasWorkspaces | Step::EmptyCache, _) => memory.release(step),
             (Step::EndSnapshot, _) => {
@@ -159,16 +175,28 @@ fn delete_names(namespace: &mut dyn Namespace, keep: &BTreeSet<String>, names: &
     names.deleted = gone(plan.delete, names);
     names.rebound = gone(plan.rebound, names);
     names.kept = plan.kept;
-    names.left = namespace.left()?;
     Ok(())
 }
 
-fn drop_hidden(namespace: &mut dyn Namespace, names: &mut Names) -> Result<(), String> {
-    for label in namespace.changed_hidden()? {
-        namespace.drop_hidden(&label)?;
-        names.cleared.push(label);
+/// Drops the hidden references, then reads what is left: a `_` the user bound in the scope (which
+/// IPython stops updating) is cleared, not also left. Entries IPython forgot (a reset) are not the scope's.
+fn drop_hidden(namespace: &mut dyn Namespace, names: &mut Names, notes: &mut Vec<String>) -> Result<(), String> {
+    let mut dropped = || -> Result<(), String> {
+        for label in namespace.changed_hidden()? {
+            namespace.drop_hidden(&label)?;
+            names.cleared.push(label);
+        }
+        Ok(())
+    };
+    let dropped = dropped();
+    let entries = namespace.left()?;
+    let (forgotten, left): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|entry| entry.ipythons_at_start);
+    if !forgotten.is_empty() {
+        notes.push(RESET_NOTE.to_string());
     }
-    Ok(())
+    names.left = left.into_iter().map(|entry| entry.label).collect();
+    names.left.sort();
+    dropped
 }
 
 /// Names that belong to IPython or to the module machinery, never to the user's data.
@@ -249,7 +277,8 @@ mod tests {
         failing: Option<&'static str>,
         /// Names whose deletion does not take (a key whose own `__hash__` hides it).
         stuck: Vec<&'static str>,
-        left: Vec<String>,
+        left: Vec<Entry>,
+        dropped: Vec<String>,
     }
 
     impl World {
@@ -275,14 +304,16 @@ mod tests {
             self.names.retain(|n| n.name != name);
             self.call(format!("delete {name}"))
         }
-        fn left(&self) -> Result<Vec<String>, String> {
-            Ok(self.left.clone())
+        fn left(&self) -> Result<Vec<Entry>, String> {
+            Ok(self.left.iter().filter(|entry| !self.dropped.contains(&entry.label)).cloned().collect())
         }
         fn changed_hidden(&self) -> Result<Vec<String>, String> {
             Ok(self.hidden.clone())
         }
         fn drop_hidden(&mut self, label: &str) -> Result<(), String> {
-            self.call(format!("drop {label}"))
+            self.call(format!("drop {label}"))?;
+            self.dropped.push(label.into());
+            Ok(())
         }
     }
 
@@ -355,12 +386,35 @@ mod tests {
         assert_eq!(done.names.not_deleted, ["model (still bound after del)"]);
     }
 
+    fn entry(label: &str, ipythons_at_start: bool) -> Entry {
+        Entry { label: label.into(), ipythons_at_start }
+    }
     #[test]
     fn entries_that_look_like_ipythons_are_listed_as_left() {
-        let mut namespace = World { left: vec!["_1".into(), "__cache__".into()], ..world() };
+        let mut namespace = World { left: vec![entry("__cache__", false), entry("_1", false)], ..world() };
         let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
         assert_eq!(done.names.left, ["_1", "__cache__"]);
         assert!(!namespace.calls.iter().any(|c| c.contains("_1") || c.contains("__cache__")), "never deleted");
+        assert!(done.notes.is_empty(), "{:?}", done.notes);
+    }
+
+    #[test]
+    fn a_hidden_reference_cleared_is_not_also_listed_as_left() {
+        // The user's `_ = 3` in the scope: IPython stops updating `_`, which is both a changed
+        // hidden reference and an entry unlike IPython's own until it is cleared.
+        let mut namespace = World { left: vec![entry("_", false), entry("_7", false)], ..world() };
+        let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
+        assert_eq!(done.names.cleared, ["Out[3]", "_"]);
+        assert_eq!(done.names.left, ["_7"]);
+    }
+
+    #[test]
+    fn entries_ipython_forgot_are_a_reset_said_in_a_note_not_left() {
+        let forgotten = vec![entry("__builtins__", true), entry("__name__", true), entry("_9", false)];
+        let mut namespace = World { left: forgotten, ..world() };
+        let done = run(Some(&mut namespace), &mut World::default(), &BTreeSet::new());
+        assert_eq!(done.names.left, ["_9"]);
+        assert_eq!(done.notes, [RESET_NOTE]);
     }
 
     #[test]

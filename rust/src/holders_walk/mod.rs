@@ -186,7 +186,9 @@ pub struct Survey<O> {
     /// The `Owner`s reached on the way, in the walk's order: models and optimizers.
     pub owners: Vec<O>,
     pub objects_visited: u64,
-    /// Objects that raised when inspected.
+    /// Objects that raised when inspected, each counted once per notebook name bound to it:
+    /// `weakref.proxy` hands out one proxy for one referent, and three names bound to it are
+    /// three entries the user sees skipped, not one.
     pub skipped: u64,
     /// Whether a bound stopped the walk before it saw everything.
     pub truncated: bool,
@@ -206,6 +208,9 @@ struct Node<O> {
     /// The tensor whose autograd graph this node belongs to.
     graph_of: Option<usize>,
     depth: u32,
+    /// The notebook's names bound to this object besides the first path's: counted with it
+    /// if it cannot be inspected.
+    other_names: u32,
 }
 
 struct Found {
@@ -266,6 +271,9 @@ pub fn walk<H: Heap>(
     let mut roots = roots.into_iter().peekable();
     while let Some(kind) = roots.peek().map(|root| root.kind) {
         while let Some(root) = roots.next_if(|root| root.kind == kind) {
+            if kind == RootKind::Name {
+                walk.count_name(&root.object);
+            }
             walk.push(root.object, None, Step::Root(root.label));
         }
         walk.run(true);
@@ -286,6 +294,14 @@ impl<H: Heap> Walk<'_, H> {
         self.missing.as_ref().is_some_and(HashSet::is_empty)
     }
 
+    /// Names are the first roots, pushed before anything is looked at: a name bound to an
+    /// object already reached is counted on that object's node.
+    fn count_name(&mut self, object: &H::Object) {
+        if let Some(&node) = self.visited.get(&self.heap.address(object)) {
+            self.nodes[node].other_names += 1;
+        }
+    }
+
     fn push(&mut self, object: H::Object, parent: Option<usize>, step: Step<H::Object>) {
         let address = self.heap.address(&object);
         if self.visited.contains_key(&address) {
@@ -304,7 +320,7 @@ impl<H: Heap> Walk<'_, H> {
             return;
         }
         self.visited.insert(address, self.nodes.len());
-        self.nodes.push(Node { object, parent, step, graph_of, depth });
+        self.nodes.push(Node { object, parent, step, graph_of, depth, other_names: 0 });
         self.queue.push_back(self.nodes.len() - 1);
     }
 
@@ -320,7 +336,7 @@ impl<H: Heap> Walk<'_, H> {
             let kind = match self.heap.look(&object, &mut refs) {
                 Ok(kind) => kind,
                 Err(Unreadable) => {
-                    self.skipped += 1;
+                    self.skipped += 1 + u64::from(self.nodes[index].other_names);
                     continue;
                 }
             };

@@ -338,6 +338,19 @@ fn an_object_that_raises_is_skipped_and_counted_and_the_walk_goes_on() {
 }
 
 #[test]
+fn an_object_that_raises_is_counted_once_per_name_bound_to_it() {
+    let mut g = Graph::default();
+    let proxy = g.add(Fake::Raises);
+    let held = g.list(&[proxy, proxy]);
+    let names = ["p1", "p2", "p3"].map(|name| root(RootKind::Name, name, proxy));
+    let mut roots = names.into_iter().collect::<Vec<_>>();
+    roots.push(root(RootKind::Name, "held", held));
+    roots.push(root(RootKind::UserModule, "__main__.p1", proxy));
+    let survey = hunt(&mut g, roots);
+    assert_eq!(survey.skipped, 3, "three names, one object; a list or a module reaching it again adds none");
+}
+
+#[test]
 fn bounds_on_depth_and_objects_end_the_walk_with_a_flag() {
     let mut g = Graph::default();
     let t = g.tensor(1, MIB);

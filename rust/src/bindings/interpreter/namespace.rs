@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyWeakrefReference};
 
 use crate::scope::Identities;
-use crate::teardown::{self, Binding, NameState};
+use crate::teardown::{self, Binding, Entry, NameState};
 
 /// Remembers which object a name held, without keeping big objects alive: a weak reference
 /// where the type allows one (tensors, arrays, modules), a strong one otherwise (ints, lists),
@@ -64,13 +64,18 @@ pub(in crate::bindings) fn identities(adapter: &Bound<PyAny>) -> PyResult<Identi
 }
 
 /// The entries [`user_names`] leaves out (IPython's names, dunders, keys that are not plain
-/// names), less those IPython itself keeps (the adapter's `ipythons_own()`, by identity), each
-/// with a label the report can show.
-fn skipped_entries<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
-    let Some(namespace) = namespace(adapter)? else { return Ok(Vec::new()) };
+/// names), each with a label the report can show, in two: those IPython itself keeps now (the
+/// adapter's `ipythons_own()`, by identity), and the others.
+struct SkippedEntries<'py> {
+    ipythons: Vec<(String, Bound<'py, PyAny>)>,
+    others: Vec<(String, Bound<'py, PyAny>)>,
+}
+
+fn skipped_entries<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<SkippedEntries<'py>> {
+    let mut entries = SkippedEntries { ipythons: Vec::new(), others: Vec::new() };
+    let Some(namespace) = namespace(adapter)? else { return Ok(entries) };
     let system = system_names(adapter)?;
     let own = adapter.call_method0("ipythons_own")?.cast_into::<PyDict>()?;
-    let mut entries = Vec::new();
     for (key, value) in namespace.iter() {
         let label = match key.extract::<String>() {
             Ok(name) if !teardown::is_system_name(&name, &system) => continue,
@@ -79,9 +84,7 @@ fn skipped_entries<'py>(adapter: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bo
             Err(_) => key.repr().map_or_else(|_| "?".into(), |r| r.to_string()),
         };
         let ipythons = own.get_item(&key).ok().flatten().is_some_and(|kept| kept.is(&value));
-        if !ipythons {
-            entries.push((label, value));
-        }
+        if ipythons { &mut entries.ipythons } else { &mut entries.others }.push((label, value));
     }
     Ok(entries)
 }
@@ -111,15 +114,19 @@ pub(in crate::bindings) struct Baseline {
     names: HashMap<String, Pin>,
     hidden: HashMap<String, Pin>,
     skipped: HashMap<String, Pin>,
+    /// The entries IPython kept as its own: one a reset made IPython forget is not the scope's.
+    ipythons: HashMap<String, Pin>,
     owner: Option<Pin>,
 }
 
 impl Baseline {
     pub(in crate::bindings) fn take(adapter: &Bound<PyAny>, owner: Option<&Bound<PyAny>>) -> PyResult<Baseline> {
+        let skipped = skipped_entries(adapter)?;
         Ok(Baseline {
             names: pin_all(user_names(adapter)?),
             hidden: pin_all(hidden_refs(adapter)?),
-            skipped: pin_all(skipped_entries(adapter)?),
+            skipped: pin_all(skipped.others),
+            ipythons: pin_all(skipped.ipythons),
             owner: owner.map(Pin::new),
             adapter: adapter.clone().unbind(),
         })
@@ -195,14 +202,17 @@ impl teardown::Namespace for NamespaceAtTeardown<'_, '_> {
         deleted().map_err(|e| e.to_string())?
     }
 
-    fn left(&self) -> Result<Vec<String>, String> {
+    fn left(&self) -> Result<Vec<Entry>, String> {
         let entries = skipped_entries(&self.adapter()).map_err(|e| e.to_string())?;
-        let unchanged =
-            |label: &String, value: &Bound<PyAny>| self.baseline.skipped.get(label).is_some_and(|pin| pin.holds(value));
-        let mut left: Vec<String> =
-            entries.into_iter().filter(|(label, value)| !unchanged(label, value)).map(|(label, _)| label).collect();
-        left.sort();
-        Ok(left)
+        let held = |pins: &HashMap<String, Pin>, label: &String, value: &Bound<PyAny>| {
+            pins.get(label).is_some_and(|pin| pin.holds(value))
+        };
+        Ok(entries
+            .others
+            .into_iter()
+            .filter(|(label, value)| !held(&self.baseline.skipped, label, value))
+            .map(|(label, value)| Entry { ipythons_at_start: held(&self.baseline.ipythons, &label, &value), label })
+            .collect())
     }
 
     fn changed_hidden(&self) -> Result<Vec<String>, String> {
