@@ -659,6 +659,7 @@ def estimate(
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
 
+@final
 class SavedRngs:
     """The four RNGs saved by the core's state saving ([`step_state::save_rngs`]), for a real
     step's by-value save (`gpuexp.saved_state.capture`): `restore()` puts them back."""
