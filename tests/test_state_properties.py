@@ -206,7 +206,7 @@ def user_globals(names):
 
 
 # Effects that estimate and fit refuse, and the words their refusal has.
-REFUSED = {"free leaf used": "uses a tensor that requires grad"}
+REFUSED = {"free leaf used": "the step uses held.free_weight, a tensor that requires grad"}
 
 
 class StepsOwnError(Exception):

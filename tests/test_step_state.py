@@ -275,19 +275,3 @@ def test_a_real_gpu_counter_the_step_reaches_is_not_changed_by_a_gpu_estimate():
     gpuexp.estimate(ns["counts"], 8, device="cuda:0")
     gpuexp.fit(ns["counts"], 8, device="cuda:0", limit="1TiB")
     assert ns["counter"].item() == 0 and ns["host_counter"].item() == 0
-
-
-def test_one_rng_saving_and_one_closure_walk():
-    """The structural rule: the RNGs are saved in one place (saved_state.rng_states, used by
-    estimate, fit and capture), and a step's closure is walked in one place (step_roots, which
-    fit classifies); a second copy anywhere else in the package fails here."""
-    from pathlib import Path
-
-    package = Path(gpuexp.__file__).parent
-    owners = {"get_rng_state": "saved_state.py", "random.getstate": "saved_state.py",
-              "random.get_state": "saved_state.py", "__closure__": "step_roots.py", "co_freevars": "step_roots.py"}
-    for source in sorted(package.rglob("*.py")):
-        text = source.read_text()
-        for marker, owner in owners.items():
-            if marker in text:
-                assert source.name == owner, f"{source.name} has {marker}: use {owner}'s"

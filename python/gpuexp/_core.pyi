@@ -658,6 +658,18 @@ def estimate(
     step: Any, batch_size: int, *, memory: int | None = None, limit: int | None = None, steps: int = 1
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
+
+@final
+class SavedRngs:
+    """The four RNGs saved by the core's state saving ([`step_state::save_rngs`]), for a real
+    step's by-value save (`gpuexp.saved_state.capture`): `restore()` puts them back."""
+
+    def restore(self) -> list[str]:
+        """Puts every RNG back; each one that could not be, as "name (Error: message)"."""
+
+def save_rngs() -> SavedRngs:
+    """Saves the CPU RNG, every initialised CUDA device's, Python's `random` and NumPy's global RNG."""
+
 def check_step(step: Any, call: str) -> None:
     """The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
     `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both."""

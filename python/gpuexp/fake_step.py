@@ -24,9 +24,12 @@ _CONTEXT_PROBES = ("init_gpu_context", "init_cuda_context")
 class Fakes:
     """The real parameters, gradients and buffers of ``owners`` (the modules and optimizers the
     step reaches) and their optimizers' state swapped for fake copies made by one
-    ``FakeTensorMode``, until ``restore()`` puts back the very objects. ``target`` is the
-    ``torch.device`` the estimate is for: tensors on the ``meta`` device are faked there.
-    On an error, what was swapped so far is put back before it raises."""
+    ``FakeTensorMode``. ``target`` is the ``torch.device`` the estimate is for: tensors on the
+    ``meta`` device are faked there. The real tensors, state and param groups are put back by the
+    estimate's one state saving (``rust/src/step_state.rs``), which saved the containers they
+    are swapped into before this ran (each module's ``_parameters`` and ``_buffers``, each
+    optimizer's attributes and param groups); ``restore()`` puts back torch's own settings. On an
+    error, those are put back before it raises."""
 
     def __init__(self, owners, target):
         from torch._subclasses import fake_tensor
@@ -42,8 +45,6 @@ class Fakes:
         self.from_meta = set()  # ids of the fakes of meta tensors: loaded before the step, not allocated now
         # An attention module in eval mode was swapped: at inference the fast path would have run.
         self.fastpath_skipped = False
-        self._swapped = []  # (a module's _parameters or _buffers, the name, the real tensor)
-        self._optimizers = []  # (the optimizer, its real state, each param group with its contents before)
         self._undo = []  # what puts torch's own settings back: the context probe, attention's fast path
         try:
             # The probe is quieted first: making the first fakes, of the parameters, calls it.
@@ -155,7 +156,6 @@ class Fakes:
                     fake = self._fake(real)
                     self.buffers.append(fake)
                 tensors[name] = fake
-                self._swapped.append((tensors, name, real))
 
     def _fake_state(self, real):
         """An optimizer's state as a fake. A scalar on the host (Adam's ``step``) becomes a fake
@@ -177,9 +177,7 @@ class Fakes:
             state[self._fake_parameter(param)] = copy
         # The optimizer picks its implementation from its parameters' type, and fakes would get
         # the per-tensor loop, whose peak differs: the real parameters choose, as they would.
-        groups = []
         for group in optimizer.param_groups:
-            before = dict(group)
             reals = group["params"]
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 _, foreach = _default_to_fused_or_foreach(reals, bool(group.get("differentiable")))
@@ -187,10 +185,8 @@ class Fakes:
                 loop_kept = isinstance(group.get("lr"), self.tensor) and not group.get("capturable")
                 group["foreach"] = bool(foreach) and not loop_kept
             group["params"] = [self._fake_parameter(real) for real in reals]
-            groups.append((group, before))
         optimizer.state = state
         self.optimizers.append(optimizer)
-        self._optimizers.append((optimizer, real_state, groups))
 
     def _forget_conversions(self):
         """The converter remembers each real tensor's fake; forgetting (with ``_by_real``) lets a
@@ -203,27 +199,14 @@ class Fakes:
                 clear()
 
     def restore(self):
-        """Puts back every real tensor, state and param group, and torch's own settings; safe to
-        call twice. Everything is put back before the first error met is raised."""
+        """Puts back torch's own settings (the context probe, attention's fast path); safe to
+        call twice. Each is put back before the first error met is raised."""
         errors = []
-
-        def attempt(put_back, *args):
+        while self._undo:
             try:
-                put_back(*args)
+                self._undo.pop(0)()
             except Exception as error:  # noqa: BLE001  (raised below, once the rest is back)
                 errors.append(error)
-
-        while self._undo:
-            attempt(self._undo.pop(0))
-        while self._swapped:
-            tensors, name, real = self._swapped.pop()
-            attempt(tensors.__setitem__, name, real)
-        while self._optimizers:
-            optimizer, real_state, groups = self._optimizers.pop(0)
-            attempt(setattr, optimizer, "state", real_state)
-            for group, before in groups:
-                group.clear()
-                attempt(group.update, before)
         if errors:
             raise errors[0]
 
@@ -415,7 +398,7 @@ class LedgerRun:
         for value in values:
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, tensor) and not isinstance(item, fake) and item.requires_grad:
-                    raise self._books.unknown_parameter(str(item.shape))
+                    raise self._books.unknown_parameter(id(item), str(item.shape))
 
     def _returns_aliased(self, func):
         known = self._aliases.get(func)

@@ -196,14 +196,7 @@ class _Gathered:
             self.found["runs"].append({"option": "foreach_off", "peak": self.found["peak"],
                                        "gradients_at_peak": self.found["categories"]["gradients"]})
             return
-        groups = [(group, group.get("foreach")) for group in optimizer.param_groups]
-        try:
-            for group, _ in groups:
-                group["foreach"] = False
-            self.run("foreach_off", self.step)
-        finally:
-            for group, foreach in groups:
-                group["foreach"] = foreach
+        self.run("foreach_off", _foreach_off(self.step, optimizer))
 
 
 def _budget(found):
@@ -226,6 +219,18 @@ def _checkpointing(step, checkpointed, model, paths):
             return step(batch_size)
 
     return checkpointing_step
+
+
+def _foreach_off(step, optimizer):
+    """``step`` with the optimizer's per-tensor loop. Set inside the step, so that the estimate's
+    one state saving puts the param groups back after it, as it does whatever a step changes."""
+
+    def foreach_off_step(batch_size):
+        for group in optimizer.param_groups:
+            group["foreach"] = False
+        return step(batch_size)
+
+    return foreach_off_step
 
 
 def _autocasting(step, torch, device_type):

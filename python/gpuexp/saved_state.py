@@ -7,8 +7,9 @@ it first; ``SavedState.restore`` puts the values back into the very objects that
 if the step had never run. What could not be put back is named, and its saved value kept.
 """
 
-import random
 import sys
+
+from . import _core
 
 # Containers deeper than this below an optimizer, scaler or object are saved whole but not walked.
 DEEPEST = 8
@@ -90,7 +91,7 @@ class SavedState:
         self._grads = []
         self._containers = []  # (name, container, shallow copy)
         self._training = []  # (name, module, flag)
-        self._rng = {}
+        self._rngs = None  # the core's saving of the four RNGs (`_core.save_rngs`)
         self._restored = False
 
     def _add_tensor(self, name, tensor):
@@ -154,8 +155,8 @@ class SavedState:
         _attempt(failed, "autograd version counters", lambda: _set_versions(torch, versions))
         for name, module, flag in self._training:
             _attempt(failed, f"{name}.training", lambda m=module, f=flag: setattr(m, "training", f))
-        for name, put_back in self._rng.items():
-            _attempt(failed, name, put_back)
+        if self._rngs is not None:
+            failed.extend(self._rngs.restore())
         if failed:
             raise RestoreFailed(failed, kept)
 
@@ -202,7 +203,8 @@ def capture(modules=(), optimizers=(), scalers=(), objects=()):
     leaves = [s for s in state._tensors.values() if s.tensor.requires_grad and s.tensor.is_leaf]
     for saved in leaves:
         state._grads.append(_Grad(torch, saved.name, saved.tensor))
-    state._rng = rng_states(torch)
+    # The RNGs by the estimate's own state saving, the one there is (rust/src/step_state.rs).
+    state._rngs = _core.save_rngs()
     return state
 
 
@@ -220,24 +222,6 @@ def _named(group, kind):
     if isinstance(group, (list, tuple)):
         return [(f"{kind}[{index}]", obj) for index, obj in enumerate(group)]
     raise TypeError(f"{kind} must be a dict of name to object or a list, e.g. {kind}={{'name': obj}}; got {group!r}")
-
-
-def rng_states(torch):
-    """Each generator's state, with how to put it back: the one RNG saving, which ``estimate``
-    (and through it ``fit``) and ``capture`` use. CUDA's only where torch initialised it: looking
-    must not create a CUDA context."""
-    cpu = torch.get_rng_state()
-    states = {"torch's CPU RNG": lambda: torch.set_rng_state(cpu)}
-    if torch.cuda.is_initialized():
-        cuda = torch.cuda.get_rng_state_all()
-        states["torch's CUDA RNG"] = lambda: torch.cuda.set_rng_state_all(cuda)
-    python = random.getstate()
-    states["Python's random"] = lambda: random.setstate(python)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy_state = numpy.random.get_state()
-        states["NumPy's global RNG"] = lambda: numpy.random.set_state(numpy_state)
-    return states
 
 
 def _refill(container, before):

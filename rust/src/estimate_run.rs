@@ -179,12 +179,21 @@ fn meta_mixed(operator: &str, device: &str) -> String {
 }
 
 /// A real tensor that requires grad would tie the step's graph to the real model, and backward
-/// would set its `.grad` to a fake: a parameter of `shape` that the walk did not find.
-pub fn unknown_parameter(shape: &str) -> String {
-    format!(
-        "no estimate was made: the step uses a tensor that requires grad ({shape}) that is in no module or \
-         optimizer reachable from the step or your names; make the model a global or a closure variable of the step"
-    )
+/// would set its `.grad` to a fake: one of `shape` that no module holds as a parameter, named by
+/// `path` (`model.head.extra`, `cache['k']`) where the step reaches it.
+pub fn unknown_parameter(path: Option<&str>, shape: &str) -> String {
+    match path {
+        Some(path) => format!(
+            "no estimate was made: the step uses {path}, a tensor that requires grad ({shape}) that is no \
+             registered parameter of a module; register it on its module (module.name = nn.Parameter(...)) \
+             so that the estimate swaps it for a fake, or detach it"
+        ),
+        None => format!(
+            "no estimate was made: the step uses a tensor that requires grad ({shape}) that is in no module or \
+             optimizer reachable from the step or your names; make the model a global or a closure variable of \
+             the step"
+        ),
+    }
 }
 
 /// What the swap to fakes met that changes what the estimate means.
@@ -229,6 +238,18 @@ impl Swapped {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tensor_that_requires_grad_is_named_by_its_path_where_the_step_reaches_it() {
+        let named = unknown_parameter(Some("model.head.extra"), "torch.Size([3])");
+        assert!(
+            named.contains("the step uses model.head.extra, a tensor that requires grad (torch.Size([3]))"),
+            "{named}"
+        );
+        assert!(named.contains("nn.Parameter"), "{named}");
+        let unnamed = unknown_parameter(None, "torch.Size([3])");
+        assert!(unnamed.contains("a tensor that requires grad (torch.Size([3])) that is in no module"), "{unnamed}");
+    }
     use crate::estimate::{Ledger, Rounding};
 
     /// Records each step of an estimate; fails at `failing`, and leaves `left` unrestored.

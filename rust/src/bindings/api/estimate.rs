@@ -79,7 +79,8 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
     type Error = PyErr;
 
     fn save_state(&mut self) -> PyResult<()> {
-        self.state = Some(StepState::save(self.py, &self.reach.roots, &self.reach.assigned, &self.reach.places)?);
+        let reach = self.reach;
+        self.state = Some(StepState::save(self.py, &reach.roots, &reach.assigned, &reach.places, &reach.owners)?);
         Ok(())
     }
 
@@ -98,15 +99,17 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
     fn run_ledger(&mut self) -> PyResult<Ran> {
         let (py, step, batch) = (self.py, self.step, self.batch);
         let fakes = self.fakes.as_ref().expect("the fakes are swapped in first");
+        let state = self.state.as_ref().expect("the state is saved first");
         // What the step returns is kept until the ledger is read: an output outlives the step.
         let returned = PyList::empty(py);
-        let ran = ledger_mode::run(fakes, self.memory, &self.target, |ledgered| {
+        let ran = ledger_mode::run(fakes, state, self.memory, &self.target, |ledgered| {
             call_step(self.calls, || ledgered.call_method1("call_step", (step, batch, &returned))?.extract())
         });
         drop(returned);
         ran
     }
 
+    /// Puts torch's own settings back; the real tensors come back with the saved state.
     fn swap_out_fakes(&mut self) -> PyResult<()> {
         self.fakes.take().map_or(Ok(()), |mut fakes| fakes.restore())
     }

@@ -1,7 +1,9 @@
 //! The fake side of an estimate, as the books see it: the real model's parameters, gradients and
 //! buffers and its optimizers' state swapped for fake copies by `gpuexp.fake_step.Fakes` (torch
-//! instrumentation, so Python), read by the ledger (`gpuexp.fake_step.LedgerRun`); everything swapped
-//! is put back, the very objects, when `restore` runs or this is dropped.
+//! instrumentation, so Python), read by the ledger (`gpuexp.fake_step.LedgerRun`). They are
+//! swapped into containers the estimate's state saving ([`crate::step_state`]) saved before, and
+//! putting those back puts back the very objects; `restore` (or dropping this) puts back torch's
+//! own settings.
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -38,7 +40,7 @@ impl<'py> Fakes<'py> {
         })
     }
 
-    /// Puts back every real tensor, state and param group, and torch's settings; safe to call twice.
+    /// Puts back torch's settings (the real tensors come back with the saved state); safe to call twice.
     pub(in crate::bindings) fn restore(&mut self) -> PyResult<()> {
         self.swapped.call_method0("restore").map(drop)
     }

@@ -8,27 +8,32 @@ use pyo3::prelude::*;
 use pyo3::types::PyModule;
 
 use crate::bindings::error::NoEstimate;
+use std::collections::HashMap;
+
 use crate::bindings::fakes::Fakes;
 use crate::bindings::holders::Memory;
+use crate::bindings::step_state::StepState;
 use crate::estimate::{Category, Entry, Peak, Phase};
 use crate::estimate_books::LedgerBooks;
 use crate::estimate_run;
 
 /// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
-/// inside the fake mode of `fakes`; the peak it found.
+/// inside the fake mode of `fakes`; the peak it found. `state` names what the step reaches.
 pub(in crate::bindings) fn run<'py, T>(
     fakes: &Fakes<'py>,
+    state: &StepState<'py>,
     memory: &Memory,
     target: &Bound<'py, PyAny>,
     body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> PyResult<(Peak, T)> {
     let py = fakes.py;
-    let books = Bound::new(py, BooksPy(LedgerBooks::new(estimate_run::rounding(memory))))?;
+    let books = BooksPy { books: LedgerBooks::new(estimate_run::rounding(memory)), paths: state.takes_grad_paths() };
+    let books = Bound::new(py, books)?;
     let ledgered = fake_step(py)?.getattr("LedgerRun")?.call1((&fakes.swapped, &books, target))?;
     let mode = ledgered.getattr("mode")?;
     let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
     let marked = ledgered.call_method0("mark_gradients_and_state");
-    let peak = books.borrow().0.ledger.peak();
+    let peak = books.borrow().books.ledger.peak();
     // The hooks go whatever happened: the optimizer's are global.
     ledgered.call_method0("close")?;
     let outcome = outcome?;
@@ -56,7 +61,11 @@ fn fake_step(py: Python) -> PyResult<Bound<PyModule>> {
 /// The core's [`LedgerBooks`] of one estimate, as `LedgerRun` reports to them. Storages are known by
 /// `id()` (their address) while they live; a category by its label.
 #[pyclass(name = "EstimateBooks", module = "gpuexp._core")]
-struct BooksPy(LedgerBooks);
+struct BooksPy {
+    books: LedgerBooks,
+    /// The path to each real tensor that requires grad that the step reaches, by its `id()`.
+    paths: HashMap<usize, String>,
+}
 
 fn category(label: &str) -> PyResult<Category> {
     Category::labelled(label).ok_or_else(|| PyValueError::new_err(format!("no category {label:?}")))
@@ -66,36 +75,37 @@ fn category(label: &str) -> PyResult<Category> {
 impl BooksPy {
     /// A storage that exists before the step; the entry to watch, or None ([`LedgerBooks::existing`]).
     fn existing(&mut self, storage: usize, nbytes: u64, category_name: &str, loaded: bool) -> PyResult<Option<Entry>> {
-        Ok(self.0.existing(storage, nbytes, category(category_name)?, loaded))
+        Ok(self.books.existing(storage, nbytes, category(category_name)?, loaded))
     }
     /// An operator runs ([`LedgerBooks::operator`]).
     fn operator(&mut self, in_backward: bool) {
-        self.0.operator(in_backward);
+        self.books.operator(in_backward);
     }
     /// A storage an operator's output holds; the entry to watch, or None ([`LedgerBooks::output`]).
     fn output(&mut self, storage: usize, nbytes: u64, alias: bool) -> Option<Entry> {
-        self.0.output(storage, nbytes, alias)
+        self.books.output(storage, nbytes, alias)
     }
     /// A watched storage died.
     fn freed(&mut self, storage: usize, entry: Entry) {
-        self.0.freed(storage, entry);
+        self.books.freed(storage, entry);
     }
     /// A storage turned out to be a gradient or optimizer state.
     fn mark(&mut self, storage: usize, category_name: &str) -> PyResult<()> {
-        self.0.mark(storage, category(category_name)?);
+        self.books.mark(storage, category(category_name)?);
         Ok(())
     }
     /// The optimizer's step began: its own phase until it ends.
     fn enter_optimizer(&mut self) {
-        self.0.ledger.enter(Phase::Optimizer);
+        self.books.ledger.enter(Phase::Optimizer);
     }
     /// The optimizer's step ended.
     fn leave_optimizer(&mut self) {
-        self.0.ledger.enter(Phase::Forward);
+        self.books.ledger.enter(Phase::Forward);
     }
     /// The error that stops an estimate whose step uses a real tensor requiring grad of `shape`.
-    fn unknown_parameter(&self, py: Python, shape: &str) -> Py<PyAny> {
-        NoEstimate::new_err(estimate_run::unknown_parameter(shape)).into_value(py).into_any()
+    fn unknown_parameter(&self, py: Python, tensor: usize, shape: &str) -> Py<PyAny> {
+        let path = self.paths.get(&tensor).map(String::as_str);
+        NoEstimate::new_err(estimate_run::unknown_parameter(path, shape)).into_value(py).into_any()
     }
     /// The step's error as `NoEstimate`: it raised (`kind`: `message`) at `operator` (None: before
     /// its first), or in the user's own code at `raised_at` (file and line).

@@ -1,14 +1,18 @@
 //! The step's Python objects for the core's state saving ([`crate::step_state`]): what each
-//! object is to the walk, how a container is copied and put back, and the GradScaler's inf check
-//! skipped. The order, the walk and the notes are the core's.
+//! object is to the walk, how a container, a place or an RNG is copied and put back, which
+//! containers of a module or optimizer the fakes go into, and the GradScaler's inf check skipped.
+//! The order, the walk and the notes are the core's.
 
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyModule, PySet, PyString, PyTuple, PyType,
 };
 
+use std::collections::{HashMap, HashSet};
+
+use crate::bindings::rngs::{put_back_rng, read_rng};
 use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
-use crate::step_state::{self, Saving, StepObjects, MOST_ITEMS_WALKED};
+use crate::step_state::{self, Rng, Saving, StepObjects, FAKE, MOST_ITEMS_WALKED, TAKES_GRAD};
 
 /// Objects a walk starts from, each with the name a person knows it by.
 pub(in crate::bindings) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
@@ -31,16 +35,22 @@ pub(in crate::bindings) enum Saved<'py> {
         items: Bound<'py, PyList>,
         refill: &'static str,
     },
-    /// A global name the step assigns to, and its value before (None: it did not exist).
+    /// A global name the step loads or assigns to, and its value before (None: it did not exist).
     Global {
         globals: Bound<'py, PyDict>,
         name: String,
         before: Option<Bound<'py, PyAny>>,
     },
+    /// A closure cell of the step, and what it held (None: it was empty).
+    Cell(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>),
+    /// A random number generator's state.
+    Rng(Rng, Bound<'py, PyAny>),
 }
 
 /// The types the walk treats specially, looked up once.
 struct StepKinds<'py> {
+    torch: Bound<'py, PyAny>,
+    module: Bound<'py, PyType>,
     tensor: Bound<'py, PyType>,
     fake: Bound<'py, PyType>,
     function: Bound<'py, PyType>,
@@ -49,26 +59,33 @@ struct StepKinds<'py> {
     scaler: Option<Bound<'py, PyType>>,
 }
 
-/// The step's objects, and the globals it assigns to.
+/// The step's objects, the globals it assigns to, and the places its roots are held in.
 pub(in crate::bindings) struct PythonStep<'py> {
     kinds: StepKinds<'py>,
     assigned: Vec<AssignedGlobal<'py>>,
+    places: Vec<Place<'py>>,
 }
 
 impl<'py> PythonStep<'py> {
-    fn find(py: Python<'py>, assigned: &[AssignedGlobal<'py>]) -> PyResult<PythonStep<'py>> {
+    pub(in crate::bindings) fn find(
+        py: Python<'py>,
+        assigned: &[AssignedGlobal<'py>],
+        places: &[Place<'py>],
+    ) -> PyResult<PythonStep<'py>> {
         let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
         let types = py.import("types")?;
         let scaler = py.import("torch.amp.grad_scaler").and_then(|m| m.getattr("GradScaler")).ok();
         let kinds = StepKinds {
+            module: torch.getattr("nn")?.getattr("Module")?.cast_into()?,
             tensor: torch.getattr("Tensor")?.cast_into()?,
             fake: py.import("torch._subclasses.fake_tensor")?.getattr("FakeTensor")?.cast_into()?,
             function: types.getattr("FunctionType")?.cast_into()?,
             method: types.getattr("MethodType")?.cast_into()?,
             deque: py.import("collections")?.getattr("deque")?.cast_into()?,
             scaler: scaler.and_then(|s| s.cast_into().ok()),
+            torch,
         };
-        Ok(PythonStep { kinds, assigned: assigned.to_vec() })
+        Ok(PythonStep { kinds, assigned: assigned.to_vec(), places: places.to_vec() })
     }
 
     fn is(&self, object: &Bound<'py, PyAny>, kind: &Bound<'py, PyType>) -> bool {
@@ -126,12 +143,17 @@ impl<'py> Heap for PythonStep<'py> {
             return Ok(Kind::Leaf);
         }
         if object.is_instance(&self.kinds.tensor).unwrap_or(true) {
-            if !self.is(object, &self.kinds.fake) {
-                return Ok(Kind::Leaf);
-            }
+            // A tensor by its object (`id()`): a refusal at an operator knows it so.
             let buffer = Buffer::Storage(object.as_ptr() as usize);
+            let kind = if self.is(object, &self.kinds.fake) {
+                FAKE
+            } else if object.getattr("requires_grad").and_then(|r| r.is_truthy()).unwrap_or(false) {
+                TAKES_GRAD
+            } else {
+                return Ok(Kind::Leaf);
+            };
             let (shape, device) = (String::new(), String::new());
-            return Ok(Kind::Buffer(Piece { buffer, bytes: 0, kind: "fake tensor", shape, device }));
+            return Ok(Kind::Buffer(Piece { buffer, bytes: 0, kind, shape, device }));
         }
         if let Ok(dict) = object.cast::<PyDict>() {
             entries(dict, refs, Edge::Key);
@@ -190,13 +212,47 @@ impl<'py> StepObjects for PythonStep<'py> {
     type Saved = Saved<'py>;
     type Error = PyErr;
 
-    fn save_assigned(&mut self) -> PyResult<Vec<Saved<'py>>> {
+    fn save_rng(&mut self, rng: Rng) -> PyResult<Option<Saved<'py>>> {
+        Ok(read_rng(&self.kinds.torch, rng)?.map(|state| Saved::Rng(rng, state)))
+    }
+
+    fn save_places(&mut self) -> PyResult<Vec<Saved<'py>>> {
         let mut saved = Vec::new();
-        for (globals, name) in &self.assigned {
-            let before = globals.get_item(name)?;
-            saved.push(Saved::Global { globals: globals.clone(), name: name.clone(), before });
+        let mut seen = HashSet::new();
+        let globals = self.assigned.iter().map(|(namespace, name)| (namespace.as_any(), Some(name)));
+        let loaded = self.places.iter().map(|(holder, name)| (holder, name.as_ref()));
+        for (holder, name) in globals.chain(loaded) {
+            if !seen.insert((holder.as_ptr() as usize, name.cloned())) {
+                continue;
+            }
+            match name {
+                Some(name) => {
+                    let namespace = holder.cast::<PyDict>()?;
+                    let before = namespace.get_item(name)?;
+                    saved.push(Saved::Global { globals: namespace.clone(), name: name.clone(), before });
+                }
+                None => saved.push(Saved::Cell(holder.clone(), holder.getattr("cell_contents").ok())),
+            }
         }
         Ok(saved)
+    }
+
+    /// A module's and its submodules' `_parameters` and `_buffers`; an optimizer (its attributes:
+    /// its `state` is replaced) and its param groups.
+    fn swapped_containers(&mut self, owner: &Self::Object) -> Vec<Self::Object> {
+        let mut containers = Vec::new();
+        if self.is(owner, &self.kinds.module) {
+            let Ok(modules) = owner.call_method0("modules").and_then(|m| m.try_iter()) else { return containers };
+            for module in modules.flatten() {
+                for attribute in ["_parameters", "_buffers"] {
+                    containers.extend(module.getattr(attribute).ok().filter(|held| held.is_instance_of::<PyDict>()));
+                }
+            }
+        } else if let Ok(groups) = owner.getattr("param_groups").and_then(|g| g.try_iter()) {
+            containers.push(owner.clone());
+            containers.extend(groups.flatten().filter(|group| group.is_instance_of::<PyDict>()));
+        }
+        containers
     }
 
     fn save(&mut self, object: &Self::Object) -> Option<Saved<'py>> {
@@ -254,6 +310,16 @@ impl<'py> StepObjects for PythonStep<'py> {
                     container.call_method1(*refill, (items,))?;
                 }
             }
+            Saved::Cell(cell, before) => {
+                let now = cell.getattr("cell_contents").ok();
+                match (before, now) {
+                    (Some(before), Some(now)) if before.is(&now) => {}
+                    (Some(before), _) => cell.setattr("cell_contents", before)?,
+                    (None, Some(_)) => cell.delattr("cell_contents")?,
+                    (None, None) => {}
+                }
+            }
+            Saved::Rng(rng, state) => put_back_rng(&self.kinds.torch, *rng, state)?,
         }
         Ok(None)
     }
@@ -333,38 +399,44 @@ fn same_items<'py>(now: impl Iterator<Item = Bound<'py, PyAny>>, before: &Bound<
 /// Where a root the step loads is held: a global's namespace and name, or a closure cell and None.
 pub(in crate::bindings) type Place<'py> = (Bound<'py, PyAny>, Option<String>);
 
-/// What the step reaches, as it was, until [`StepState::restore`]: the containers, the RNGs, and
-/// the real tensors swapped for fakes while it runs.
+/// What the step reaches, as it was, until [`StepState::restore`]: the RNGs, the places and the
+/// containers, into which the fakes that stand in for real tensors while it runs are swapped.
 pub(in crate::bindings) struct StepState<'py> {
     step: PythonStep<'py>,
     saving: Saving<Saved<'py>, Bound<'py, PyAny>>,
-    places: Vec<Place<'py>>,
-    /// Each RNG's state, by name, with how to put it back (`gpuexp.saved_state.rng_states`).
-    rngs: Bound<'py, PyAny>,
-    /// The real tensors swapped for fakes (`gpuexp.reached_tensors.fake_reached_tensors`).
-    swapped: Option<Bound<'py, PyAny>>,
     /// GradScalers reached: told, for the estimate, that the gradients are finite.
     pub(in crate::bindings) scalers: usize,
 }
 
 impl<'py> StepState<'py> {
-    /// Saves what the step reaches from `roots` and the globals it assigns ([`step_state::save`]),
-    /// and the four RNGs (torch's CPU and CUDA, Python's, NumPy's): a step draws from them.
+    /// Saves what the step reaches ([`step_state::save`]): the four RNGs, the places its roots
+    /// are held in and the globals it assigns, the containers of `owners` (its modules and
+    /// optimizers) that their fakes go into, and every container the walk from `roots` reaches.
     pub(in crate::bindings) fn save(
         py: Python<'py>,
         roots: &Roots<'py>,
         assigned: &[AssignedGlobal<'py>],
         places: &[Place<'py>],
+        owners: &[Bound<'py, PyAny>],
     ) -> PyResult<StepState<'py>> {
-        let torch = py.import("sys")?.getattr("modules")?.get_item("torch")?;
-        let rngs = py.import("gpuexp.saved_state")?.call_method1("rng_states", (torch,))?;
-        let mut step = PythonStep::find(py, assigned)?;
-        let saving = step_state::save(&mut step, roots.clone())?;
-        Ok(StepState { scalers: saving.scalers, step, saving, places: places.to_vec(), rngs, swapped: None })
+        let mut step = PythonStep::find(py, assigned, places)?;
+        let saving = step_state::save(&mut step, roots.clone(), owners)?;
+        Ok(StepState { scalers: saving.scalers, step, saving })
+    }
+
+    /// The path to each real tensor that requires grad that the step reaches, by its `id()`.
+    pub(in crate::bindings) fn takes_grad_paths(&self) -> HashMap<usize, String> {
+        let paths = self.saving.takes_grad.iter();
+        paths
+            .filter_map(
+                |(buffer, path)| if let Buffer::Storage(id) = buffer { Some((*id, path.clone())) } else { None },
+            )
+            .collect()
     }
 
     /// Swaps every real tensor the step reaches (in the saved containers, the globals it loads,
-    /// its closure cells) for fakes of `mode`; `restore` puts the real ones back.
+    /// its closure cells) for fakes of `mode`; `restore` puts the real ones back with the
+    /// containers and places they are in.
     pub(in crate::bindings) fn fake_reached_tensors(&mut self, mode: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = mode.py();
         let (dicts, lists, places) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
@@ -373,34 +445,17 @@ impl<'py> StepState<'py> {
                 Saved::Dict(dict, _) | Saved::Mapping(dict, _) => dicts.append(dict)?,
                 Saved::List(list, _) => lists.append(list)?,
                 Saved::Global { globals: namespace, name, before: Some(_) } => places.append((namespace, name))?,
+                Saved::Cell(cell, Some(_)) => places.append((cell, py.None()))?,
                 _ => {}
             }
         }
-        for place in &self.places {
-            places.append(place)?;
-        }
         let reached = py.import("gpuexp.reached_tensors")?;
-        self.swapped = Some(reached.call_method1("fake_reached_tensors", (mode, dicts, lists, places))?);
-        Ok(())
+        reached.call_method1("fake_reached_tensors", (mode, dicts, lists, places)).map(drop)
     }
 
-    /// Puts back the real tensors, every container the step changed ([`step_state::restore`])
-    /// and the RNGs; the notes. Each is tried before the first error met is raised.
+    /// Puts back everything saved where the step changed it ([`step_state::restore`]), the real
+    /// tensors with it; the notes. Each is tried before the first error met is raised.
     pub(in crate::bindings) fn restore(mut self) -> PyResult<Vec<String>> {
-        let py = self.rngs.py();
-        let put_back = match self.swapped.take() {
-            Some(swapped) => {
-                py.import("gpuexp.reached_tensors")?.call_method1("put_back_reached", (swapped,)).map(drop)
-            }
-            None => Ok(()),
-        };
-        let notes = step_state::restore(&mut self.step, self.saving);
-        let mut rngs = Ok(());
-        for put in self.rngs.cast::<PyDict>()?.values() {
-            rngs = rngs.and(put.call0().map(drop));
-        }
-        put_back?;
-        rngs?;
-        notes
+        step_state::restore(&mut self.step, self.saving)
     }
 }
