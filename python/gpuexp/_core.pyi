@@ -658,6 +658,8 @@ def estimate(
     step: Any, batch_size: int, *, memory: int | None = None, limit: int | None = None, steps: int = 1
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
+def estimating() -> bool:
+    """`gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now."""
 def check_step(step: Any, call: str) -> None:
     """The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
     `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both."""
