@@ -659,7 +659,9 @@ def estimate(
 ) -> Estimate:
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
 def estimating() -> bool:
-    """`gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now."""
+    """`gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now
+    (an estimate, `fit`'s options, the finder's seed), so that a step can skip what needs its
+    tensors' values then (a print of `loss.item()`, a branch on it)."""
 def check_step(step: Any, call: str) -> None:
     """The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
     `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both."""
