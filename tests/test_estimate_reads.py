@@ -98,6 +98,13 @@ def test_a_step_that_branches_on_a_read_is_refused_naming_its_line(shared, body,
     assert shared.value("fingerprint() == before and kept() == kept_before") is True
 
 
+def test_a_bool_read_on_one_line_and_branched_on_another_names_both(shared):
+    shared.run("def flag(bs):\n    big = (train(bs) > 10).item()\n    if big:\n        print('big')")
+    failed = shared.run("gpuexp.estimate(flag, 8)", expect_error=True).error
+    where = shared.value("flag.__code__.co_filename")
+    assert f"at {where}:3 (`if big:`)" in failed and f"read at {where}:2" in failed, failed
+
+
 def test_a_value_read_on_one_line_and_needed_on_another_names_both(shared):
     shared.run("def later(bs):\n    value = train(bs).item()\n    total = value * 2\n    if total > 1:\n"
                "        print('big')")

@@ -420,7 +420,10 @@ class LedgerRun:
         if func is self._read:
             value = func(*args, **kwargs) if kwargs else func(*args)
             if isinstance(value, self._symbols):
-                self._books.read(str(value.node.expr), *scalar_reads.users_place(sys._getframe(1)))
+                place = scalar_reads.users_place(sys._getframe(1))
+                # A bool's stands for `Eq(u0, 1)`: its symbol is what a guard names.
+                for symbol in value.node.expr.free_symbols:
+                    self._books.read(str(symbol), *place)
             return value
         self._books.operator(self._current_node() is not None)
         self.last_op = func
