@@ -132,3 +132,14 @@ def test_a_closure_variable_the_step_adds_its_loss_to_is_put_back(shared):
                "        running += train(bs).item()\n    return adds, lambda: running\nadds, running_of = make()")
     shared.run("gpuexp.estimate(adds, 8)")
     assert shared.value("running_of() == 0.0 and type(running_of()) is float") is True
+
+
+def test_torchs_methods_are_put_back_after_an_estimate_even_a_refused_one(shared):
+    shared.run("kinds = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)\n"
+               "names = ('__repr__', '__str__', '__format__', '__float__')\n"
+               "methods = lambda: [vars(kind).get(name) for kind in kinds for name in names]\n"
+               "before_methods = methods()\n"
+               "def bad(bs):\n    if train(bs).item() > 1:\n        pass")
+    shared.run("gpuexp.estimate(lambda bs: train(bs).item(), 8)")
+    assert shared.run("gpuexp.estimate(bad, 8)", expect_error=True).error.startswith("NoEstimate")
+    assert shared.value("methods() == before_methods and float(torch.ones(())) == 1.0") is True

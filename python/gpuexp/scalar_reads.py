@@ -12,6 +12,7 @@ import linecache
 import math
 import os
 import sys
+import threading
 
 
 def is_users(path):
@@ -58,63 +59,88 @@ class StandIns:
     """While installed, what stands in for a value the step read from a fake tensor of ``mode``
     shows ``books.STAND_IN`` when printed or formatted; ``float()`` of such a tensor or symbol,
     which must return a Python float, returns NaN, and ``books.nan`` hears where. Each read is
-    reported with ``books.read`` by the ledger. ``remove()`` puts torch's methods back."""
+    reported with ``books.read`` by the ledger. ``remove()`` ends it; safe to call twice.
+
+    Torch's methods are replaced once for all the estimates running (one per thread at most),
+    and put back when the last ends: each estimate's symbols are known by their ``ShapeEnv``."""
 
     def __init__(self, mode, books):
-        torch = sys.modules["torch"]
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        self._undo = []
-        env, text = mode.shape_env, books.STAND_IN
-
-        def ours(value):
-            return getattr(getattr(value, "node", None), "shape_env", None) is env
-
-        def shown(original):
-            def show(value, *args):
-                return text if ours(value) else original(value, *args)
-
-            return show
-
-        try:
-            for kind in (torch.SymInt, torch.SymFloat, torch.SymBool):
-                for name in ("__repr__", "__str__", "__format__"):
-                    self._replace(kind, name, shown(getattr(kind, name)))
-            symbol_float = torch.SymFloat.__float__
-
-            def float_of_symbol(value):
-                if ours(value):
-                    books.nan(*users_place(sys._getframe(1)))
-                    return math.nan
-                return symbol_float(value)
-
-            tensor_float = torch.Tensor.__float__
-
-            def float_of_tensor(tensor):
-                if isinstance(tensor, FakeTensor) and tensor.fake_mode is mode:
-                    value = tensor.item()
-                    if ours(value):
-                        books.nan(*users_place(sys._getframe(1)))
-                        return math.nan
-                    return float(value)
-                return tensor_float(tensor)
-
-            self._replace(torch.SymFloat, "__float__", float_of_symbol)
-            self._replace(torch.Tensor, "__float__", float_of_tensor)
-        except BaseException:
-            self.remove()
-            raise
-
-    def _replace(self, kind, name, method):
-        missing = object()
-        own = vars(kind).get(name, missing)
-        setattr(kind, name, method)
-        if own is missing:
-            self._undo.append(lambda: delattr(kind, name))
-        else:
-            self._undo.append(lambda: setattr(kind, name, own))
+        self._key = id(mode.shape_env)
+        with _LOCK:
+            if not _RUNNING:
+                _replace_torchs_methods()
+            _RUNNING[self._key] = (mode, books)
 
     def remove(self):
-        """Puts torch's own methods back; safe to call twice."""
-        while self._undo:
-            self._undo.pop()()
+        with _LOCK:
+            if _RUNNING.pop(self._key, None) is not None and not _RUNNING:
+                while _UNDO:
+                    _UNDO.pop()()
+
+
+_LOCK = threading.Lock()
+_RUNNING = {}  # id of a running estimate's ShapeEnv: its fake mode and its books
+_UNDO = []  # what puts torch's own methods back
+
+
+def _running_in(env):
+    """The ``(mode, books)`` of the running estimate whose fake mode has ``env``; None for any other."""
+    running = _RUNNING.get(id(env))
+    return running if running is not None and running[0].shape_env is env else None
+
+
+def _running_of(value):
+    """The ``(mode, books)`` of the estimate whose read ``value`` stands for; None for any other."""
+    return _running_in(getattr(getattr(value, "node", None), "shape_env", None))
+
+
+def _replace_torchs_methods():
+    torch = sys.modules["torch"]
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def shown(original):
+        def show(value, *args):
+            running = _running_of(value)
+            return running[1].STAND_IN if running is not None else original(value, *args)
+
+        return show
+
+    symbol_float, tensor_float = torch.SymFloat.__float__, torch.Tensor.__float__
+
+    def float_of_symbol(value):
+        running = _running_of(value)
+        if running is None:
+            return symbol_float(value)
+        running[1].nan(*users_place(sys._getframe(1)))
+        return math.nan
+
+    def float_of_tensor(tensor):
+        running = _running_in(getattr(tensor.fake_mode, "shape_env", None)) if isinstance(tensor, FakeTensor) else None
+        if running is None:
+            return tensor_float(tensor)
+        value = tensor.item()
+        if _running_of(value) is None:  # a constant's value (a host scalar the estimate copied)
+            return float(value)
+        running[1].nan(*users_place(sys._getframe(1)))
+        return math.nan
+
+    try:
+        for kind in (torch.SymInt, torch.SymFloat, torch.SymBool):
+            for name in ("__repr__", "__str__", "__format__"):
+                _replace(kind, name, shown(getattr(kind, name)))
+        _replace(torch.SymFloat, "__float__", float_of_symbol)
+        _replace(torch.Tensor, "__float__", float_of_tensor)
+    except BaseException:
+        while _UNDO:
+            _UNDO.pop()()
+        raise
+
+
+def _replace(kind, name, method):
+    missing = object()
+    own = vars(kind).get(name, missing)
+    setattr(kind, name, method)
+    if own is missing:
+        _UNDO.append(lambda: delattr(kind, name))
+    else:
+        _UNDO.append(lambda: setattr(kind, name, own))
