@@ -143,3 +143,20 @@ def test_torchs_methods_are_put_back_after_an_estimate_even_a_refused_one(shared
     shared.run("gpuexp.estimate(lambda bs: train(bs).item(), 8)")
     assert shared.run("gpuexp.estimate(bad, 8)", expect_error=True).error.startswith("NoEstimate")
     assert shared.value("methods() == before_methods and float(torch.ones(())) == 1.0") is True
+
+
+def test_a_grad_scaler_step_that_returns_its_loss_is_estimated_as_the_one_without(shared):
+    shared.run("scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)\n"
+               "def scaled_loss(bs):\n"
+               "    opt.zero_grad(set_to_none=True)\n"
+               "    x, y = torch.randn(bs, 512), torch.randint(0, 10, (bs,))\n"
+               "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+               "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+               "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n    return loss\n"
+               "def scaled_item(bs):\n    return scaled_loss(bs).item()\n"
+               "def scaled(bs):\n    scaled_loss(bs)\n"
+               "scaled(8)\nscale = scaler._scale.item()")
+    with_read, without = shared.value("[estimated(gpuexp.estimate(scaled_item, 16)), "
+                                      "estimated(gpuexp.estimate(scaled, 16))]")
+    assert with_read == without and any("GradScaler" in note for note in with_read["notes"]), with_read
+    assert shared.value("scaler._scale.item() == scale and type(scaled_item(8)) is float") is True
