@@ -69,10 +69,10 @@ def test_a_step_that_reads_its_loss_is_estimated_as_the_step_without_the_read(sh
 
 def test_what_a_step_prints_of_a_read_says_it_was_a_stand_in(shared):
     shared.run('def printing(bs):\n    v = train(bs).item()\n    print(f"loss {v:.3f}", [v], "%.2f" % v)')
-    shown = shared.run("estimated = gpuexp.estimate(printing, 8)").text
+    shown = shared.run("printed = gpuexp.estimate(printing, 8)").text
     stand_in = "<stand-in: gpuexp.estimate runs this step on fake tensors>"
     assert f"loss {stand_in} [{stand_in}] nan" in shown, shown
-    notes = shared.value("estimated.to_dict()['notes']")
+    notes = shared.value("printed.to_dict()['notes']")
     assert any(note.startswith("float() of a fake tensor returned NaN") for note in notes), notes
     real = shared.run("printing(8)").text
     assert "stand-in" not in real and real.startswith("loss "), real
