@@ -150,3 +150,41 @@ def test_a_grad_scaler_step_is_estimated_within_5_percent_and_the_next_real_step
         assert abs(estimate - real) <= 0.05 * real, (batch_size, estimate, real)
         assert allocated == 0, (batch_size, allocated)
         assert kernel.value("after == before") is True, kernel.value("[before, after]")
+
+
+# The bench's models, trained by a step that ends as most training loops do (issue 44, section 2).
+ITEM_STEP = """\
+workload = workloads[{name!r}]
+model, opt = bench.workloads_of.fresh(torch, workload, device)
+def train(bs):
+    opt.zero_grad(set_to_none=True)
+    inputs, targets = workload.batch(bs, device)
+    loss = workload.loss(model, inputs, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+def item_step(bs):
+    return train(bs).item()
+def plain_step(bs):
+    train(bs)
+item_step(2)
+"""
+
+
+@pytest.mark.parametrize("name, batch_size", [("transformer", 32), ("attention", 32), ("mlp", 2048)])
+def test_a_step_that_returns_loss_item_is_estimated_within_2_percent_of_its_real_peak(kernel, name, batch_size):
+    kernel.run(MODELS + ITEM_STEP.format(name=name))
+    kernel.run(f"result, seconds, allocated = bench.estimated(torch, gpuexp, item_step, {batch_size}, device)\n"
+               f"without = gpuexp.estimate(plain_step, {batch_size}).peak\n"
+               f"real = bench.measured_peak(torch, item_step, {batch_size}, device)")
+    estimate, without, real, allocated = kernel.value("[result.peak, without, real, allocated]")
+    assert estimate == without, (name, estimate, without)
+    assert abs(estimate - real) <= 0.02 * real and allocated == 0, (name, batch_size, estimate, real, allocated)
+
+
+def test_the_finder_starts_from_the_estimate_of_a_step_that_returns_loss_item(kernel):
+    kernel.run(MODELS + ITEM_STEP.format(name="transformer"))
+    kernel.run(f"found = gpuexp.find_batch_size(item_step, start=8, max=8192, limit={24 * GiB}, progress=False)")
+    shown = kernel.run("print(found)").text
+    assert "estimate under fake tensors at 8, 32" in shown and kernel.value("found.trials") <= 2, shown

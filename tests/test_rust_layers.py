@@ -28,7 +28,7 @@ FLOORS = {
     # 2 what a report quotes besides snapshots: the monitor's samples, training's position, the
     # names teardown deleted, a step's ledger (whose categories the trace sorts its sites by)
     "monitor": 2, "peak_sampler": 2, "training": 2, "teardown": 2, "estimate": 2,
-    "estimate_books": 2, "cudnn_rnn": 2,
+    "estimate_books": 2, "cudnn_rnn": 2, "scalar_reads": 2,
     # 3, 4, 5: trace → report → explain
     "trace": 3, "recorder": 3, "torch_history": 3, "cell_history": 3,
     "report": 4,

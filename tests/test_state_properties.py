@@ -57,6 +57,7 @@ def build(optimizer, warmed):
     held.losses = []
     held.free_weight = torch.ones(2, requires_grad=True)  # a leaf in no module or optimizer
     held.spare = 1
+    held.total = 0.0  # what the step adds its losses to
     held.view = held.table[:3]
     held.deep = {"k": [{"inner": torch.zeros(2)}]}
     model.running = torch.zeros(2)  # a tensor attribute that is no buffer
@@ -134,6 +135,10 @@ def _deque(model, held):
     held.queue.popleft()
 
 
+def _add_read_value(model, held):
+    held.total += model[2].bias.sum().item()
+
+
 def _set(model, held):
     held.tags.add(3)
     held.tags.discard(1)
@@ -176,8 +181,14 @@ EFFECTS = {
     "nested tensor in place": lambda model, held: held.deep["k"][0]["inner"].add_(1),
     "module tensor attribute in place": lambda model, held: model.running.add_(1),
     "tensor resized": lambda model, held: held.table.resize_(10),
+    # A value read from a tensor (issue 44, section 2): under an estimate, a stand-in.
+    "value read and kept": lambda model, held: held.losses.append(model[2].bias.sum().item()),
+    "value read and added": _add_read_value,
+    "values listed": lambda model, held: held.items.extend(model[2].bias.detach().tolist()),
+    "float read": lambda model, held: held.losses.append(float(model[0].weight.detach().sum())),
+    "global read added": None,
 }
-NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created"}
+NOT_FOR_CAPTURE = {"deque", "set", "global rebound", "global created", "global read added"}
 # kind -> (what the step does, the attribute of `held` it changes, the docs' words for it).
 UNREWOUND = {
     "numpy in place": (lambda model, held: held.array.__iadd__(1), "array", "a NumPy array changed in place"),
@@ -195,14 +206,17 @@ def rebind_global(model, held):
 def create_global(model, held):
     global created
     created = torch_sum(held.table)
+def add_read(model, held):
+    global total_read
+    total_read = total_read + model[2].bias.sum().item()
 """
 
 
-GLOBAL_EFFECTS = {"global rebound": "rebind_global", "global created": "create_global"}
+GLOBAL_EFFECTS = {"global rebound": "rebind_global", "global created": "create_global", "global read added": "add_read"}
 
 
 def user_globals(names):
-    return {name: names.get(name, "absent") for name in ("total", "created")}
+    return {name: names.get(name, "absent") for name in ("total", "created", "total_read")}
 
 
 # Effects that estimate and fit refuse, and the words their refusal has.
@@ -306,7 +320,7 @@ def test_a_generated_step_leaves_everything_it_reaches_as_it_was(case):
     # The step is written into a namespace as a notebook's would be, calling each effect by its
     # global name, so that the globals it (and the functions it calls) assign are the user's.
     names = {"__name__": "user_notebook", "model": model, "opt": opt, "held": held, "train": train,
-             "StepsOwnError": StepsOwnError, "torch_sum": torch.sum, "total": 0}
+             "StepsOwnError": StepsOwnError, "torch_sum": torch.sum, "total": 0, "total_read": 0.0}
     lines = []
     for index, (kind, action) in enumerate(zip(case["effects"], actions)):
         names[f"effect_{index}"] = action

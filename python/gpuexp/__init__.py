@@ -69,6 +69,7 @@ __all__ = [
     "config",
     "load_snapshot",
     "estimate",
+    "estimating",
     "explain",
     "find_batch_size",
     "fit",
@@ -158,6 +159,15 @@ def estimate(step, batch_size, *, device=None, limit=None, steps=1):
     experiment.count(steps, "steps", "estimate(train_step, 64, steps=2)")
     limit = experiment.size(limit, "limit")
     return _core.estimate(step, batch_size, memory=_holder_memory(device), limit=limit, steps=steps)
+
+
+def estimating():
+    """True while gpuexp runs a step on fake tensors on this thread (``estimate``, ``fit``'s
+    options, ``find_batch_size``'s first guesses), else False. A step's tensors have no values
+    then: a step that branches on one (``if loss.item() > 10:``) can skip that part, e.g.
+    ``if not gpuexp.estimating(): ...``. Reading one only to return it, keep it or print it needs
+    no such care (docs/estimate.md)."""
+    return _core.estimating()
 
 
 def _holder_memory(device):

@@ -670,6 +670,10 @@ class SavedRngs:
 def save_rngs() -> SavedRngs:
     """Saves the CPU RNG, every initialised CUDA device's, Python's `random` and NumPy's global RNG."""
 
+def estimating() -> bool:
+    """`gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now
+    (an estimate, `fit`'s options, the finder's seed), so that a step can skip what needs its
+    tensors' values then (a print of `loss.item()`, a branch on it)."""
 def check_step(step: Any, call: str) -> None:
     """The one check that `step` is what `estimate`, `find_batch_size`, `fit` and `verify` take;
     `call` shows it called, e.g. `estimate(train_step, 64)`. Raises TypeError naming both."""

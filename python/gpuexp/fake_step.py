@@ -17,8 +17,19 @@ import collections
 import sys
 import weakref
 
+from . import scalar_reads
+
 # Fake tensors' probe of the GPU context, under its names in torch's versions.
 _CONTEXT_PROBES = ("init_gpu_context", "init_cuda_context")
+
+
+def _reads_env():
+    """The fake mode's ``ShapeEnv``, there only so that a read (``.item()``, ``.tolist()``) gives
+    torch's unbacked symbol instead of failing; sizes stay static (``static_shapes``), and an
+    operator whose output's size depends on data (``nonzero``) is still refused, as without it."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return ShapeEnv(allow_scalar_outputs=True, allow_dynamic_output_shape_ops=False)
 
 
 class Fakes:
@@ -37,7 +48,9 @@ class Fakes:
         self._torch = torch = sys.modules["torch"]
         # Without a fake implementation torch would run the operator for real on zero-filled
         # tensors of the step's sizes, on the device the estimate is meant to spare: refused instead.
-        self.mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+        self.mode = fake_tensor.FakeTensorMode(
+            allow_non_fake_inputs=True, allow_fallback_kernels=False, shape_env=_reads_env(), static_shapes=True
+        )
         self.tensor, self.fake_tensor = torch.Tensor, fake_tensor.FakeTensor
         self._target = target
         self._by_real = {}  # id of a real tensor: its fake, so a weight tied in two places stays one
@@ -282,7 +295,11 @@ class LedgerRun:
         self._aliases = {}  # per operator: whether each of its returns aliases an input
         self.last_op = None  # the operator running or last run: an error names it
         self.mode = None
+        self._read = torch.ops.aten._local_scalar_dense.default
+        self._symbols = (torch.SymInt, torch.SymFloat, torch.SymBool)
+        self._stand_ins = None
         try:
+            self._stand_ins = scalar_reads.StandIns(fakes.mode, books)
             for param in fakes.params:
                 self._enter_existing(param, "parameters")
                 self._enter_existing(param.grad, "gradients")
@@ -347,6 +364,9 @@ class LedgerRun:
         except (NoEstimate, KeyboardInterrupt, SystemExit):
             raise  # an interrupt or an exit leaves as itself
         except BaseException as error:  # noqa: BLE001  (each is raised again, as NoEstimate)
+            symbols = scalar_reads.guarded_symbols(error)
+            if symbols is not None:
+                raise self._books.needed(symbols, *scalar_reads.users_place_in(error.__traceback__)) from error
             operator = getattr(error, "func", None)
             if operator is None:
                 operator = self.last_op
@@ -377,7 +397,17 @@ class LedgerRun:
         self._mark(param.grad, "gradients")
 
     def _dispatch(self, func, args, kwargs):
-        """Each operator of the step: runs it (in the fake mode below) and enters the storages it made."""
+        """Each operator of the step: runs it (in the fake mode below) and enters the storages it
+        made. A read of a tensor's value makes nothing: it is no operator of the ledger's, and
+        the symbol standing in for the value is reported with where the user's code read it."""
+        if func is self._read:
+            value = func(*args, **kwargs) if kwargs else func(*args)
+            if isinstance(value, self._symbols):
+                place = scalar_reads.users_place(sys._getframe(1))
+                # A bool's stands for `Eq(u0, 1)`: its symbol is what a guard names.
+                for symbol in value.node.expr.free_symbols:
+                    self._books.read(str(symbol), *place)
+            return value
         self._books.operator(self._current_node() is not None)
         self.last_op = func
         self._refuse_real_leaves(args, kwargs)
@@ -432,6 +462,8 @@ class LedgerRun:
     def close(self):
         """Removes the hooks and drops the weak references, so that nothing reports any more."""
         self._weakrefs.clear()
+        if self._stand_ins is not None:
+            self._stand_ins.remove()
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
@@ -441,15 +473,11 @@ def _users_line(error):
     """Where the user's own code raised ``error``: ``file:line`` of the innermost frame outside
     torch and gpuexp, where the error was raised there (None where torch raised it: an operator
     under fake tensors, named by the caller)."""
-    import os
-
     innermost, users = None, None
     trace = error.__traceback__
     while trace is not None:
         innermost = trace
-        path = trace.tb_frame.f_code.co_filename
-        parts = os.path.normpath(path).split(os.sep)
-        if "torch" not in parts and "gpuexp" not in parts:
+        if scalar_reads.is_users(trace.tb_frame.f_code.co_filename):
             users = trace
         trace = trace.tb_next
     if users is None or users is not innermost:

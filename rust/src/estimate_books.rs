@@ -6,16 +6,19 @@
 use std::collections::HashMap;
 
 use crate::estimate::{Category, Entry, Ledger, Phase, Rounding};
+use crate::scalar_reads::Reads;
 
 pub struct LedgerBooks {
     pub ledger: Ledger,
     /// A live storage's address → its entry.
     entries: HashMap<usize, Entry>,
+    /// What the step read from its tensors: no operator of the ledger's, it makes nothing.
+    pub reads: Reads,
 }
 
 impl LedgerBooks {
     pub fn new(rounding: Rounding) -> LedgerBooks {
-        LedgerBooks { ledger: Ledger::new(rounding), entries: HashMap::new() }
+        LedgerBooks { ledger: Ledger::new(rounding), entries: HashMap::new(), reads: Reads::default() }
     }
 
     /// A storage that exists before the step (`loaded`: one that will, a `meta` tensor's). The

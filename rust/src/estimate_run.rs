@@ -5,6 +5,7 @@
 
 use crate::estimate::{Peak, Room, Rounding};
 use crate::holders_walk::Memory;
+use crate::scalar_reads::OnFakes;
 use crate::snapshot::host;
 
 /// What one estimate found: the ledger's peak, how many calls of the step it ran, and notes.
@@ -54,7 +55,9 @@ pub fn run<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> 
 
 fn run_on_fakes<W: Estimating>(world: &mut W, device: &str) -> Result<Run, W::Error> {
     let swapped = world.swap_in_fakes()?;
+    let on_fakes = OnFakes::enter();
     let ran = world.run_ledger();
+    drop(on_fakes);
     let swapped_out = world.swap_out_fakes();
     let (peak, (calls, mut notes)) = ran?;
     swapped_out?;
@@ -262,6 +265,8 @@ mod tests {
 
     impl Recorded {
         fn step(&mut self, name: &'static str) -> Result<(), String> {
+            // `gpuexp.estimating()` answers true while the step runs on fakes, and only then.
+            assert_eq!(crate::scalar_reads::estimating(), name == "run ledger", "{name}");
             self.steps.push(name);
             if self.failing == Some(name) {
                 return Err(format!("{name} failed"));

@@ -54,6 +54,9 @@ pub mod recorder;
 pub mod recording_lease;
 /// What a scope, a cell, an OOM or a leak hunt found, as JSON and tables.
 pub mod report;
+/// What a step reads from fake tensors (`.item()`): the stand-ins, why a read stops an estimate,
+/// and whether this thread is running a step on fakes (`gpuexp.estimating()`).
+pub mod scalar_reads;
 /// The registry of scopes: nesting, start snapshots, peak windows, history.
 pub mod scope;
 /// One reading of host memory, NVML and torch's allocator.

@@ -29,7 +29,7 @@ mod core_module {
     #[pymodule_export]
     use super::error::{NoEstimate, NvmlUnavailable};
     #[pymodule_export]
-    use super::estimate::{check_step, estimate, EstimatePy};
+    use super::estimate::{check_step, estimate, estimating, EstimatePy};
     #[pymodule_export]
     use super::explain::{explain, ExplanationPy};
     #[pymodule_export]

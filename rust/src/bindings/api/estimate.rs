@@ -106,7 +106,9 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
             call_step(self.calls, || ledgered.call_method1("call_step", (step, batch, &returned))?.extract())
         });
         drop(returned);
-        ran
+        let (peak, (calls, mut notes), read_notes) = ran?;
+        notes.extend(read_notes);
+        Ok((peak, (calls, notes)))
     }
 
     /// Puts torch's own settings back; the real tensors come back with the saved state.
@@ -291,6 +293,14 @@ pub(in crate::bindings) fn seed_search(
     };
     search.seed_by(started, |batch| estimate(batch).map_err(said), |line| shown(line).map_err(said));
     stopped.into_inner().map_or(Ok(()), Err)
+}
+
+/// `gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now
+/// (an estimate, `fit`'s options, the finder's seed), so that a step can skip what needs its
+/// tensors' values then (a print of `loss.item()`, a branch on it).
+#[pyfunction]
+pub(in crate::bindings) fn estimating() -> bool {
+    crate::scalar_reads::estimating()
 }
 
 /// Whether `error` is a Ctrl-C or an exit, which leaves an estimate as itself, never as `NoEstimate`.

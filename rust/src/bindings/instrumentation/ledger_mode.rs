@@ -16,16 +16,18 @@ use crate::bindings::step_state::StepState;
 use crate::estimate::{Category, Entry, Peak, Phase};
 use crate::estimate_books::LedgerBooks;
 use crate::estimate_run;
+use crate::scalar_reads::Place;
 
 /// Runs `body` with the ledger's dispatch mode (a `gpuexp.fake_step.LedgerRun`, given to `body`)
-/// inside the fake mode of `fakes`; the peak it found. `state` names what the step reaches.
+/// inside the fake mode of `fakes`; the peak it found, and the notes on what the step read.
+/// `state` names what the step reaches.
 pub(in crate::bindings) fn run<'py, T>(
     fakes: &Fakes<'py>,
     state: &StepState<'py>,
     memory: &Memory,
     target: &Bound<'py, PyAny>,
     body: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
-) -> PyResult<(Peak, T)> {
+) -> PyResult<(Peak, T, Vec<String>)> {
     let py = fakes.py;
     let books = BooksPy { books: LedgerBooks::new(estimate_run::rounding(memory)), paths: state.takes_grad_paths() };
     let books = Bound::new(py, books)?;
@@ -33,12 +35,12 @@ pub(in crate::bindings) fn run<'py, T>(
     let mode = ledgered.getattr("mode")?;
     let outcome = within(&fakes.mode, || within(&mode, || body(&ledgered)));
     let marked = ledgered.call_method0("mark_gradients_and_state");
-    let peak = books.borrow().books.ledger.peak();
+    let (peak, notes) = (books.borrow().books.ledger.peak(), books.borrow().books.reads.notes());
     // The hooks go whatever happened: the optimizer's are global.
     ledgered.call_method0("close")?;
     let outcome = outcome?;
     marked?;
-    Ok((peak, outcome))
+    Ok((peak, outcome, notes))
 }
 
 /// Runs `inner` with `mode` entered. A mode is left only if it was entered: leaving one that was
@@ -119,6 +121,27 @@ impl BooksPy {
         raised_at: Option<&str>,
     ) -> Py<PyAny> {
         NoEstimate::new_err(estimate_run::failed_at(operator, kind, message, raised_at)).into_value(py).into_any()
+    }
+    /// What a stand-in for a read value shows when printed or formatted.
+    #[classattr]
+    const STAND_IN: &'static str = crate::scalar_reads::STAND_IN;
+    /// The step read a tensor's value, `symbol` standing in for it, at `line` (`file:line`,
+    /// whose code is `source`).
+    #[pyo3(signature = (symbol, line=None, source=None))]
+    fn read(&mut self, symbol: String, line: Option<String>, source: Option<String>) {
+        self.books.reads.read(symbol, Place { line, source });
+    }
+    /// A `float()` of a fake tensor at `line` returned NaN.
+    #[pyo3(signature = (line=None, source=None))]
+    fn nan(&mut self, line: Option<String>, source: Option<String>) {
+        self.books.reads.nan(Place { line, source });
+    }
+    /// The error that stops an estimate whose step needed, at `line`, the value of an
+    /// expression over `symbols` ([`crate::scalar_reads::Reads::needed`]).
+    #[pyo3(signature = (symbols, line=None, source=None))]
+    fn needed(&self, py: Python, symbols: Vec<String>, line: Option<String>, source: Option<String>) -> Py<PyAny> {
+        let why = self.books.reads.needed(&symbols, &Place { line, source });
+        NoEstimate::new_err(why).into_value(py).into_any()
     }
     /// The error that stops an estimate at cuDNN's RNN (`crate::cudnn_rnn`).
     fn cudnn_rnn_refusal(&self, py: Python, mode: i64) -> Py<PyAny> {
