@@ -8,7 +8,7 @@ pub mod observed;
 
 use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
 use crate::report::OomMessage;
-use crate::report::{self, FailedLine, FiguresSource, OomDiagnosis, TorchPools};
+use crate::report::{self, Creep, FailedLine, FiguresSource, OomDiagnosis, RisingRuns, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
 use crate::teardown::{self, Step};
 use crate::training::Position;
@@ -61,6 +61,8 @@ pub fn rescue<W: RescueWorld>(
     let at_error = AtError::of(observed, &parsed, gpu_before.as_ref());
     let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
     let levelled = recorder::last_level();
+    let repetitions = recorded.as_ref().and_then(|r| r.repeated);
+    let creep = gpu_before.as_ref().and_then(|g| creep(g.torch_index, repetitions, &at_error));
     let (since_step, sites, live_blocks) = match (recorded, step) {
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
@@ -117,8 +119,11 @@ pub fn rescue<W: RescueWorld>(
         since_step,
         live_blocks,
         cause: None,
+        also: Vec::new(),
+        creep,
     };
     diagnosis.cause = diagnosis.cause();
+    diagnosis.also = diagnosis.also();
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(failed_steps);
     Ok(diagnosis)
@@ -179,6 +184,18 @@ impl AtError {
             process_used,
         }
     }
+}
+
+/// How memory crept on `torch_index` before the failure, from the recorder's series and the
+/// loop's `repetitions` in its history: the budget is the memory fraction's cap, else the device.
+fn creep(torch_index: u32, repetitions: Option<recorder::Rising>, at_error: &AtError) -> Option<Creep> {
+    let series = recorder::series(torch_index);
+    let runs = RisingRuns {
+        steps: series.as_ref().and_then(|s| s.steps.rising),
+        repetitions,
+        cells: series.as_ref().and_then(|s| s.cells.rising),
+    };
+    Creep::find(runs, at_error.allowed.or(at_error.total)?, at_error.allocated?)
 }
 
 /// Why no allocation record holds the OOM, for the diagnosis.

@@ -136,3 +136,28 @@ fn the_observers_figures_come_first_and_say_so() {
         "{text}"
     );
 }
+
+#[test]
+fn levels_that_crept_before_the_failure_make_it_a_creep_with_its_fix() {
+    use crate::recorder::{Level, StepKind};
+    const GIB: u64 = 1 << 30;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Read every 10 steps, each keeping 1 GiB: 10 GiB to 120 GiB on GPU 0 (no other test reads
+    // its series).
+    for reading in 1..=12u64 {
+        for step in 1..=10u64 {
+            let level = (step == 10).then_some(Level { torch_index: 0, allocated: reading * 10 * GIB });
+            recorder::step_ended(StepKind::OptimizerStep, (reading * 10 + step) as i64, level);
+        }
+    }
+    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let diagnosis = rescue(&world, TOO_BIG.replace("GPU 1", "GPU 0"), None).expect("rescued");
+    assert_eq!(diagnosis.cause, Some(report::OomCause::Creep));
+    let creep = diagnosis.creep.expect("the creep's figures");
+    assert_eq!((creep.per_iteration, creep.iterations), (Some(GIB), 110));
+    let hints = diagnosis.hints.join("\n");
+    assert!(hints.contains("about 1.00 GiB a step over 110 steps") && hints.contains(".item()"), "{hints}");
+    assert!(!hints.contains("Make the step smaller") && !hints.contains("a batch of at most"), "{hints}");
+    let step_too_big = rescue(&world, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(step_too_big.cause, Some(report::OomCause::StepTooBig), "GPU 1's levels never crept");
+}
