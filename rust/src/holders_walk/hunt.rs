@@ -69,10 +69,8 @@ impl<O> Survey<O> {
             truncated: self.truncated,
             seconds,
             min_bytes,
-            holders: self
-                .held
-                .iter()
-                .map(|(_, holder)| holder.clone())
+            holders: super::rolled(&self.held, &self.containers)
+                .into_iter()
                 .filter(|h| h.bytes + h.saved_for_backward >= min_bytes)
                 .collect(),
         }
