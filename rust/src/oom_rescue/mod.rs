@@ -8,7 +8,7 @@ pub mod observed;
 
 use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
 use crate::report::OomMessage;
-use crate::report::{self, Creep, FailedLine, FiguresSource, OomDiagnosis, RisingRuns, TorchPools};
+use crate::report::{self, Creep, FailedLine, FiguresSource, Holders, OomDiagnosis, RisingRuns, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
 use crate::teardown::{self, Step};
 use crate::training::Position;
@@ -32,7 +32,14 @@ pub trait RescueWorld {
     /// Clears the failed cell's frames and the references to its exception; what was cleared.
     fn clear_frames(&self) -> Result<Vec<String>, Self::Error>;
     fn release(&self, step: Step) -> Result<(), String>;
+    /// What holds memory on `torch_index` now, from the user's names (`gpuexp.holders()`'s
+    /// search, bounded by its object count): Ok(Err(why)) where it raised, Err to pass on an
+    /// interrupt.
+    fn holders(&self, torch_index: u32) -> Result<Result<Holders, String>, Self::Error>;
 }
+
+/// Holders the diagnosis names after the rescue.
+pub const HOLDERS_NAMED: usize = 3;
 
 /// Rescues after the CUDA out-of-memory error whose text is `message`, raised while the
 /// training run stood at `training`, and diagnoses it: what was asked for, what the device had,
@@ -87,6 +94,18 @@ pub fn rescue<W: RescueWorld>(
         }
     }
     let gpu_after = failing(&world.snapshot());
+    // Still at least half the budget after the rescue: the failed cell's frames are gone, so
+    // what remains is held by the user's names, and the search names them.
+    let allocated_after = gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated);
+    let held =
+        at_error.allowed.or(at_error.total).zip(allocated_after).is_some_and(|(budget, after)| after >= budget / 2);
+    let (mut held_after, mut holder_search) = (Vec::new(), None);
+    if let (true, Some(gpu)) = (held, gpu_after.as_ref()) {
+        match world.holders(gpu.torch_index)? {
+            Ok(found) => held_after = found.holders.into_iter().take(HOLDERS_NAMED).collect(),
+            Err(why) => holder_search = Some(why),
+        }
+    }
     let mut others: Vec<(u32, Option<u64>)> =
         gpu_before.as_ref().map(|g| nvml::other_processes(&g.uuid, &own_pids())).unwrap_or_default();
     // Where NVML lists none, torch's message may: only where it also names this process's own
@@ -121,6 +140,8 @@ pub fn rescue<W: RescueWorld>(
         cause: None,
         also: Vec::new(),
         creep,
+        held_after,
+        holder_search,
     };
     diagnosis.cause = diagnosis.cause();
     diagnosis.also = diagnosis.also();

@@ -11,6 +11,7 @@
 
 use serde::Serialize;
 
+use super::Holder;
 use crate::recorder::Rising;
 use crate::units::bytes;
 
@@ -94,17 +95,33 @@ impl Creep {
         }
     }
 
-    /// The fix: keep numbers, not tensors that hold their graphs, or clear the holder.
-    pub fn hint(&self) -> String {
+    /// The fix: keep numbers, not tensors that hold their graphs, or clear the holder (the
+    /// largest one the holder search named after the rescue, where it ran).
+    pub fn hint(&self, holder: Option<&Holder>) -> String {
+        let named = holder.map(|h| {
+            format!(
+                "; here the largest holder is {}: `del {}` would return at most {} (graphs may share what they saved)",
+                held_line(h),
+                h.path,
+                bytes(h.bytes + h.saved_for_backward)
+            )
+        });
         format!(
             "{}: something keeps a tensor from each iteration, so a smaller batch only delays the same error. \
              Keep a number or a detached copy, not the tensor: `.item()` for a loss or metric, `.detach()` \
              (or `.detach().cpu()`) before appending an output; run evaluation under `torch.no_grad()` or \
              `torch.inference_mode()`, which keep no graph; or clear the list, dict or cache that holds them \
-             (`outs.clear()`, `del outs`)",
-            self.describe()
+             (`outs.clear()`, `del outs`){}",
+            self.describe(),
+            named.unwrap_or_default()
         )
     }
+}
+
+/// `outs (a list of 142 tensors that require grad, each keeping its graph): 5.40 GiB`
+pub fn held_line(holder: &Holder) -> String {
+    let what = [&holder.kind, &holder.shape].iter().filter(|p| !p.is_empty()).map(|p| p.as_str()).collect::<Vec<_>>();
+    format!("{} ({}): {}", holder.path, what.join(" "), bytes(holder.bytes + holder.saved_for_backward))
 }
 
 #[cfg(test)]
@@ -141,7 +158,7 @@ mod tests {
         let creep = Creep::find(steps(&levels, 25), 10 * GIB, 7 * GIB).expect("a creep");
         assert_eq!((creep.over, creep.iterations, creep.per_iteration), (CreptOver::Steps, 29 * 25, Some(8 * MIB)));
         assert_eq!(creep.total, 29 * 200 * MIB);
-        let text = creep.hint();
+        let text = creep.hint(None);
         assert!(text.contains("about 8.00 MiB a step over 725 steps"), "{text}");
         assert!(text.contains(".item()") && text.contains("torch.no_grad()") && text.contains("del outs"), "{text}");
     }

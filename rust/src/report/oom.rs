@@ -9,7 +9,7 @@ use crate::trace::{OomSites, SiteNamer, SiteRule, Stacks};
 use crate::training::Position;
 use crate::units::bytes;
 
-use super::{Creep, OomMessage};
+use super::{creep::held_line, Creep, Holder, OomMessage};
 
 /// Another process on a GPU, as NVML lists it.
 /// Bytes torch's allocator counts, in all and by pool (blocks of 1 MiB or less are the small
@@ -69,6 +69,11 @@ pub struct OomDiagnosis {
     pub also: Vec<OomCause>,
     /// How memory crept before the failure, where it did.
     pub creep: Option<Creep>,
+    /// The largest holders on the device after the rescue, where it still held at least half
+    /// of the budget (what remains is held by the user's names), largest first.
+    pub held_after: Vec<Holder>,
+    /// Why the holder search named nothing where it was due (it raised).
+    pub holder_search: Option<String>,
 }
 
 /// Where the table's "at the error" figures come from.
@@ -214,7 +219,7 @@ impl OomDiagnosis {
     /// suggested only where a rerun removes the cause: fragmentation, or another process. Where
     /// memory crept, the fix for the creep replaces what is said of the step's size.
     pub fn hints(&self) -> Vec<String> {
-        let mut hints: Vec<String> = self.creep.iter().map(Creep::hint).collect();
+        let mut hints: Vec<String> = self.creep.iter().map(|c| c.hint(self.held_after.first())).collect();
         let cached = self.reserved_unallocated();
         let cause = self.figures_cause();
         let fragmented = cause == Some(OomCause::Fragmentation);
@@ -318,6 +323,11 @@ impl OomDiagnosis {
             lines.extend(sites.live_then(3).map(|live| format!("live then: {live}")));
         }
         lines.extend(self.live_blocks.as_ref().map(LiveBlocks::describe));
+        if !self.held_after.is_empty() {
+            let held: Vec<String> = self.held_after.iter().map(held_line).collect();
+            lines.push(format!("held after the rescue: {}", held.join("; ")));
+        }
+        lines.extend(self.holder_search.as_ref().map(|why| format!("the holder search was skipped: {why}")));
         if !self.cleared.is_empty() {
             lines.push(format!("cleared: {}", self.cleared.join(", ")));
         }

@@ -40,6 +40,8 @@ fn diagnosis() -> OomDiagnosis {
         cause: None,
         also: Vec::new(),
         creep: None,
+        held_after: Vec::new(),
+        holder_search: None,
     }
 }
 
