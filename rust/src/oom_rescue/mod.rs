@@ -68,7 +68,10 @@ pub fn rescue<W: RescueWorld>(
     let at_error = AtError::of(observed, &parsed, gpu_before.as_ref());
     let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
     let levelled = recorder::last_level();
-    let repetitions = recorded.as_ref().and_then(|r| r.repeated);
+    // The loop's repetitions are its iterations only where no training step ended last: a
+    // training loop's iterations are its steps, and its steps' levels say whether it crept.
+    let stepping = step.is_some_and(|s| s.kind != recorder::StepKind::Cell);
+    let repetitions = recorded.as_ref().and_then(|r| r.repeated).filter(|_| !stepping);
     let creep = gpu_before.as_ref().and_then(|g| creep(g.torch_index, repetitions, &at_error));
     let (since_step, sites, live_blocks) = match (recorded, step) {
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),

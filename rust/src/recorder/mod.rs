@@ -404,5 +404,9 @@ pub fn live_in_state(snapshot: &AllocationHistory, device: usize) -> LiveBlocks 
     LiveBlocks::by_size(sizes, None)
 }
 
+/// The record is one per process: the tests that end steps run one at a time.
+#[cfg(test)]
+pub(crate) static TESTS_ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests;

@@ -73,6 +73,7 @@ fn an_oom_of_another_size_is_not_the_one_the_message_names() {
 
 #[test]
 fn a_step_end_is_kept_until_the_next_one() {
+    let _alone = TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     step_ended(StepKind::Cell, 100, None);
     step_ended(StepKind::OptimizerStep, 200, None);
     assert_eq!(last_step(), Some(StepEnd { kind: StepKind::OptimizerStep, time_us: 200, level: None }));
@@ -120,6 +121,7 @@ fn after_the_history_an_oom_counts_from_the_last_level_and_the_allocators_state(
 
 #[test]
 fn levels_read_at_step_and_cell_ends_go_to_their_devices_series() {
+    let _alone = TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // A device no other test reads, since the record is one per process.
     let level = |allocated| Some(Level { torch_index: 7, allocated });
     step_ended(StepKind::OptimizerStep, 1_000, level(10 * MIB));
