@@ -12,7 +12,8 @@ mod series;
 
 pub use pattern::repeated;
 pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
-pub use series::{DeviceSeries, Reading, Readings, Rising, Series, RECENT_KEPT, RISE_AT_LEAST};
+use series::Series;
+pub use series::{DeviceSeries, Reading, Rising};
 
 use serde::Serialize;
 

@@ -5,7 +5,7 @@
 //!
 //! A creep: the allocated bytes at [`CREEP_RISES`] or more consecutive readings (step ends, the
 //! loop's repetitions in torch's history, or cells' ends) each rose by at least 1 MiB
-//! (`recorder::RISE_AT_LEAST`), none lower than the one before, the rise is at least half of the
+//! (the recorder series's `RISE_AT_LEAST`), none lower than the one before, the rise is at least half of the
 //! budget at the failure (the memory fraction's cap, else the device), and the failure still holds
 //! what rose (nothing gave it back since: at the failure, allocated is at least the run's last
 //! reading less one reading's rise, as a temporary freed after the last reading may be).
