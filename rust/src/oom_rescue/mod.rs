@@ -217,7 +217,14 @@ fn creep(torch_index: u32, repetitions: Option<recorder::Rising>, at_error: &AtE
     let runs = RisingRuns {
         steps: series.as_ref().and_then(|s| s.steps.rising),
         repetitions,
-        cells: series.as_ref().and_then(|s| s.cells.rising),
+        cells: series.as_ref().and_then(|s| {
+            let run = s.cells.rising?;
+            // The run's rises that the ring still holds.
+            let kept = s.cells.recent.len().min(run.rises as usize + 1);
+            let levels: Vec<u64> =
+                s.cells.recent.iter().skip(s.cells.recent.len() - kept).map(|r| r.allocated).collect();
+            report::same_rises(&levels).then_some(run)
+        }),
     };
     Creep::find(runs, at_error.allowed.or(at_error.total)?, at_error.allocated?)
 }

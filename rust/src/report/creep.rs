@@ -19,6 +19,18 @@ use crate::units::bytes;
 /// Consecutive rises a creep needs.
 pub const CREEP_RISES: u32 = 5;
 
+/// Across cells, each rise within this fraction of their mean: the same cell run again keeps
+/// about as much each time, while setup cells (a model, its optimizer, the data) rise unevenly.
+pub const CELLS_SAME_WITHIN: f64 = 0.25;
+
+/// Whether the rises between consecutive `levels` are each within [`CELLS_SAME_WITHIN`] of
+/// their mean.
+pub fn same_rises(levels: &[u64]) -> bool {
+    let rises: Vec<f64> = levels.windows(2).map(|w| w[1] as f64 - w[0] as f64).collect();
+    let mean = rises.iter().sum::<f64>() / rises.len().max(1) as f64;
+    !rises.is_empty() && rises.iter().all(|r| (r - mean).abs() <= CELLS_SAME_WITHIN * mean)
+}
+
 /// What the iterations of a creep were.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -43,7 +55,8 @@ pub struct Creep {
     pub per_iteration: Option<u64>,
 }
 
-/// The runs the recorder had before the failure.
+/// The runs the recorder had before the failure (across cells, only where the cells rose by
+/// about the same each: `same_rises`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RisingRuns {
     pub steps: Option<Rising>,
@@ -181,6 +194,14 @@ mod tests {
         assert!(Creep::find(steps(&sub_mebibyte, 1), 8 * GIB, 8 * GIB).is_none(), "rises under 1 MiB each");
         assert!(Creep::find(steps(&five_rises, 1), budget, 4 * GIB).is_some(), "less a reading's rise: a temporary");
         assert!(Creep::find(steps(&five_rises, 1), budget, 4 * GIB - 1).is_none(), "given back before the failure");
+    }
+
+    #[test]
+    fn cells_rising_by_about_the_same_are_one_cell_run_again_and_setup_cells_are_not() {
+        assert!(same_rises(&rising(GIB, 300 * MIB, 8)));
+        assert!(same_rises(&[0, 100, 220, 310, 420].map(|m| m * MIB)), "within a quarter of the mean");
+        assert!(!same_rises(&[0, 10 * GIB, 30 * GIB, 30 * GIB + 100 * MIB, 31 * GIB]), "a model, its optimizer, data");
+        assert!(!same_rises(&[GIB]), "no rise at all");
     }
 
     #[test]

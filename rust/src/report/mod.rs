@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
-pub use creep::{Creep, CreptOver, RisingRuns};
+pub use creep::{same_rises, Creep, CreptOver, RisingRuns};
 #[cfg(test)]
 pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PathEdge};
