@@ -204,3 +204,25 @@ def test_a_container_read_in_part_is_said_in_the_table_and_the_leak_hunters_line
     assert "read in part: cache[0] (the first 100,000 of 150,000 elements)" in shown, shown
     [held] = kernel.value("gpuexp.history()[-1].to_dict()['holders']")
     assert held["partly_read"] == [{"path": "cache[0]", "elements": 150_000, "read": 100_000}], held
+
+
+def test_a_list_of_outputs_that_keep_their_graphs_is_one_row_named_by_the_list(kernel):
+    # An evaluation loop without torch.no_grad() that keeps each output: every output keeps its
+    # forward's saved tensors alive, each under the 1 MiB listed alone, 20 of them well over it.
+    kernel.run(SETUP + "import torch")
+    kernel.run(
+        "model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))\n"
+        "outs = []\n"
+        "for _ in range(20):\n"
+        "    outs.append(model(torch.randn(256, 256)))"
+    )
+    rows = kernel.value("gpuexp.holders('cpu').to_dict()['holders']")
+    by_path = {row["path"]: row for row in rows}
+    assert "outs" in by_path, [row["path"] for row in rows]
+    assert not any(path.startswith("outs[") for path in by_path), "its elements are rolled into it"
+    outs = by_path["outs"]
+    assert outs["kind"] == "a list of 20 tensors that require grad, each keeping its graph"
+    assert outs["bytes"] == 20 * 256 * 256 * 4, "the outputs' own storages"
+    # Each graph saved its input and the ReLU's output (256 KiB each); the weights are the model's.
+    assert outs["saved_for_backward"] >= 20 * 2 * 256 * 256 * 4, outs
+    assert kernel.value("len(outs)") == 20, "the hunt keeps and deletes nothing"

@@ -70,10 +70,8 @@ impl<O> Survey<O> {
             partly_read: self.partly_read.clone(),
             seconds,
             min_bytes,
-            holders: self
-                .held
-                .iter()
-                .map(|(_, holder)| holder.clone())
+            holders: super::rolled(&self.held, &self.containers)
+                .into_iter()
                 .filter(|h| h.bytes + h.saved_for_backward >= min_bytes)
                 .collect(),
         }

@@ -10,6 +10,7 @@ const MIB: u64 = 1 << 20;
 fn survey(held: Vec<(Buffer, Holder)>, found: &[(usize, u64)], live: &[(usize, u64)]) -> Survey<()> {
     Survey {
         held,
+        containers: Vec::new(),
         found: found.iter().map(|(s, n)| (Buffer::Storage(*s), *n)).collect(),
         live: live.iter().map(|(s, n)| (Buffer::Storage(*s), *n)).collect(),
         owners: Vec::new(),

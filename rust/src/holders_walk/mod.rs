@@ -11,9 +11,11 @@ use crate::report::{render_path, Holder, PartlyRead, PathEdge};
 
 mod hunt;
 mod installed;
+mod roll_up;
 
 pub use hunt::{add_torch_figures, hunt_leaks, leaked_memories, no_such_gpu, sum_roles, survey, Leaks, LEAK_MIN_BYTES};
 pub use installed::{thread_order, InstalledCode};
+pub use roll_up::{rolled, Container, ROLL_UP_AT};
 
 /// Which memory to hunt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -156,6 +158,10 @@ pub trait Heap {
     fn elements_left_unread(&mut self) -> Option<u64> {
         None
     }
+    /// A container's type as a person names it: `list`, `dict`.
+    fn type_name(&self, _container: &Self::Object) -> String {
+        "container".into()
+    }
 }
 
 /// The elements of one container that the walk reads one by one at most, first to last: a
@@ -178,6 +184,8 @@ pub struct Survey<O> {
     /// Every buffer found outside `exclude` with the path to what holds it, largest first
     /// (counting what its autograd graph saved).
     pub held: Vec<(Buffer, Holder)>,
+    /// The containers with at least [`ROLL_UP_AT`] elements in `held`, shown as one row each.
+    pub containers: Vec<Container>,
     /// Every buffer reached, through a path or an autograd graph, exclusions included.
     pub found: HashMap<Buffer, u64>,
     /// Every live buffer of the memory hunted that the collector knows, reachable or not
@@ -379,10 +387,14 @@ impl<H: Heap> Walk<'_, H> {
                 saved.entry(owner).or_insert((0, &found.piece.device)).0 += found.piece.bytes;
             }
         }
-        let mut held: Vec<(Buffer, Holder)> = Vec::new();
+        let mut held: Vec<(Buffer, Holder, usize)> = Vec::new();
         for found in self.found.values().filter(|f| f.charged_to.is_none() && !exclude.contains(&f.piece.buffer)) {
             let saved = saved.remove(&found.node).map_or(0, |(bytes, _)| bytes);
-            held.push((found.piece.buffer, self.holder(found.node, &found.piece, found.piece.bytes, saved)));
+            held.push((
+                found.piece.buffer,
+                self.holder(found.node, &found.piece, found.piece.bytes, saved),
+                found.node,
+            ));
         }
         // A tensor whose own storage is not its to name (a view, older, on another device), or a
         // `grad_fn` held by itself, still holds its graph.
@@ -395,17 +407,19 @@ impl<H: Heap> Walk<'_, H> {
                 device: device.to_string(),
             };
             let piece = self.pieces.get(&owner).filter(|p| p.device == device).unwrap_or(&graph);
-            held.push((piece.buffer, self.holder(owner, piece, 0, bytes)));
+            held.push((piece.buffer, self.holder(owner, piece, 0, bytes), owner));
         }
-        held.sort_by(|(_, a), (_, b)| {
+        held.sort_by(|(_, a, _), (_, b, _)| {
             (b.bytes + b.saved_for_backward).cmp(&(a.bytes + a.saved_for_backward)).then_with(|| a.path.cmp(&b.path))
         });
         let read = ELEMENTS_READ as u64;
         let partly_read =
             self.partly_read.iter().map(|&(node, elements)| PartlyRead { path: self.path(node, 0), elements, read });
         let partly_read = partly_read.collect();
+        let containers = self.containers(held.iter().map(|(_, _, node)| *node));
         Survey {
-            held,
+            held: held.into_iter().map(|(buffer, holder, _)| (buffer, holder)).collect(),
+            containers,
             found: self.found.iter().map(|(buffer, found)| (*buffer, found.piece.bytes)).collect(),
             live: HashMap::new(),
             owners: self.owners,
@@ -414,6 +428,27 @@ impl<H: Heap> Walk<'_, H> {
             truncated: self.truncated,
             partly_read,
         }
+    }
+
+    /// The lists, tuples and dicts that hold at least `ROLL_UP_AT` of the holders at `nodes`
+    /// (in `held`'s order) as their elements.
+    fn containers(&self, nodes: impl Iterator<Item = usize>) -> Vec<Container> {
+        let mut members: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (index, node) in nodes.enumerate() {
+            let element = matches!(self.nodes[node].step, Step::Edge(Edge::Index(_) | Edge::Key(_)));
+            let Some(parent) = self.nodes[node].parent.filter(|_| element) else { continue };
+            match members.iter_mut().find(|(p, _)| *p == parent) {
+                Some((_, of)) => of.push(index),
+                None => members.push((parent, vec![index])),
+            }
+        }
+        (members.into_iter().filter(|(_, of)| of.len() >= ROLL_UP_AT))
+            .map(|(parent, members)| Container {
+                path: self.path(parent, 0),
+                type_name: self.heap.type_name(&self.nodes[parent].object),
+                members,
+            })
+            .collect()
     }
 
     fn holder(&self, node: usize, piece: &Piece, bytes: u64, saved: u64) -> Holder {

@@ -110,6 +110,9 @@ impl Heap for Graph {
     fn elements_left_unread(&mut self) -> Option<u64> {
         self.unread.take()
     }
+    fn type_name(&self, _container: &usize) -> String {
+        "list".into()
+    }
 }
 
 fn root(kind: RootKind, label: &str, object: usize) -> Root<usize> {
@@ -405,4 +408,31 @@ fn a_container_read_in_part_is_named_with_how_much_of_it_was_read() {
     assert_eq!(survey.partly_read, vec![PartlyRead { path: "df['emb']".into(), elements: 250_000, read }]);
     let walked = vec![("df['emb'][0]".into(), MIB, 0), ("fits[0]".into(), MIB, 0)];
     assert_eq!(paths(&survey), walked, "what it read is walked as ever");
+}
+
+#[test]
+fn a_list_of_outputs_each_keeping_its_graph_is_one_row_under_its_name() {
+    let mut g = Graph::default();
+    let outs: Vec<usize> = (0..ROLL_UP_AT + 2)
+        .map(|i| {
+            let saved = g.tensor(500 + i, 2 * MIB);
+            let grad_fn = g.add(Fake::Plain(vec![(Edge::Backward(Name::Fixed("_saved_self")), saved)]));
+            let out = g.tensor(10 + i, MIB / 4);
+            g.refer(out, Edge::Backward(Name::Fixed("grad_fn")), grad_fn);
+            out
+        })
+        .collect();
+    let outs = g.list(&outs);
+    let few: Vec<usize> = (0..3).map(|i| g.tensor(900 + i, MIB)).collect();
+    let few = g.list(&few);
+    let survey = hunt(&mut g, vec![root(RootKind::Name, "outs", outs), root(RootKind::Name, "few", few)]);
+    assert_eq!(survey.held.len(), ROLL_UP_AT + 2 + 3, "each tensor is still held on its own path");
+    let table = survey.holders(&Memory::Cuda(0), crate::report::TensorRoles::default(), MIB, &HashSet::new(), 0.0);
+    let rows: Vec<(&str, u64, u64)> =
+        table.holders.iter().map(|h| (h.path.as_str(), h.bytes, h.saved_for_backward)).collect();
+    let n = (ROLL_UP_AT + 2) as u64;
+    assert_eq!(rows, [("outs", n * MIB / 4, n * 2 * MIB), ("few[0]", MIB, 0), ("few[1]", MIB, 0), ("few[2]", MIB, 0)]);
+    assert_eq!(table.holders[0].kind, "a list of 10 tensors that require grad, each keeping its graph");
+    let text = table.grid("holders").to_text();
+    assert!(text.contains("a list of 10 tensors that require grad, each keeping its graph cuda:0"), "{text}");
 }

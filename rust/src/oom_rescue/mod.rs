@@ -8,7 +8,7 @@ pub mod observed;
 
 use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
 use crate::report::OomMessage;
-use crate::report::{self, FailedLine, FiguresSource, OomDiagnosis, TorchPools};
+use crate::report::{self, Creep, FailedLine, FiguresSource, Holders, OomDiagnosis, RisingRuns, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
 use crate::teardown::{self, Step};
 use crate::training::Position;
@@ -32,7 +32,14 @@ pub trait RescueWorld {
     /// Clears the failed cell's frames and the references to its exception; what was cleared.
     fn clear_frames(&self) -> Result<Vec<String>, Self::Error>;
     fn release(&self, step: Step) -> Result<(), String>;
+    /// What holds memory on `torch_index` now, from the user's names (`gpuexp.holders()`'s
+    /// search, bounded by its object count): Ok(Err(why)) where it raised, Err to pass on an
+    /// interrupt.
+    fn holders(&self, torch_index: u32) -> Result<Result<Holders, String>, Self::Error>;
 }
+
+/// Holders the diagnosis names after the rescue.
+pub const HOLDERS_NAMED: usize = 3;
 
 /// Rescues after the CUDA out-of-memory error whose text is `message`, raised while the
 /// training run stood at `training`, and diagnoses it: what was asked for, what the device had,
@@ -61,6 +68,11 @@ pub fn rescue<W: RescueWorld>(
     let at_error = AtError::of(observed, &parsed, gpu_before.as_ref());
     let recorded = gpu_before.as_ref().and_then(|g| world.last_oom(g.torch_index, requested, step));
     let levelled = recorder::last_level();
+    // The loop's repetitions are its iterations only where no training step ended last: a
+    // training loop's iterations are its steps, and its steps' levels say whether it crept.
+    let stepping = step.is_some_and(|s| s.kind != recorder::StepKind::Cell);
+    let repetitions = recorded.as_ref().and_then(|r| r.repeated).filter(|_| !stepping);
+    let creep = gpu_before.as_ref().and_then(|g| creep(g.torch_index, repetitions, &at_error));
     let (since_step, sites, live_blocks) = match (recorded, step) {
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
@@ -85,6 +97,18 @@ pub fn rescue<W: RescueWorld>(
         }
     }
     let gpu_after = failing(&world.snapshot());
+    // Still at least half the budget after the rescue: the failed cell's frames are gone, so
+    // what remains is held by the user's names, and the search names them.
+    let allocated_after = gpu_after.as_ref().and_then(|g| g.torch).map(|t| t.allocated);
+    let held =
+        at_error.allowed.or(at_error.total).zip(allocated_after).is_some_and(|(budget, after)| after >= budget / 2);
+    let (mut held_after, mut holder_search) = (Vec::new(), None);
+    if let (true, Some(gpu)) = (held, gpu_after.as_ref()) {
+        match world.holders(gpu.torch_index)? {
+            Ok(found) => held_after = found.holders.into_iter().take(HOLDERS_NAMED).collect(),
+            Err(why) => holder_search = Some(why),
+        }
+    }
     let mut others: Vec<(u32, Option<u64>)> =
         gpu_before.as_ref().map(|g| nvml::other_processes(&g.uuid, &own_pids())).unwrap_or_default();
     // Where NVML lists none, torch's message may: only where it also names this process's own
@@ -117,8 +141,13 @@ pub fn rescue<W: RescueWorld>(
         since_step,
         live_blocks,
         cause: None,
+        also: Vec::new(),
+        creep,
+        held_after,
+        holder_search,
     };
     diagnosis.cause = diagnosis.cause();
+    diagnosis.also = diagnosis.also();
     diagnosis.hints = diagnosis.hints();
     diagnosis.hints.extend(failed_steps);
     Ok(diagnosis)
@@ -179,6 +208,25 @@ impl AtError {
             process_used,
         }
     }
+}
+
+/// How memory crept on `torch_index` before the failure, from the recorder's series and the
+/// loop's `repetitions` in its history: the budget is the memory fraction's cap, else the device.
+fn creep(torch_index: u32, repetitions: Option<recorder::Rising>, at_error: &AtError) -> Option<Creep> {
+    let series = recorder::series(torch_index);
+    let runs = RisingRuns {
+        steps: series.as_ref().and_then(|s| s.steps.rising),
+        repetitions,
+        cells: series.as_ref().and_then(|s| {
+            let run = s.cells.rising?;
+            // The run's rises that the ring still holds.
+            let kept = s.cells.recent.len().min(run.rises as usize + 1);
+            let levels: Vec<u64> =
+                s.cells.recent.iter().skip(s.cells.recent.len() - kept).map(|r| r.allocated).collect();
+            report::same_rises(&levels).then_some(run)
+        }),
+    };
+    Creep::find(runs, at_error.allowed.or(at_error.total)?, at_error.allocated?)
 }
 
 /// Why no allocation record holds the OOM, for the diagnosis.

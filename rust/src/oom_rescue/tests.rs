@@ -8,6 +8,10 @@ use crate::snapshot::testing::{gpu, host, torch};
 struct Fake {
     released: Cell<bool>,
     calls: RefCell<Vec<String>>,
+    /// Torch's allocated bytes after the release.
+    kept: u64,
+    /// The run over the loop's repetitions its allocation record holds, where it holds one.
+    repeated: Option<recorder::Rising>,
 }
 
 impl Fake {
@@ -20,7 +24,7 @@ impl RescueWorld for Fake {
     type Error = String;
     fn snapshot(&self) -> Snapshot {
         self.log("snapshot");
-        let allocated = if self.released.get() { 100 } else { 900 };
+        let allocated = if self.released.get() { self.kept } else { 900 };
         let reading =
             |index: u32| GpuReading { torch: Some(torch(allocated, 1_000, 950, 1_000)), ..gpu(index, "GPU-x") };
         host(1.0, 10, 10).with_gpu(reading(0)).with_gpu(reading(1))
@@ -31,7 +35,8 @@ impl RescueWorld for Fake {
     }
     fn last_oom(&self, torch_index: u32, _: Option<u64>, _: Option<StepEnd>) -> Option<OomRecord> {
         self.log(&format!("last_oom cuda:{torch_index}"));
-        None
+        let repeated = self.repeated?;
+        Some(OomRecord { sites: None, live: None, since_step: SinceStep::NoStep, repeated: Some(repeated) })
     }
     fn live_in_state(&self, _: u32) -> Option<LiveBlocks> {
         None
@@ -45,6 +50,18 @@ impl RescueWorld for Fake {
     fn clear_frames(&self) -> Result<Vec<String>, String> {
         self.log("clear_frames");
         Ok(vec!["frames of the failed cell".into()])
+    }
+    fn holders(&self, torch_index: u32) -> Result<Result<Holders, String>, String> {
+        self.log(&format!("holders cuda:{torch_index}"));
+        let outs = crate::report::Holder {
+            path: "outs".into(),
+            bytes: 1 << 30,
+            saved_for_backward: 4 << 30,
+            device: format!("cuda:{torch_index}"),
+            kind: "a list of 142 tensors that require grad, each keeping its graph".into(),
+            shape: String::new(),
+        };
+        Ok(Ok(Holders { holders: vec![outs], ..Holders::default() }))
     }
     fn release(&self, step: Step) -> Result<(), String> {
         self.log(&format!("release {step:?}"));
@@ -61,7 +78,7 @@ const MESSAGE: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has
 #[test]
 fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_after() {
     let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
     let diagnosis = rescue(&world, MESSAGE.into(), None).expect("rescued");
     assert_eq!(
         *world.calls.borrow(),
@@ -96,7 +113,7 @@ const TOO_BIG: &str = "CUDA out of memory. Tried to allocate 24.00 GiB. GPU 1 ha
 #[test]
 fn without_an_observer_the_figures_are_torchs_message_and_a_too_big_step_is_no_fragmentation() {
     let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
     let diagnosis = rescue(&world, TOO_BIG.into(), None).expect("rescued");
     const GIB: f64 = (1u64 << 30) as f64;
     assert_eq!(diagnosis.at_error_source, FiguresSource::Message);
@@ -121,7 +138,7 @@ fn the_observers_figures_come_first_and_say_so() {
         allocated: pools(6 << 30),
         reserved: pools((6 << 30) + 4096),
     });
-    let world = Fake { released: Cell::new(false), calls: RefCell::default() };
+    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
     let message = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 3 has a total capacity of 79.19 GiB of \
         which 5.00 GiB is free. 8.00 GiB allowed; Of the allocated memory 6.00 GiB is allocated by PyTorch, and \
         4.00 KiB is reserved by PyTorch but unallocated.";
@@ -135,4 +152,68 @@ fn the_observers_figures_come_first_and_say_so() {
         text.contains("at the error (torch's OOM observer)") && text.contains("allowed (memory fraction)"),
         "{text}"
     );
+}
+
+#[test]
+fn levels_that_crept_before_the_failure_make_it_a_creep_with_its_fix() {
+    use crate::recorder::{Level, StepKind};
+    const GIB: u64 = 1 << 30;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Read every 10 steps, each keeping 1 GiB: 10 GiB to 120 GiB on GPU 0 (no other test reads
+    // its series).
+    for reading in 1..=12u64 {
+        for step in 1..=10u64 {
+            let level = (step == 10).then_some(Level { torch_index: 0, allocated: reading * 10 * GIB });
+            recorder::step_ended(StepKind::OptimizerStep, (reading * 10 + step) as i64, level);
+        }
+    }
+    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
+    let diagnosis = rescue(&world, TOO_BIG.replace("GPU 1", "GPU 0"), None).expect("rescued");
+    assert_eq!(diagnosis.cause, Some(report::OomCause::Creep));
+    let creep = diagnosis.creep.expect("the creep's figures");
+    assert_eq!((creep.per_iteration, creep.iterations), (Some(GIB), 110));
+    let hints = diagnosis.hints.join("\n");
+    assert!(hints.contains("about 1.00 GiB a step over 110 steps") && hints.contains(".item()"), "{hints}");
+    assert!(!hints.contains("Make the step smaller") && !hints.contains("a batch of at most"), "{hints}");
+    assert!(!world.calls.borrow().iter().any(|c| c.starts_with("holders")), "100 bytes kept: no search");
+    let kept = Fake { kept: 120 * GIB, ..world };
+    let named = rescue(&kept, TOO_BIG.replace("GPU 1", "GPU 0"), None).expect("rescued");
+    assert!(kept.calls.borrow().contains(&"holders cuda:0".to_string()), "{:?}", kept.calls.borrow());
+    let hints = named.hints.join("\n");
+    assert!(
+        hints.contains(
+            "the largest holder is outs (a list of 142 tensors that require grad, each keeping its graph): \
+                        5.00 GiB: `del outs` would return at most 5.00 GiB"
+        ),
+        "{hints}"
+    );
+    assert!(
+        named.grid().to_text().contains("held after the rescue: outs (a list of 142"),
+        "{}",
+        named.grid().to_text()
+    );
+    let step_too_big = rescue(&kept, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(step_too_big.cause, Some(report::OomCause::StepTooBig), "GPU 1's levels never crept");
+}
+
+#[test]
+fn where_no_training_step_ended_last_the_loops_repetitions_are_its_iterations() {
+    use crate::recorder::{Reading, Rising, StepKind};
+    const GIB: u64 = 1 << 30;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 100 repetitions of an evaluation loop, each keeping 1 GiB, on GPU 1.
+    let readings = (0..100u64).map(|i| Reading { time_us: i as i64, allocated: (20 + i) * GIB, count: i });
+    let world =
+        Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: Rising::ending(readings) };
+    recorder::step_ended(StepKind::Cell, 1, None);
+    let diagnosis = rescue(&world, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(diagnosis.cause, Some(report::OomCause::Creep));
+    let creep = diagnosis.creep.unwrap();
+    assert_eq!((creep.over, creep.per_iteration, creep.iterations), (report::CreptOver::Repetitions, Some(GIB), 99));
+    assert!(diagnosis.hints[0].contains("about 1.00 GiB an iteration over 99 iterations"), "{:?}", diagnosis.hints);
+    recorder::step_ended(StepKind::OptimizerStep, 2, None);
+    let stepping = rescue(&world, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(stepping.cause, Some(report::OomCause::StepTooBig), "a training loop's iterations are its steps");
 }

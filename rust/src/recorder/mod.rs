@@ -6,9 +6,14 @@
 //! After those steps each step's end reads one level instead (torch's allocated bytes), and an
 //! OOM then says what grew from that level and which blocks the allocator's state holds.
 
+mod pattern;
 mod schedule;
+mod series;
 
+pub use pattern::repeated;
 pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
+use series::Series;
+pub use series::{DeviceSeries, Reading, Rising};
 
 use serde::Serialize;
 
@@ -72,6 +77,10 @@ struct Record {
     last: Option<StepEnd>,
     /// The latest step end with a level read, and how many steps completed after it.
     levelled: Option<(StepEnd, u32)>,
+    /// Training steps and cells completed in this process, counting the series' iterations.
+    steps: u64,
+    cells: u64,
+    series: Series,
 }
 
 /// After the history, a level is read at a step's end at most this often: in a steady loop the
@@ -115,10 +124,12 @@ pub fn disarm() -> HistoryChange {
 }
 
 /// Whether the step ending at `now_us` needs its level read: the schedule wants levels, and the
-/// last was read `LEVEL_EVERY_US` ago or more (always at the step that gives the history back).
+/// last was read `LEVEL_EVERY_US` ago or more (always at the step that gives the history back,
+/// and at every cell's end, for the series across cells).
 pub fn wants_level(kind: StepKind, now_us: i64) -> bool {
     with_record(|record| {
         let due = match (record.phase, record.levelled) {
+            _ if kind == StepKind::Cell => true,
             (Phase::History { .. }, _) | (_, None) => true,
             (_, Some((levelled, _))) => now_us - levelled.time_us >= LEVEL_EVERY_US,
         };
@@ -126,19 +137,36 @@ pub fn wants_level(kind: StepKind, now_us: i64) -> bool {
     })
 }
 
-/// A step of `kind` ended at `time_us`, its level read where `wants_level` asked: one lock and
-/// one store. Says what happens to the recorder's share of torch's history.
+/// A step of `kind` ended at `time_us`, its level read where `wants_level` asked: one lock, a
+/// few stores and, with a level, one push onto the device's bounded series. Says what happens
+/// to the recorder's share of torch's history.
 pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> HistoryChange {
     with_record(|record| {
         let step = StepEnd { kind, time_us, level };
+        let cell = kind == StepKind::Cell;
         record.last = Some(step);
         record.levelled = match (level, record.levelled) {
             (Some(_), _) => Some((step, 0)),
             (None, Some((levelled, after))) => Some((levelled, after + 1)),
             (None, None) => None,
         };
-        record.phase.step_ended(kind == StepKind::Cell)
+        let change = record.phase.step_ended(cell);
+        let count = if cell { &mut record.cells } else { &mut record.steps };
+        *count += 1;
+        if let Some(level) = level {
+            let reading = Reading { time_us, allocated: level.allocated, count: *count };
+            match cell {
+                true => record.series.cell_level(level.torch_index, reading),
+                false => record.series.step_level(level.torch_index, reading, change == HistoryChange::Leave),
+            }
+        }
+        change
     })
+}
+
+/// The bounded series of levels on `torch_index` (see `series`).
+pub fn series(torch_index: u32) -> Option<DeviceSeries> {
+    with_record(|record| record.series.device(torch_index).cloned())
 }
 
 /// The latest step that ended in this process.
@@ -285,6 +313,9 @@ pub struct OomRecord {
     /// The live blocks by size, where it has none.
     pub live: Option<LiveBlocks>,
     pub since_step: SinceStep,
+    /// The rising run over the repetitions of the loop that reaches the failure, where the
+    /// record holds one (`pattern`): the iterations where no step completed.
+    pub repeated: Option<Rising>,
 }
 
 /// The OOM torch's message describes (asking `asked`, where the message says) in `snapshot`'s
@@ -329,7 +360,8 @@ pub fn read_oom(
         }
     };
     let live = (!with_stacks).then(|| live_blocks(replay, event, &since_step));
-    Some(OomRecord { sites, live, since_step })
+    let repeated = repeated(events, replay, event);
+    Some(OomRecord { sites, live, since_step, repeated })
 }
 
 fn live_blocks(replay: &Replay, event: usize, since_step: &SinceStep) -> LiveBlocks {
@@ -373,125 +405,9 @@ pub fn live_in_state(snapshot: &AllocationHistory, device: usize) -> LiveBlocks 
     LiveBlocks::by_size(sizes, None)
 }
 
+/// The record is one per process: the tests that end steps run one at a time.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::trace::{replay, Event, PlainNamer, SiteRule};
+pub(crate) static TESTS_ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-    const MIB: u64 = 1 << 20;
-
-    fn event(action: Action, addr: u64, size: u64, time_us: i64) -> Event {
-        Event { action, addr, size, stream: 0, time_us, stack: 0, device_free: 0, annotation: None }
-    }
-
-    /// A step that held 4 MiB and ended at t=10, then 2 × 8 MiB and 1 × 2 MiB made, then an
-    /// OOM asking 64 MiB at t=30.
-    fn snapshot() -> AllocationHistory {
-        AllocationHistory {
-            device_traces: vec![vec![
-                event(Action::Alloc, 0x1000_0000, 4 * MIB, 5),
-                event(Action::Alloc, 0x2000_0000, 8 * MIB, 20),
-                event(Action::Alloc, 0x3000_0000, 8 * MIB, 21),
-                event(Action::Alloc, 0x4000_0000, 2 * MIB, 22),
-                event(Action::Oom, 0, 64 * MIB, 30),
-            ]],
-            ..AllocationHistory::default()
-        }
-    }
-
-    fn read(step: Option<StepEnd>, asked: Option<u64>) -> Option<OomRecord> {
-        let snapshot = snapshot();
-        let replayed = replay(&snapshot, 0, None);
-        let (rule, namer) = (SiteRule::default(), PlainNamer::default());
-        read_oom(&snapshot, &replayed, asked, step, &Attribution::new(&snapshot.stacks, &rule, &namer))
-    }
-
-    #[test]
-    fn what_grew_since_the_last_step_and_the_live_blocks_by_size_come_from_a_stackless_record() {
-        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10, level: None };
-        let found = read(Some(step), Some(64 * MIB)).expect("the OOM is in the record");
-        assert!(found.sites.is_none());
-        assert_eq!(
-            found.since_step,
-            SinceStep::Grew {
-                step,
-                failed_us: 30,
-                held_then: 4 * MIB,
-                held_at_failure: 22 * MIB,
-                made_since: Some(18 * MIB),
-                blocks_since: Some(3),
-                later_steps: 0,
-            }
-        );
-        let live = found.live.expect("live blocks by size");
-        assert_eq!((live.total, live.blocks, live.made_since_step), (22 * MIB, 4, Some(18 * MIB)));
-        assert_eq!(live.largest[0], SizeGroup { bytes: 8 * MIB, count: 2 });
-        let text = format!("{}\n{}", found.since_step.describe(), live.describe());
-        assert!(text.contains("since the last completed optimizer step") && text.contains("(+18.00 MiB)"), "{text}");
-        assert!(text.contains("2 × 8.00 MiB, 1 × 4.00 MiB, 1 × 2.00 MiB of 22.00 MiB in 4 blocks"), "{text}");
-    }
-
-    #[test]
-    fn without_a_step_or_before_the_record_it_says_so() {
-        let none = read(None, None).expect("the OOM is in the record");
-        assert_eq!(none.since_step, SinceStep::NoStep);
-        assert!(none.since_step.describe().contains("none completed"));
-        assert_eq!(none.live.and_then(|l| l.made_since_step), None);
-        let early = StepEnd { kind: StepKind::Cell, time_us: 1, level: None };
-        let before = read(Some(early), None).expect("the OOM is in the record");
-        assert_eq!(before.since_step, SinceStep::BeforeRecord { step: early });
-        assert!(before.since_step.describe().contains("before the allocation record's first event"));
-    }
-
-    #[test]
-    fn an_oom_of_another_size_is_not_the_one_the_message_names() {
-        assert!(read(None, Some(4 << 30)).is_none());
-    }
-
-    #[test]
-    fn a_step_end_is_kept_until_the_next_one() {
-        step_ended(StepKind::Cell, 100, None);
-        step_ended(StepKind::OptimizerStep, 200, None);
-        assert_eq!(last_step(), Some(StepEnd { kind: StepKind::OptimizerStep, time_us: 200, level: None }));
-        assert_eq!(StepKind::parse("trainer step"), Some(StepKind::TrainerStep));
-        assert_eq!(StepKind::parse("epoch"), None);
-    }
-
-    #[test]
-    fn after_the_history_an_oom_counts_from_the_last_level_and_the_allocators_state() {
-        use crate::trace::{Segment, SegmentBlock};
-        let level = Level { torch_index: 0, allocated: 4 * MIB };
-        let step = StepEnd { kind: StepKind::OptimizerStep, time_us: 10, level: Some(level) };
-        let grew = since_level(Some((step, 0)), 0, 30, 22 * MIB);
-        assert!(matches!(grew, SinceStep::Grew { held_then, made_since: None, .. } if held_then == 4 * MIB));
-        let text = grew.describe();
-        assert!(text.contains("(+18.00 MiB)") && text.contains("which blocks grew is not known"), "{text}");
-        let older = since_level(Some((step, 3)), 0, 30, 22 * MIB).describe();
-        assert!(older.contains("with a level read, 3 steps before the last"), "{older}");
-        assert!(matches!(since_level(Some((step, 0)), 1, 30, MIB), SinceStep::Unknown { .. }), "another GPU's level");
-        assert_eq!(since_level(None, 0, 30, MIB), SinceStep::NoStep);
-        let block = |size, state| SegmentBlock { address: 0, size, requested_size: size, state, stack: 0 };
-        let state = AllocationHistory {
-            segments: vec![Segment {
-                device: 0,
-                address: 0,
-                total_size: 32 * MIB,
-                stream: 0,
-                segment_type: "large".into(),
-                blocks: vec![
-                    block(8 * MIB, BlockState::ActiveAllocated),
-                    block(8 * MIB, BlockState::ActiveAllocated),
-                    block(2 * MIB, BlockState::ActivePendingFree),
-                    block(14 * MIB, BlockState::Inactive),
-                ],
-            }],
-            ..AllocationHistory::default()
-        };
-        let live = live_in_state(&state, 0);
-        assert_eq!(
-            (live.total, live.blocks, live.largest.clone()),
-            (16 * MIB, 2, vec![SizeGroup { bytes: 8 * MIB, count: 2 }])
-        );
-        assert_eq!(live_in_state(&state, 1).blocks, 0);
-    }
-}
+#[cfg(test)]
+mod tests;

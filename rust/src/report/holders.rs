@@ -72,7 +72,8 @@ impl Holders {
             .holders
             .iter()
             .map(|h| {
-                let mut what = format!("{} {} {}", h.kind, h.shape, h.device);
+                let parts = [&h.kind, &h.shape, &h.device];
+                let mut what = parts.iter().filter(|p| !p.is_empty()).map(|p| p.as_str()).collect::<Vec<_>>().join(" ");
                 if h.saved_for_backward > 0 {
                     what.push_str(&format!(", and {} saved for its backward", bytes(h.saved_for_backward)));
                 }

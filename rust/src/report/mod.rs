@@ -3,6 +3,7 @@
 //! what still holds memory, and the snapshot's table.
 
 mod cell;
+mod creep;
 mod holders;
 mod oom;
 mod oom_message;
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::params::{Param, Params};
 pub use cell::{CellGpu, CellMetric, CellRecord};
+pub use creep::{same_rises, Creep, CreptOver, RisingRuns};
 #[cfg(test)]
 pub(crate) use holders::test_tensor;
 pub use holders::{render_path, Holder, Holders, PartlyRead, PathEdge};

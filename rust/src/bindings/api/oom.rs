@@ -1,6 +1,8 @@
 //! The rescue after a CUDA out-of-memory error, and its diagnosis.
 
-use pyo3::exceptions::PyRuntimeError;
+use std::collections::HashSet;
+
+use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -11,10 +13,11 @@ use crate::bindings::torch::{release, PyTorch};
 use crate::bindings::trace::{self, PyNamer};
 use crate::bindings::trace_recording;
 use crate::fork::PerProcess;
+use crate::holders_walk::LEAK_MIN_BYTES;
 use crate::oom_rescue::observed::{self, Observed, PoolBytes};
 use crate::oom_rescue::{self, RescueWorld};
 use crate::recorder::{LiveBlocks, OomRecord, StepEnd};
-use crate::report::FailedLine;
+use crate::report::{FailedLine, Holders};
 use crate::snapshot::{GpuSelection, Snapshot};
 use crate::teardown::Step;
 use crate::trace::SiteRule;
@@ -100,6 +103,18 @@ impl RescueWorld for PyRescue<'_, '_> {
 
     fn release(&self, step: Step) -> Result<(), String> {
         release(self.py, step).map_err(|e| e.to_string())
+    }
+
+    fn holders(&self, torch_index: u32) -> PyResult<Result<Holders, String>> {
+        let Some(adapter) = self.adapter else { return Ok(Err("no notebook namespace to search from".into())) };
+        let memory = crate::bindings::holders::Memory::Cuda(torch_index);
+        let roots = crate::bindings::holders::hunt_roots(adapter)?;
+        match crate::bindings::holders::hunt(self.py, memory, roots, LEAK_MIN_BYTES, &HashSet::new()) {
+            Ok((holders, _, _)) => Ok(Ok(holders)),
+            // A KeyboardInterrupt leaves as itself.
+            Err(e) if e.is_instance_of::<PyKeyboardInterrupt>(self.py) => Err(e),
+            Err(e) => Ok(Err(e.to_string())),
+        }
     }
 }
 

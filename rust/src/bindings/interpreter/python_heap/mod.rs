@@ -476,6 +476,10 @@ impl<'py> Heap for PythonHeap<'py> {
     fn call(&self, key: &Bound<'py, PyAny>) -> String {
         self.cache_call(key)
     }
+
+    fn type_name(&self, container: &Bound<'py, PyAny>) -> String {
+        container.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "container".into())
+    }
 }
 
 /// "worker(), line 4".
