@@ -125,8 +125,6 @@ def test_fit_works_on_a_step_that_returns_its_loss(shared):
     assert shared.value("fingerprint() == before") is True
 
 
-@pytest.mark.xfail(strict=True, reason="a closure cell the step rebinds (nonlocal) is not saved by the state "
-                   "mechanism (issue 38's), so it keeps the stand-in; globals, attributes and containers are put back")
 def test_a_closure_variable_the_step_adds_its_loss_to_is_put_back(shared):
     shared.run("def make():\n    running = 0.0\n    def adds(bs):\n        nonlocal running\n"
                "        running += train(bs).item()\n    return adds, lambda: running\nadds, running_of = make()")
