@@ -249,8 +249,8 @@ class Trace:
 
     def to_json(self) -> str:
         """One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
-        blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
-        object that says so: ``{"devices": [], "note": ...}``."""
+        blocks still held at the end and the out-of-memory errors (the first 100; ``ooms_not_analysed``
+        counts the others). A file with no GPU gives an object that says so: ``{"devices": [], "note": ...}``."""
     def to_dict(self) -> list[dict[str, Any]]:
         """The same data as lists, dicts, numbers and strings: ``json.loads(self.to_json())``."""
     def _repr_html_(self) -> str:

@@ -155,47 +155,79 @@ pub fn message_matches(requested: u64, asked: u64) -> bool {
     near(segment) || near(requested)
 }
 
-/// Every OOM in `replay`'s trace, in order.
-pub fn oom(snapshot: &AllocationHistory, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
-    super::unstoppable(|keep_going| oom_checked(snapshot, replay, attribution, top, keep_going))
+/// The most out-of-memory errors of one trace that are analysed, the first ones from the
+/// window's start: each walks every block live then, and a file may hold hundreds of thousands
+/// (a loop that catches the error and retries). The others are counted.
+pub const OOMS_ANALYSED: usize = 100;
+
+/// The OOMs of a trace from a moment on: the first `OOMS_ANALYSED`, and how many more there are.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Ooms {
+    pub analysed: Vec<OomSites>,
+    pub not_analysed: usize,
 }
 
-/// `oom`, asking `keep_going` at each OOM (each walks every block) whether to go on.
+impl Ooms {
+    /// What a report says of the OOMs it did not analyse.
+    pub fn note(&self) -> Option<String> {
+        (self.not_analysed > 0).then(|| {
+            format!(
+                "{} out-of-memory errors in the trace: the first {} are analysed (their line and what was live \
+                 then), the other {} only counted",
+                self.analysed.len() + self.not_analysed,
+                self.analysed.len(),
+                self.not_analysed
+            )
+        })
+    }
+}
+
+/// Every OOM in `replay`'s trace, in order (the first `OOMS_ANALYSED`).
+pub fn oom(snapshot: &AllocationHistory, replay: &Replay, attribution: &Attribution, top: usize) -> Vec<OomSites> {
+    super::unstoppable(|keep_going| oom_checked(snapshot, replay, attribution, top, i64::MIN, keep_going)).analysed
+}
+
+/// The OOMs at or after `since_us`, asking `keep_going` at each one analysed (each walks every
+/// block) whether to go on.
 pub(super) fn oom_checked(
     snapshot: &AllocationHistory,
     replay: &Replay,
     attribution: &Attribution,
     top: usize,
+    since_us: i64,
     keep_going: &mut dyn FnMut() -> Result<()>,
-) -> Result<Vec<OomSites>> {
+) -> Result<Ooms> {
     let events = snapshot.device_traces.get(replay.device).map(Vec::as_slice).unwrap_or(&[]);
-    events
-        .iter()
-        .enumerate()
-        .filter(|(_, event)| event.action == Action::Oom)
-        .map(|(index, event)| {
-            keep_going()?;
-            // The failed allocation as a block that never lived, to ask for its site.
-            let failed = Block {
-                addr: event.addr,
-                bytes: event.size,
-                requested: event.size,
-                stack: event.stack,
-                alloc_event: Some(index),
-                free_event: Some(index),
-                module: None,
-                exact: true,
-                sites: super::block::SiteSource::Own,
-            };
-            let live: Vec<&Block> = replay.live_at(index).collect();
-            Ok(OomSites {
-                event: index,
-                time_us: event.time_us,
-                requested: event.size,
-                device_free: event.device_free,
-                site: attribution.site(replay, attribution.key(replay, &failed), event.stack),
-                live: site_table_checked(replay, attribution, &live, top, keep_going)?,
-            })
-        })
-        .collect()
+    let mut ooms = Ooms::default();
+    let failed =
+        events.iter().enumerate().filter(|(_, event)| event.action == Action::Oom && event.time_us >= since_us);
+    for (index, event) in failed {
+        if ooms.analysed.len() == OOMS_ANALYSED {
+            ooms.not_analysed += 1;
+            continue;
+        }
+        keep_going()?;
+        // The failed allocation as a block that never lived, to ask for its site.
+        let failed = Block {
+            addr: event.addr,
+            bytes: event.size,
+            requested: event.size,
+            stack: event.stack,
+            alloc_event: Some(index),
+            free_event: Some(index),
+            module: None,
+            exact: true,
+            sites: super::block::SiteSource::Own,
+        };
+        let live: Vec<&Block> = replay.live_at(index).collect();
+        ooms.analysed.push(OomSites {
+            event: index,
+            time_us: event.time_us,
+            requested: event.size,
+            device_free: event.device_free,
+            site: attribution.site(replay, attribution.key(replay, &failed), event.stack),
+            live: site_table_checked(replay, attribution, &live, top, keep_going)?,
+        });
+    }
+    Ok(ooms)
 }

@@ -117,10 +117,7 @@ pub fn host_sites(
             continue;
         }
         let (label, source) = match key {
-            Some((file, line)) => {
-                let filename = growth.stacks.string(file);
-                (namer.label(filename, line), namer.source(filename, line))
-            }
+            Some((file, line)) => namer.named(growth.stacks.string(file), line),
             None => (NO_USER_FRAME.to_string(), None),
         };
         let stack =

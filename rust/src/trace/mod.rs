@@ -50,7 +50,7 @@ pub use annotation::{annotation, WindowKey};
 pub use block::{Block, SiteSource};
 pub use cell::{cell_peak_sites, cell_top_site, CellPeakSite};
 pub use diff::{diff, Growth, SiteDiff, SiteDiffRow};
-pub use held::{oom, still_held, HeldBlock, OomSites};
+pub use held::{oom, still_held, HeldBlock, OomSites, Ooms, OOMS_ANALYSED};
 pub use holders::{name_holders, HolderStorages};
 pub use host::{host_sites, HostGrowth, HostTrace, HostTraceback, HOST_FRAMES};
 pub use kinds::TraceKinds;
@@ -96,6 +96,8 @@ mod holders_tests;
 mod hostile_files_tests;
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod long_strings_tests;
 #[cfg(test)]
 mod opening_tests;
 #[cfg(test)]

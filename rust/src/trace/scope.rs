@@ -22,7 +22,10 @@ pub struct DeviceTrace {
     /// site's stack written once: see `held::each_stack_once`).
     #[serde(serialize_with = "super::held::each_stack_once")]
     pub still_held: Vec<HeldBlock>,
+    /// The first `OOMS_ANALYSED` out-of-memory errors of the window.
     pub ooms: Vec<OomSites>,
+    /// How many more there were, counted only (a note of the peak says so too).
+    pub ooms_not_analysed: usize,
 }
 
 /// The highest allocated from the first event at or after `since_us` on (what was allocated
@@ -98,11 +101,14 @@ pub fn scope_traces_checked(
                 Some(event) => replayed.live_at(event).collect(),
                 None => replayed.blocks.iter().filter(|b| b.before_recording()).collect(),
             };
+            let ooms = oom_checked(snapshot, &replayed, attribution, TOP_SITES, since_us, keep_going)?;
+            let mut completeness = replayed.completeness.clone();
+            completeness.unknown.extend(ooms.note());
             let sites = PeakSites {
                 device: replayed.device,
                 peak,
                 table: site_table_checked(&replayed, attribution, &live, TOP_SITES, keep_going)?,
-                completeness: replayed.completeness.clone(),
+                completeness,
                 bounds: replayed.peak_bounds(first_event(&replayed, since_us)),
                 true_peak: snapshot.gpuexp.true_peak(torch_index as usize),
                 sampling: super::sampling::summary(&replayed, since_us, &live),
@@ -114,16 +120,13 @@ pub fn scope_traces_checked(
                 .collect();
             let mut held = still_held_checked(&replayed, attribution, Some(&in_scope), keep_going)?;
             held.sort_by_key(|block| std::cmp::Reverse(block.bytes));
-            let ooms = oom_checked(snapshot, &replayed, attribution, TOP_SITES, keep_going)?
-                .into_iter()
-                .filter(|o| o.time_us >= since_us)
-                .collect();
             Ok(DeviceTrace {
                 torch_index,
                 timeline: timeline_checked(&replayed, attribution, TOP_SITES, keep_going)?,
                 peak: sites,
                 still_held: held,
-                ooms,
+                ooms: ooms.analysed,
+                ooms_not_analysed: ooms.not_analysed,
             })
         })
         .collect()

@@ -37,7 +37,12 @@ impl SiteRule {
         self
     }
 
+    /// A filename longer than any path (`LONGEST_PATH`) names no file of torch or a library:
+    /// it is the file's own, and is not searched (it may be megabytes long).
     pub fn is_user(&self, filename: &str) -> bool {
+        if filename.len() > LONGEST_PATH {
+            return true;
+        }
         let normal = filename.replace('\\', "/");
         !filename.is_empty() && !self.skip.iter().any(|fragment| normal.contains(fragment.as_str()))
     }
@@ -55,7 +60,19 @@ pub trait SiteNamer {
     fn label(&self, filename: &str, line: u32) -> String;
     /// The line's source, trimmed: `scores = q @ k.transpose(-2, -1)`.
     fn source(&self, filename: &str, line: u32) -> Option<String>;
+
+    /// The label and the source of a line of a file's string: the label made from the clipped
+    /// name, the source asked for only where the name can be a path. A file's string may be
+    /// megabytes long and shared by thousands of sites, and each ask copies and hashes it.
+    fn named(&self, filename: &str, line: u32) -> (String, Option<String>) {
+        let source = (filename.len() <= LONGEST_PATH).then(|| self.source(filename, line)).flatten();
+        (self.label(&clipped(filename), line), source)
+    }
 }
+
+/// The longest path the kernel opens (Linux's PATH_MAX): a longer filename names no file, so
+/// it has no source to read.
+pub const LONGEST_PATH: usize = 4096;
 
 /// `file:line` with the line read from the file when it is there (each file read once).
 #[derive(Default)]
@@ -220,6 +237,10 @@ impl FromIterator<String> for StackText {
 const CLIPPED: usize = 1024;
 /// The most text a stack shows; the frames past it are counted in a last line.
 const STACK_TEXT: usize = 256 << 10;
+/// The most text all the stacks of one attribution show together: a file's distinct stacks,
+/// each of frames sharing long strings, would otherwise make far more text than the file's
+/// bytes. Past it a stack shows only its count of frames.
+const STACK_TEXTS: usize = 64 << 20;
 
 /// `text`, or its start and end around `…` when longer than `CLIPPED` bytes.
 pub fn clipped(text: &str) -> std::borrow::Cow<'_, str> {
@@ -242,6 +263,8 @@ pub struct Attribution<'a> {
     phases: RefCell<HashMap<StackId, Phase>>,
     parameter_stacks: RefCell<HashMap<StackId, bool>>,
     stack_texts: RefCell<HashMap<StackId, StackText>>,
+    /// What is left of `STACK_TEXTS`.
+    stack_text_left: std::cell::Cell<usize>,
     /// What each filename and name tells, by its id: user code, autograd, an optimizer.
     strings: RefCell<HashMap<(u32, bool), Strings>>,
 }
@@ -256,6 +279,7 @@ impl<'a> Attribution<'a> {
             phases: RefCell::default(),
             parameter_stacks: RefCell::default(),
             stack_texts: RefCell::default(),
+            stack_text_left: STACK_TEXTS.into(),
             strings: RefCell::default(),
         }
     }
@@ -265,6 +289,8 @@ impl<'a> Attribution<'a> {
         *self.strings.borrow_mut().entry((id, file)).or_insert_with(|| {
             let text = self.stacks.string(id);
             match file {
+                // No path, and no function name of torch's, is that long: neither is searched.
+                _ if text.len() > LONGEST_PATH => Strings { user: file, ..Strings::default() },
                 true => Strings { user: self.rule.is_user(text), ..Strings::of_file(text) },
                 false => Strings::of_name(text),
             }
@@ -332,12 +358,13 @@ impl<'a> Attribution<'a> {
             let (mut lines, mut length, mut frames) = (Vec::new(), 0, 0);
             for frame in self.stacks.frames(stack) {
                 frames += 1;
-                if length < STACK_TEXT {
+                if length < STACK_TEXT.min(self.stack_text_left.get()) {
                     let line = format!("{}:{} in {}", clipped(frame.filename), frame.line, clipped(frame.name));
                     length += line.len();
                     lines.push(line);
                 }
             }
+            self.stack_text_left.set(self.stack_text_left.get().saturating_sub(length));
             if frames > lines.len() {
                 lines.push(format!("… {} more frames", frames - lines.len()));
             }
@@ -351,13 +378,12 @@ impl<'a> Attribution<'a> {
         let module = |id: Option<u32>| id.map(|id| replay.modules.family(id));
         match key {
             SiteKey::Line { filename, line, module: id } => {
-                let file = self.stacks.string(filename);
-                let at = self.namer.label(&clipped(file), line);
+                let (at, source) = self.namer.named(self.stacks.string(filename), line);
                 let label = match module(id) {
                     Some(family) => format!("{at} in {}", family.label()),
                     None => at,
                 };
-                (label, self.namer.source(file, line))
+                (label, source)
             }
             SiteKey::Phase { phase, from, module: id } => {
                 let what = match module(id) {
@@ -365,14 +391,10 @@ impl<'a> Attribution<'a> {
                     None => phase.label().to_string(),
                 };
                 let label = match from {
-                    Some((filename, line)) => {
-                        let file = self.stacks.string(filename);
-                        let at = self.namer.label(&clipped(file), line);
-                        match self.namer.source(file, line) {
-                            Some(source) => format!("{what}, `{source}` at {at}"),
-                            None => format!("{what} at {at}"),
-                        }
-                    }
+                    Some((filename, line)) => match self.namer.named(self.stacks.string(filename), line) {
+                        (at, Some(source)) => format!("{what}, `{source}` at {at}"),
+                        (at, None) => format!("{what} at {at}"),
+                    },
                     None => what,
                 };
                 (label, None)

@@ -261,8 +261,8 @@ impl TracePy {
     }
 
     /// One entry per GPU as JSON text: its peak by site (each with its stack), its timeline, the
-    /// blocks still held at the end and the out-of-memory errors. A file with no GPU gives an
-    /// object that says so: ``{"devices": [], "note": ...}``.
+    /// blocks still held at the end and the out-of-memory errors (the first 100; ``ooms_not_analysed``
+    /// counts the others). A file with no GPU gives an object that says so: ``{"devices": [], "note": ...}``.
     fn to_json(&self) -> String {
         if self.devices.is_empty() {
             let empty = serde_json::json!({"devices": [], "note": trace::file::NO_HISTORY});
