@@ -2,8 +2,10 @@
 structural fix"): the core's step_state (rust/src/step_state.rs, its Python objects in
 rust/src/bindings/instrumentation/step_state.rs) saves the RNGs, the places the step's roots are
 held in, the containers the fakes go into and every container it reaches, for estimate, fit and
-verify's capture alike; step_roots.py is the one walk of a step's closure and globals. A source
-check fails on a second copy; the refusal of a free tensor that requires grad names its path."""
+verify's capture alike (verify's by value: rust/src/bindings/instrumentation/saved_step.rs, each
+tensor copied by tensor_values.py); step_roots.py is the one walk of a step's closure and
+globals. A source check fails on a second copy; the refusal of a free tensor that requires grad
+names its path."""
 
 import re
 from pathlib import Path
@@ -19,6 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 RNG_SAVE = re.compile(r"\b(get|set)_rng_state|random\.(get|set)_?state\b|[\"'](get|set)_?state[\"']|\bfork_rng\b")
 # A walk of a function's closure or of the globals its code loads.
 CLOSURE_WALK = re.compile(r"__closure__|co_freevars|__globals__|LOAD_GLOBAL")
+# A walk of containers, or a container put back, in Python: items or indices gone through, a
+# value told apart by its container type, a container refilled.
+CONTAINER_WALK = re.compile(
+    r"\.items\(\)|\.values\(\)|\benumerate\(|isinstance\([^)]*\b(dict|list|tuple|set)\b|\.clear\(\)|\[:\]\s*="
+)
+# verify's save, which the core's by-value saving walks for: the files that must not walk themselves.
+BY_VALUE_SAVE = ("python/gpuexp/saved_state.py", "python/gpuexp/tensor_values.py")
 
 ALLOWED = {
     # The four RNGs read and set for the core's state saving (its order: rust/src/step_state.rs).
@@ -48,6 +57,9 @@ def second_copies(root):
             match = pattern.search(text)
             if match and relative not in allowed:
                 found.append(f"{relative}: {match.group(0)}")
+        match = CONTAINER_WALK.search(text) if relative in BY_VALUE_SAVE else None
+        if match:
+            found.append(f"{relative}: {match.group(0)}")
     return found
 
 
@@ -62,6 +74,9 @@ def test_no_second_rng_saving_or_closure_walk_in_the_sources():
         ("python/gpuexp/saved_state.py", "python = random.getstate()"),
         ("python/gpuexp/fit.py", "cells = step.__closure__"),
         ("rust/src/bindings/api/fit.rs", 'step.getattr("__globals__")?'),
+        ("python/gpuexp/saved_state.py", "for key, item in list(value.items()):"),
+        ("python/gpuexp/saved_state.py", "if isinstance(value, dict):"),
+        ("python/gpuexp/tensor_values.py", "container[:] = before"),
     ],
 )
 def test_the_source_check_finds_a_planted_copy(tmp_path, path, line):

@@ -660,15 +660,20 @@ def estimate(
     """`gpuexp.estimate`: the step's peak at one batch size, predicted without running it."""
 
 @final
-class SavedRngs:
-    """The four RNGs saved by the core's state saving ([`step_state::save_rngs`]), for a real
-    step's by-value save (`gpuexp.saved_state.capture`): `restore()` puts them back."""
+class SavedStep:
+    """Everything a real step can change in the objects given to `save_step`, as it was: the
+    containers by the identity of what they hold, the tensors' values and gradients (copied to
+    host memory), the four RNGs. `restore()` puts them back."""
 
-    def restore(self) -> list[str]:
-        """Puts every RNG back; each one that could not be, as "name (Error: message)"."""
+    def restore(self) -> tuple[list[str], dict[str, Any]]:
+        """Puts every piece back, in the order saved; returns (failed, kept): each piece that could
+        not be put back as "name (Error: message)", and the value before of each by name."""
 
-def save_rngs() -> SavedRngs:
-    """Saves the CPU RNG, every initialised CUDA device's, Python's `random` and NumPy's global RNG."""
+def save_step(modules: Any, optimizers: Any, scalers: Any, objects: Any) -> SavedStep:
+    """Saves by value all a real step can change in these objects (`gpuexp.saved_state.capture`'s
+    arguments: each a dict of name to object, or a list): every container reachable from them,
+    the value and gradient of every tensor there, every submodule's `training` flag (in its
+    attributes), and the four RNGs."""
 
 def estimating() -> bool:
     """`gpuexp.estimating()`: whether gpuexp is running a step on fake tensors on this thread now

@@ -17,6 +17,10 @@
 //! ([`TAKES_GRAD`]), which the step must not use unless a module holds them as parameters; the
 //! bindings implement it over Python, the tests over a fake graph.
 //!
+//! A real step (`verify`'s) is saved by value instead ([`save_by_value`]): the same walk, with
+//! every real tensor a [`VALUE`] buffer whose value (and gradient) is copied, and each piece
+//! named, so that what could not be put back is named with its value before.
+//!
 //! [`Kind::Owner`]: crate::holders_walk::Kind::Owner
 //! [`Kind::Buffer`]: crate::holders_walk::Kind::Buffer
 
@@ -34,6 +38,9 @@ const MOST_NAMED: usize = 5;
 pub const FAKE: &str = "fake tensor";
 /// The kind of a piece that is a real tensor that requires grad.
 pub const TAKES_GRAD: &str = "tensor that requires grad";
+
+/// The kind of a piece that is a real tensor whose value a by-value save copies.
+pub const VALUE: &str = "tensor";
 
 /// The random number generators a step may draw from (data augmentation does), saved in this
 /// order and put back in it.
@@ -85,6 +92,10 @@ pub trait StepObjects: Heap {
     fn restore(&mut self, saved: &Self::Saved) -> Result<Option<String>, Self::Error>;
     /// The globals the step assigns to, bound as they are now.
     fn assigned_now(&mut self) -> Result<Vec<(String, Self::Object)>, Self::Error>;
+    /// The value of the real tensor at `buffer` (a [`VALUE`] piece of a by-value walk), then its
+    /// gradient where it is a leaf that takes one, each with its name (`path`, `path.grad`);
+    /// nothing where it has no value to copy (a meta or sparse tensor).
+    fn save_value(&mut self, buffer: Buffer, path: &str) -> Result<Vec<(String, Self::Saved)>, Self::Error>;
     /// Whether `object` is a GradScaler.
     fn is_scaler(&self, object: &Self::Object) -> bool;
     /// Makes a GradScaler step its optimizer without reading its inf check (`.item()` has no
@@ -208,6 +219,61 @@ pub fn restore<W: StepObjects>(world: &mut W, saving: Saving<W::Saved, W::Object
         ));
     }
     Ok(notes)
+}
+
+/// A real step's state, saved by value ([`save_by_value`]): each piece with its name.
+pub struct ByValue<S> {
+    /// The containers in the walk's order, then the tensors' values and gradients, then the RNGs.
+    pub saved: Vec<(String, S)>,
+    /// Whether the walk stopped at its bounds: what lies beyond was not saved.
+    pub partial: bool,
+}
+
+/// A piece not put back: a note from its putting back, or the error that stopped it.
+pub enum Unrestored<E> {
+    Note(String),
+    Error(E),
+}
+
+/// Saves by value (`verify`'s save, around a step run for real) every container reachable from
+/// `roots` by the identity of what it holds, the value and gradient of every real tensor in
+/// them (the world's walk makes each a [`VALUE`] buffer), and the four RNGs.
+pub fn save_by_value<W: StepObjects>(
+    world: &mut W,
+    roots: Vec<(String, W::Object)>,
+) -> Result<ByValue<W::Saved>, W::Error> {
+    let survey = walk_from(world, &roots);
+    let mut saved = Vec::new();
+    for (container, path) in survey.owners.iter().zip(&survey.owner_paths) {
+        saved.extend(world.save(container).map(|state| (path.clone(), state)));
+    }
+    for (buffer, holder) in &survey.held {
+        if holder.kind == VALUE {
+            saved.extend(world.save_value(*buffer, &holder.path)?);
+        }
+    }
+    for (rng, state) in save_rngs(world)? {
+        saved.push((rng.label().to_string(), state));
+    }
+    Ok(ByValue { saved, partial: survey.truncated })
+}
+
+/// Puts back each piece of a by-value save in the order saved (the containers, holding their
+/// old tensors again, before the values go into those tensors); each that could not be, by its
+/// index in `saving.saved`. One that fails never stops the others.
+pub fn restore_by_value<W: StepObjects>(
+    world: &mut W,
+    saving: &ByValue<W::Saved>,
+) -> Vec<(usize, Unrestored<W::Error>)> {
+    let mut unrestored = Vec::new();
+    for (index, (_, saved)) in saving.saved.iter().enumerate() {
+        match world.restore(saved) {
+            Ok(None) => {}
+            Ok(Some(note)) => unrestored.push((index, Unrestored::Note(note))),
+            Err(error) => unrestored.push((index, Unrestored::Error(error))),
+        }
+    }
+    unrestored
 }
 
 #[cfg(test)]

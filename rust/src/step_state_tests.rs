@@ -23,6 +23,8 @@ enum Saved {
     Container(usize, Object),
     Global(&'static str, Option<usize>),
     Rng(Rng, u64),
+    /// A real tensor's value, saved by a by-value walk.
+    Value(usize),
 }
 
 #[derive(Default)]
@@ -39,6 +41,8 @@ struct World {
     rngs: Vec<(Rng, u64)>,
     /// Each owner's containers that the fakes go into.
     swapped: Vec<(usize, Vec<usize>)>,
+    /// A by-value walk's (verify's): every real tensor is a `VALUE` piece.
+    by_value: bool,
 }
 
 impl World {
@@ -78,6 +82,13 @@ impl Heap for World {
                 buffer: Buffer::Storage(*object),
                 bytes: 0,
                 kind: if self.objects[*object] == Object::Fake { FAKE } else { TAKES_GRAD },
+                shape: String::new(),
+                device: String::new(),
+            }),
+            Object::Tensor if self.by_value => Kind::Buffer(Piece {
+                buffer: Buffer::Storage(*object),
+                bytes: 0,
+                kind: VALUE,
                 shape: String::new(),
                 device: String::new(),
             }),
@@ -127,6 +138,7 @@ impl StepObjects for World {
             }
             Saved::Container(at, before) => self.objects[*at] = before.clone(),
             Saved::Global(name, before) => self.bind(name, *before),
+            Saved::Value(at) => self.log.push(format!("value of {at} put back")),
             Saved::Rng(rng, before) => {
                 self.rngs.iter_mut().filter(|(r, _)| r == rng).for_each(|(_, state)| *state = *before)
             }
@@ -135,6 +147,10 @@ impl StepObjects for World {
     }
     fn assigned_now(&mut self) -> Result<Vec<(String, usize)>, String> {
         Ok(self.assigned.iter().filter_map(|name| Some((name.to_string(), self.global(name)?))).collect())
+    }
+    fn save_value(&mut self, buffer: Buffer, path: &str) -> Result<Vec<(String, Saved)>, String> {
+        let Buffer::Storage(at) = buffer else { return Ok(Vec::new()) };
+        Ok(vec![(path.to_string(), Saved::Value(at))])
     }
     fn is_scaler(&self, object: &usize) -> bool {
         matches!(self.objects[*object], Object::Scaler(_))
@@ -325,4 +341,24 @@ fn a_put_back_that_raises_stops_none_of_the_others() {
     world.rngs = vec![(Rng::Python, 2)];
     assert_eq!(restore(&mut world, saving), Err(format!("container {broken} raised")));
     assert_eq!((world.objects[ema].clone(), world.rngs.clone()), (before, vec![(Rng::Python, 1)]));
+}
+
+#[test]
+fn a_real_step_is_saved_by_value_each_piece_named_and_one_that_fails_stops_no_other() {
+    let mut world = World { by_value: true, rngs: vec![(Rng::Python, 1)], ..World::default() };
+    let tensor = world.add(Object::Tensor);
+    let table = world.dict(&[("t", tensor)]);
+    let config = world.dict(&[("table", table)]);
+    let saving = save_by_value(&mut world, vec![("config".into(), config)]).unwrap();
+    let names: Vec<&str> = saving.saved.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["config", "config['table']", "config['table']['t']", "Python's random"]);
+    assert_eq!(saving.saved[2].1, Saved::Value(tensor));
+    // The step advances the RNG; the table's putting back raises.
+    world.rngs[0].1 = 2;
+    world.raising.push(table);
+    let unrestored = restore_by_value(&mut world, &saving);
+    assert_eq!(unrestored.len(), 1);
+    assert!(matches!(&unrestored[0], (1, Unrestored::Error(e)) if *e == format!("container {table} raised")));
+    assert_eq!(world.rngs[0].1, 1);
+    assert!(world.log.contains(&format!("value of {tensor} put back")), "{:?}", world.log);
 }

@@ -15,7 +15,8 @@ use api::{
     recorder, running, scope, snapshot, status, trace, training, units, unreachable,
 };
 use instrumentation::{
-    cell_trace, fakes, ledger_mode, rank_gpu, rngs, step_state, torch, trace_opening, trace_recording, trace_sampling,
+    cell_trace, fakes, ledger_mode, rank_gpu, rngs, saved_step, step_state, torch, trace_opening, trace_recording,
+    trace_sampling,
 };
 use interpreter::{fork, host_trace, hunt_roots, interrupts, namespace, python_heap, registry};
 
@@ -68,9 +69,9 @@ mod core_module {
         report_from_json, CellRecordPy, GpuReportPy, HoldersPy, HostReportPy, MetricPy, OomPy, ReportPy, SnapshotPy,
     };
     #[pymodule_export]
-    use super::rngs::{save_rngs, SavedRngs};
-    #[pymodule_export]
     use super::running::{finish_cut_opening, finish_off_main_thread, owned_by, refuse_reopening, scope_entered};
+    #[pymodule_export]
+    use super::saved_step::{save_step, SavedStep};
     #[pymodule_export]
     use super::scope::{finish, is_open, keep, open_experiments, open_scope, scope_cells, scope_name, scope_report};
     #[pymodule_export]

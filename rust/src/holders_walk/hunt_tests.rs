@@ -14,6 +14,7 @@ fn survey(held: Vec<(Buffer, Holder)>, found: &[(usize, u64)], live: &[(usize, u
         found: found.iter().map(|(s, n)| (Buffer::Storage(*s), *n)).collect(),
         live: live.iter().map(|(s, n)| (Buffer::Storage(*s), *n)).collect(),
         owners: Vec::new(),
+        owner_paths: Vec::new(),
         objects_visited: 42,
         skipped: 1,
         truncated: false,

@@ -193,6 +193,8 @@ pub struct Survey<O> {
     pub live: HashMap<Buffer, u64>,
     /// The `Owner`s reached on the way, in the walk's order: models and optimizers.
     pub owners: Vec<O>,
+    /// The path to each of `owners`, in its order: a failure to put one back names it.
+    pub owner_paths: Vec<String>,
     pub objects_visited: u64,
     /// Objects that raised when inspected, each counted once per notebook name bound to it:
     /// `weakref.proxy` hands out one proxy for one referent, and three names bound to it are
@@ -242,6 +244,7 @@ struct Walk<'h, H: Heap> {
     /// not theirs to name (a view, or excluded).
     pieces: HashMap<usize, Piece>,
     owners: Vec<H::Object>,
+    owner_nodes: Vec<usize>,
     skipped: u64,
     truncated: bool,
     /// Nodes read in part, with how many elements each holds.
@@ -271,6 +274,7 @@ pub fn walk<H: Heap>(
         found: HashMap::new(),
         pieces: HashMap::new(),
         owners: Vec::new(),
+        owner_nodes: Vec::new(),
         skipped: 0,
         truncated: false,
         partly_read: Vec::new(),
@@ -354,7 +358,10 @@ impl<H: Heap> Walk<'_, H> {
             match kind {
                 Kind::Leaf => continue,
                 Kind::Plain => {}
-                Kind::Owner => self.owners.push(object),
+                Kind::Owner => {
+                    self.owners.push(object);
+                    self.owner_nodes.push(index);
+                }
                 Kind::Buffer(piece) => self.record(index, piece, &refs),
             }
             let in_graph = self.nodes[index].graph_of.is_some();
@@ -422,6 +429,7 @@ impl<H: Heap> Walk<'_, H> {
             containers,
             found: self.found.iter().map(|(buffer, found)| (*buffer, found.piece.bytes)).collect(),
             live: HashMap::new(),
+            owner_paths: self.owner_nodes.iter().map(|&node| self.path(node, 0)).collect(),
             owners: self.owners,
             objects_visited: self.nodes.len() as u64,
             skipped: self.skipped,

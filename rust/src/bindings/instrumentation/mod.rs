@@ -7,6 +7,7 @@ pub(in crate::bindings) mod fakes;
 pub(in crate::bindings) mod ledger_mode;
 pub(in crate::bindings) mod rank_gpu;
 pub(in crate::bindings) mod rngs;
+pub(in crate::bindings) mod saved_step;
 pub(in crate::bindings) mod step_state;
 pub(in crate::bindings) mod torch;
 pub(in crate::bindings) mod trace_opening;

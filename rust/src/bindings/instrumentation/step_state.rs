@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::bindings::rngs::{put_back_rng, read_rng};
 use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
-use crate::step_state::{self, Rng, Saving, StepObjects, FAKE, MOST_ITEMS_WALKED, TAKES_GRAD};
+use crate::step_state::{self, Rng, Saving, StepObjects, FAKE, MOST_ITEMS_WALKED, TAKES_GRAD, VALUE};
 
 /// Objects a walk starts from, each with the name a person knows it by.
 pub(in crate::bindings) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
@@ -20,31 +20,35 @@ pub(in crate::bindings) type Roots<'py> = Vec<(String, Bound<'py, PyAny>)>;
 /// A global name a step assigns to, and the namespace it is in.
 pub(in crate::bindings) type AssignedGlobal<'py> = (Bound<'py, PyDict>, String);
 
-/// A container as it was before the step, by the identity of what it held.
-pub(in crate::bindings) enum Saved<'py> {
+/// A container as it was before the step, by the identity of what it held; owned, so that a
+/// by-value save (`SavedStep`) keeps it across Python calls.
+pub(in crate::bindings) enum Saved {
     /// An exact dict, or an object's `__dict__`: copied and put back through the C API.
-    Dict(Bound<'py, PyDict>, Bound<'py, PyDict>),
+    Dict(Py<PyDict>, Py<PyDict>),
     /// A dict subclass (an `OrderedDict`, a module's hook dicts, a `defaultdict`, a `ModelOutput`):
     /// its items as (key, value) pairs, put back through its own methods, since the C API would
     /// bypass what it keeps beside the dict (an `OrderedDict`'s links).
-    Mapping(Bound<'py, PyDict>, Bound<'py, PyList>),
-    List(Bound<'py, PyList>, Bound<'py, PyList>),
+    Mapping(Py<PyDict>, Py<PyList>),
+    List(Py<PyList>, Py<PyList>),
     /// A set (refilled with `update`) or a deque (with `extend`): neither is assigned in place.
     Refilled {
-        container: Bound<'py, PyAny>,
-        items: Bound<'py, PyList>,
+        container: Py<PyAny>,
+        items: Py<PyList>,
         refill: &'static str,
     },
     /// A global name the step loads or assigns to, and its value before (None: it did not exist).
     Global {
-        globals: Bound<'py, PyDict>,
+        globals: Py<PyDict>,
         name: String,
-        before: Option<Bound<'py, PyAny>>,
+        before: Option<Py<PyAny>>,
     },
     /// A closure cell of the step, and what it held (None: it was empty).
-    Cell(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>),
+    Cell(Py<PyAny>, Option<Py<PyAny>>),
     /// A random number generator's state.
-    Rng(Rng, Bound<'py, PyAny>),
+    Rng(Rng, Py<PyAny>),
+    /// A real tensor's value or gradient, copied by `gpuexp.tensor_values` (its `restore()` puts
+    /// it back into the same object, its `host` is the copy).
+    Value(Py<PyAny>),
 }
 
 /// The types the walk treats specially, looked up once.
@@ -64,6 +68,9 @@ pub(in crate::bindings) struct PythonStep<'py> {
     kinds: StepKinds<'py>,
     assigned: Vec<AssignedGlobal<'py>>,
     places: Vec<Place<'py>>,
+    /// In a by-value walk (verify's), every tensor reached, by its `id()`: each is a `VALUE`
+    /// piece whose value is copied. None in the estimate's walk.
+    pub(in crate::bindings) values: Option<HashMap<usize, Bound<'py, PyAny>>>,
 }
 
 impl<'py> PythonStep<'py> {
@@ -85,7 +92,7 @@ impl<'py> PythonStep<'py> {
             scaler: scaler.and_then(|s| s.cast_into().ok()),
             torch,
         };
-        Ok(PythonStep { kinds, assigned: assigned.to_vec(), places: places.to_vec() })
+        Ok(PythonStep { kinds, assigned: assigned.to_vec(), places: places.to_vec(), values: None })
     }
 
     fn is(&self, object: &Bound<'py, PyAny>, kind: &Bound<'py, PyType>) -> bool {
@@ -145,7 +152,10 @@ impl<'py> Heap for PythonStep<'py> {
         if object.is_instance(&self.kinds.tensor).unwrap_or(true) {
             // A tensor by its object (`id()`): a refusal at an operator knows it so.
             let buffer = Buffer::Storage(object.as_ptr() as usize);
-            let kind = if self.is(object, &self.kinds.fake) {
+            let kind = if let Some(values) = &mut self.values {
+                values.insert(object.as_ptr() as usize, object.clone());
+                VALUE
+            } else if self.is(object, &self.kinds.fake) {
                 FAKE
             } else if object.getattr("requires_grad").and_then(|r| r.is_truthy()).unwrap_or(false) {
                 TAKES_GRAD
@@ -209,14 +219,14 @@ impl<'py> Heap for PythonStep<'py> {
 }
 
 impl<'py> StepObjects for PythonStep<'py> {
-    type Saved = Saved<'py>;
+    type Saved = Saved;
     type Error = PyErr;
 
-    fn save_rng(&mut self, rng: Rng) -> PyResult<Option<Saved<'py>>> {
-        Ok(read_rng(&self.kinds.torch, rng)?.map(|state| Saved::Rng(rng, state)))
+    fn save_rng(&mut self, rng: Rng) -> PyResult<Option<Saved>> {
+        Ok(read_rng(&self.kinds.torch, rng)?.map(|state| Saved::Rng(rng, state.unbind())))
     }
 
-    fn save_places(&mut self) -> PyResult<Vec<Saved<'py>>> {
+    fn save_places(&mut self) -> PyResult<Vec<Saved>> {
         let mut saved = Vec::new();
         let mut seen = HashSet::new();
         let globals = self.assigned.iter().map(|(namespace, name)| (namespace.as_any(), Some(name)));
@@ -228,10 +238,13 @@ impl<'py> StepObjects for PythonStep<'py> {
             match name {
                 Some(name) => {
                     let namespace = holder.cast::<PyDict>()?;
-                    let before = namespace.get_item(name)?;
-                    saved.push(Saved::Global { globals: namespace.clone(), name: name.clone(), before });
+                    let before = namespace.get_item(name)?.map(Bound::unbind);
+                    saved.push(Saved::Global { globals: namespace.clone().unbind(), name: name.clone(), before });
                 }
-                None => saved.push(Saved::Cell(holder.clone(), holder.getattr("cell_contents").ok())),
+                None => saved.push(Saved::Cell(
+                    holder.clone().unbind(),
+                    holder.getattr("cell_contents").ok().map(Bound::unbind),
+                )),
             }
         }
         Ok(saved)
@@ -255,16 +268,17 @@ impl<'py> StepObjects for PythonStep<'py> {
         containers
     }
 
-    fn save(&mut self, object: &Self::Object) -> Option<Saved<'py>> {
+    fn save(&mut self, object: &Self::Object) -> Option<Saved> {
         if let Ok(dict) = object.cast_exact::<PyDict>() {
-            return dict.copy().ok().map(|copy| Saved::Dict(dict.clone(), copy));
+            return dict.copy().ok().map(|copy| Saved::Dict(dict.clone().unbind(), copy.unbind()));
         }
         if let Ok(dict) = object.cast::<PyDict>() {
             let items = PyList::new(object.py(), dict.iter()).ok()?;
-            return Some(Saved::Mapping(dict.clone(), items));
+            return Some(Saved::Mapping(dict.clone().unbind(), items.unbind()));
         }
         if let Ok(list) = object.cast::<PyList>() {
-            return Some(Saved::List(list.clone(), PyList::new(object.py(), list.iter()).ok()?));
+            let items = PyList::new(object.py(), list.iter()).ok()?;
+            return Some(Saved::List(list.clone().unbind(), items.unbind()));
         }
         let refill = if object.is_instance_of::<PySet>() {
             "update"
@@ -272,16 +286,27 @@ impl<'py> StepObjects for PythonStep<'py> {
             "extend"
         } else {
             let attributes = PythonStep::attributes(object)?;
-            return attributes.copy().ok().map(|copy| Saved::Dict(attributes, copy));
+            return attributes.copy().ok().map(|copy| Saved::Dict(attributes.unbind(), copy.unbind()));
         };
         let items = PyList::new(object.py(), object.try_iter().ok()?.flatten()).ok()?;
-        Some(Saved::Refilled { container: object.clone(), items, refill })
+        Some(Saved::Refilled { container: object.clone().unbind(), items: items.unbind(), refill })
     }
 
-    fn restore(&mut self, saved: &Saved<'py>) -> PyResult<Option<String>> {
+    fn save_value(&mut self, buffer: Buffer, path: &str) -> PyResult<Vec<(String, Saved)>> {
+        let Buffer::Storage(id) = buffer else { return Ok(Vec::new()) };
+        let Some(tensor) = self.values.as_ref().and_then(|values| values.get(&id)) else { return Ok(Vec::new()) };
+        let copied = tensor.py().import("gpuexp.tensor_values")?.call_method1("saved", (tensor,))?;
+        let (value, grad): (Option<Py<PyAny>>, Option<Py<PyAny>>) = copied.extract()?;
+        let named = [(path.to_string(), value), (format!("{path}.grad"), grad)];
+        Ok(named.into_iter().filter_map(|(name, saved)| Some((name, Saved::Value(saved?)))).collect())
+    }
+
+    fn restore(&mut self, saved: &Saved) -> PyResult<Option<String>> {
+        let py = self.kinds.torch.py();
         match saved {
-            Saved::Mapping(dict, before) => return Ok(put_back_mapping(dict, before)),
+            Saved::Mapping(dict, before) => return Ok(put_back_mapping(dict.bind(py), before.bind(py))),
             Saved::Dict(dict, before) => {
+                let (dict, before) = (dict.bind(py), before.bind(py));
                 let same = dict.len() == before.len()
                     && before
                         .iter()
@@ -292,18 +317,23 @@ impl<'py> StepObjects for PythonStep<'py> {
                 }
             }
             Saved::List(list, before) => {
+                let (list, before) = (list.bind(py), before.bind(py));
                 if !same_items(list.iter(), before, list.len()) {
                     list.call_method0("clear")?;
                     list.call_method1("extend", (before,))?;
                 }
             }
-            Saved::Global { globals, name, before } => match (before, globals.get_item(name)?) {
-                (Some(before), Some(now)) if before.is(&now) => {}
-                (Some(before), _) => globals.set_item(name, before)?,
-                (None, Some(_)) => globals.del_item(name)?,
-                (None, None) => {}
-            },
+            Saved::Global { globals, name, before } => {
+                let globals = globals.bind(py);
+                match (before, globals.get_item(name)?) {
+                    (Some(before), Some(now)) if before.is(&now) => {}
+                    (Some(before), _) => globals.set_item(name, before)?,
+                    (None, Some(_)) => globals.del_item(name)?,
+                    (None, None) => {}
+                }
+            }
             Saved::Refilled { container, items, refill } => {
+                let (container, items) = (container.bind(py), items.bind(py));
                 let now: Vec<_> = container.try_iter()?.flatten().collect();
                 if !same_items(now.iter().cloned(), items, now.len()) {
                     container.call_method0("clear")?;
@@ -311,6 +341,7 @@ impl<'py> StepObjects for PythonStep<'py> {
                 }
             }
             Saved::Cell(cell, before) => {
+                let cell = cell.bind(py);
                 let now = cell.getattr("cell_contents").ok();
                 match (before, now) {
                     (Some(before), Some(now)) if before.is(&now) => {}
@@ -319,7 +350,8 @@ impl<'py> StepObjects for PythonStep<'py> {
                     (None, None) => {}
                 }
             }
-            Saved::Rng(rng, state) => put_back_rng(&self.kinds.torch, *rng, state)?,
+            Saved::Rng(rng, state) => put_back_rng(&self.kinds.torch, *rng, state.bind(py))?,
+            Saved::Value(value) => drop(value.bind(py).call_method0("restore")?),
         }
         Ok(None)
     }
@@ -403,7 +435,7 @@ pub(in crate::bindings) type Place<'py> = (Bound<'py, PyAny>, Option<String>);
 /// containers, into which the fakes that stand in for real tensors while it runs are swapped.
 pub(in crate::bindings) struct StepState<'py> {
     step: PythonStep<'py>,
-    saving: Saving<Saved<'py>, Bound<'py, PyAny>>,
+    saving: Saving<Saved, Bound<'py, PyAny>>,
     /// GradScalers reached: told, for the estimate, that the gradients are finite.
     pub(in crate::bindings) scalers: usize,
 }
@@ -442,10 +474,12 @@ impl<'py> StepState<'py> {
         let (dicts, lists, places) = (PyList::empty(py), PyList::empty(py), PyList::empty(py));
         for saved in &self.saving.saved {
             match saved {
-                Saved::Dict(dict, _) | Saved::Mapping(dict, _) => dicts.append(dict)?,
-                Saved::List(list, _) => lists.append(list)?,
-                Saved::Global { globals: namespace, name, before: Some(_) } => places.append((namespace, name))?,
-                Saved::Cell(cell, Some(_)) => places.append((cell, py.None()))?,
+                Saved::Dict(dict, _) | Saved::Mapping(dict, _) => dicts.append(dict.bind(py))?,
+                Saved::List(list, _) => lists.append(list.bind(py))?,
+                Saved::Global { globals: namespace, name, before: Some(_) } => {
+                    places.append((namespace.bind(py), name))?
+                }
+                Saved::Cell(cell, Some(_)) => places.append((cell.bind(py), py.None()))?,
                 _ => {}
             }
         }
