@@ -186,6 +186,20 @@ def test_what_cannot_be_put_back_is_named_and_its_value_kept_and_the_rest_restor
     assert kernel.value("[torch.equal(model.weight, weight), model.frozen.tolist()]") == [True, [0.0, 1.0, 2.0, 3.0]]
 
 
+def test_a_tensor_in_a_container_too_long_for_an_estimates_walk_gets_its_value_back(kernel):
+    # An estimate walks no container's items past 10,000; verify's by-value save walks them all.
+    kernel.run("import torch\nfrom gpuexp.fit_apply import capture\n"
+               "class Bank:\n"
+               "    def __init__(self):\n"
+               "        self.rows = [torch.zeros(2) for _ in range(10_001)]\n"
+               "bank = Bank()\n"
+               "last = bank.rows[-1]\n"
+               "saved = capture(objects={'bank': bank})\n"
+               "last.add_(1)\n"
+               "saved.restore()")
+    assert kernel.value("[bank.rows[-1] is last, last.tolist()]") == [True, [0.0, 0.0]]
+
+
 def test_verify_without_a_gpu_says_why(kernel):
     kernel.run(SETUP)
     failed = kernel.run("gpuexp.fit_apply.verify(step, 8, 'autocast', modules=[model], optimizers=[opt])",

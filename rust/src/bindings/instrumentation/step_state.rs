@@ -115,8 +115,8 @@ fn is_atom(object: &Bound<PyAny>) -> bool {
         || object.is_instance_of::<PyType>()
 }
 
-fn items<'py>(iterable: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>) {
-    if iterable.len().unwrap_or(usize::MAX) > MOST_ITEMS_WALKED {
+fn items<'py>(iterable: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>, most: usize) {
+    if iterable.len().unwrap_or(usize::MAX) > most {
         return;
     }
     if let Ok(iterator) = iterable.try_iter() {
@@ -128,8 +128,9 @@ fn entries<'py>(
     dict: &Bound<'py, PyDict>,
     refs: &mut Refs<Bound<'py, PyAny>>,
     edge: fn(Bound<'py, PyAny>) -> Edge<Bound<'py, PyAny>>,
+    most: usize,
 ) {
-    if dict.len() <= MOST_ITEMS_WALKED {
+    if dict.len() <= most {
         refs.extend(dict.iter().map(|(key, value)| (edge(key), value)));
     }
 }
@@ -149,6 +150,8 @@ impl<'py> Heap for PythonStep<'py> {
         if is_atom(object) {
             return Ok(Kind::Leaf);
         }
+        // A by-value walk goes through long containers too: a tensor in one must get its value back.
+        let most = if self.values.is_some() { usize::MAX } else { MOST_ITEMS_WALKED };
         if object.is_instance(&self.kinds.tensor).unwrap_or(true) {
             // A tensor by its object (`id()`): a refusal at an operator knows it so.
             let buffer = Buffer::Storage(object.as_ptr() as usize);
@@ -166,15 +169,15 @@ impl<'py> Heap for PythonStep<'py> {
             return Ok(Kind::Buffer(Piece { buffer, bytes: 0, kind, shape, device }));
         }
         if let Ok(dict) = object.cast::<PyDict>() {
-            entries(dict, refs, Edge::Key);
+            entries(dict, refs, Edge::Key, most);
             return Ok(Kind::Owner);
         }
         if object.is_instance_of::<PyList>() || object.is_instance_of::<PySet>() || self.is(object, &self.kinds.deque) {
-            items(object, refs);
+            items(object, refs, most);
             return Ok(Kind::Owner);
         }
         if object.is_instance_of::<PyTuple>() || object.is_instance_of::<PyFrozenSet>() {
-            items(object, refs);
+            items(object, refs, most);
         } else if self.is(object, &self.kinds.function) {
             let names = object.getattr("__code__").and_then(|c| c.getattr("co_freevars"));
             if let (Ok(cells), Ok(names)) = (object.getattr("__closure__"), names) {
@@ -191,7 +194,7 @@ impl<'py> Heap for PythonStep<'py> {
                 refs.push((Edge::Attr(Name::Fixed("__self__")), owner));
             }
         } else if let Some(attributes) = PythonStep::attributes(object) {
-            entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)));
+            entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)), most);
             return Ok(Kind::Owner);
         }
         Ok(Kind::Plain)
