@@ -83,8 +83,8 @@ impl CellCreep {
         };
         Some(format!(
             "memory creeps: {CELLS_IN_A_ROW} cells in a row (In [{first}] to In [{last}]) each ended higher on {place} \
-             (+{total} in all, about +{each} a run) and each grew `{name}` (now {kept}); run again and it keeps \
-             what it kept: keep `.detach()` or `.item()` instead of a tensor that requires grad, wrap evaluation in \
+             (+{total} in all, about +{each} a run) and each grew `{name}` (now {kept}); each run again keeps about \
+             as much: keep `.detach()` or `.item()` instead of a tensor that requires grad, wrap evaluation in \
              `torch.no_grad()`, or clear `{name}`",
             first = run[CELLS_IN_A_ROW - 1].execution_count,
             last = latest.execution_count,
