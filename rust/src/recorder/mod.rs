@@ -82,13 +82,14 @@ struct Record {
     cells: u64,
     series: Series,
     /// A framework's callback marks this cell's iterations (trainer steps): the optimizer steps
-    /// within them are no iterations of their own, which would halve what each one keeps.
+    /// within them are no iterations of their own, which would halve what each one keeps. Reset
+    /// when a cell ends, or the next starts (the cell of a trainer that raised never ends).
     trainer_stepping: bool,
 }
 
 impl Record {
     /// Whether a step of `kind` is an iteration the recorder counts: every kind, except an
-    /// optimizer step while a trainer marks the iterations (until the cell ends).
+    /// optimizer step while a trainer marks the iterations (until its cell ends or the next starts).
     fn counts(&self, kind: StepKind) -> bool {
         !(kind == StepKind::OptimizerStep && self.trainer_stepping)
     }
@@ -126,7 +127,10 @@ pub fn change_history(torch: &dyn TorchMemory, change: HistoryChange) -> Option<
 
 /// A cell starts or an experiment opens while the recorder is wanted.
 pub fn arm() -> HistoryChange {
-    with_record(|record| record.phase.arm())
+    with_record(|record| {
+        record.trainer_stepping = false; // a failed trainer's cell never ended: this one starts afresh
+        record.phase.arm()
+    })
 }
 
 /// gpuexp is no longer active, or the recorder was turned off.

@@ -159,4 +159,9 @@ fn under_a_trainer_its_steps_are_the_iterations_and_the_optimizer_steps_inside_t
         Some(StepKind::OptimizerStep),
         "after the cell, optimizer steps count again"
     );
+    step_ended(StepKind::TrainerStep, 6_000_000, None); // a trainer whose cell raised: no cell end
+    arm();
+    disarm(); // the phase as the other tests find it
+    step_ended(StepKind::OptimizerStep, 7_000_000, None);
+    assert_eq!(last_step().map(|s| s.time_us), Some(7_000_000), "the next cell starts afresh");
 }
