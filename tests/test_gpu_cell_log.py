@@ -88,3 +88,19 @@ def test_only_the_gpu_a_cell_used_is_shown(kernel):
     kernel.run(SETUP + "%gpuexp log on")
     shown = kernel.run("x = torch.ones(1 << 20, device='cuda:1')")
     assert "cuda:1 torch allocated" in shown.text and "cuda:0 torch" not in shown.text
+
+
+def test_an_evaluation_cell_without_no_grad_run_three_times_gets_the_creep_note_on_the_gpu(kernel):
+    kernel.run(
+        SETUP + "%gpuexp log on\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))\n"
+        "model = model.cuda()\n"
+        "x = torch.randn(256, 1024, device='cuda')\n"
+        "outs = []"
+    )
+    for _ in range(3):
+        shown = kernel.run("outs.append(model(x))  # each output keeps its graph: about 5 MiB")
+    (note,) = [n for n in kernel.value("gpuexp.cells()[-1].to_dict()['notes']") if n.startswith("memory creeps")]
+    assert "on cuda:0" in note and "`outs`" in note and "now 3 items" in note and "torch.no_grad()" in note, note
+    assert "memory creeps" in shown.text
+    kernel.run("outs.clear()\n%gpuexp log off")

@@ -7,6 +7,7 @@ import sys
 
 from . import _core, live, module_paths
 from .experiment import GPUExperiment, finish_unreachable, open_experiment, tracked
+from .grown_holders import grown_holders
 from .ipython import (
     ShellNamespace,
     hold_interrupt,
@@ -14,6 +15,7 @@ from .ipython import (
     listened_shells,
     names_the_cell_binds,
     raise_held_interrupt,
+    running_cell,
     shell,
     show,
 )
@@ -78,6 +80,8 @@ def _after_cell(result=None):
             show(diagnosis)
         for experiment in ended:  # after the rescue: their reports show what came back
             experiment.finish()
+    if error is None and _core.cell_log_active() and (ip := shell()) is not None:
+        _core.cell_grew(grown_holders(running_cell(), ip.user_ns))  # for the creep note
     # The block shows only when something moved (the core decides), in place of the live view.
     record, live_view = live.end_cell(getattr(result, "execution_count", None) or 0)
     if record is not None or live_view is not None:

@@ -253,7 +253,7 @@ def namespace_for(frame):
     return DetachedNamespace()
 
 
-def _running_cell():
+def running_cell():
     """The syntax tree of the cell being executed, or None outside IPython."""
     ip = shell()
     if ip is None:
@@ -270,7 +270,7 @@ def cell_displays_finish():
     displays itself (as ``Out``; no ``;`` after it): then ``finish()`` leaves its report to that
     display, so that it shows once."""
     ip = shell()
-    tree = _running_cell()
+    tree = running_cell()
     if ip is None or tree is None or not tree.body:
         return False
     last = tree.body[-1]
@@ -291,7 +291,7 @@ def assignment_targets(frame):
     An open experiment already bound to one of them is about to be replaced, so it is
     finished before the new one takes its baseline; one bound to another name nests.
     """
-    tree = _running_cell()
+    tree = running_cell()
     if tree is None:
         return set()
     line, column = _position(frame)
@@ -325,7 +325,7 @@ def _encloses(node, line, column):
 def names_bound_before(line):
     """Names the running cell binds above ``line`` (``bs = 128``, a loop variable): the cell
     still uses them, so an experiment it replaces must not delete them."""
-    tree = _running_cell()
+    tree = running_cell()
     if tree is None:
         return set()
     names = set()
@@ -343,7 +343,7 @@ def names_the_cell_binds():
     """Every name the running cell's own code binds, anywhere in it (an assignment, a loop, an
     import, a def, a ``global`` in one of its functions): an experiment found unreachable keeps
     them, even where a new object took a freed one's address."""
-    tree = _running_cell()
+    tree = running_cell()
     if tree is None:
         return set()
     names = set()

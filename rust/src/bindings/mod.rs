@@ -24,7 +24,9 @@ use interpreter::{fork, host_trace, hunt_roots, interrupts, namespace, python_he
 #[pyo3::pymodule(name = "_core")]
 mod core_module {
     #[pymodule_export]
-    use super::cell_log::{before_user_peak_reset, begin_cell, cell_log_active, cells, end_cell, set_standalone_log};
+    use super::cell_log::{
+        before_user_peak_reset, begin_cell, cell_grew, cell_log_active, cells, end_cell, set_standalone_log,
+    };
     #[pymodule_export]
     use super::compare::{compare, ComparisonPy};
     #[pymodule_export]

@@ -81,6 +81,18 @@ struct Record {
     steps: u64,
     cells: u64,
     series: Series,
+    /// A framework's callback marks this cell's iterations (trainer steps): the optimizer steps
+    /// within them are no iterations of their own, which would halve what each one keeps. Reset
+    /// when a cell ends, or the next starts (the cell of a trainer that raised never ends).
+    trainer_stepping: bool,
+}
+
+impl Record {
+    /// Whether a step of `kind` is an iteration the recorder counts: every kind, except an
+    /// optimizer step while a trainer marks the iterations (until its cell ends or the next starts).
+    fn counts(&self, kind: StepKind) -> bool {
+        !(kind == StepKind::OptimizerStep && self.trainer_stepping)
+    }
 }
 
 /// After the history, a level is read at a step's end at most this often: in a steady loop the
@@ -115,7 +127,10 @@ pub fn change_history(torch: &dyn TorchMemory, change: HistoryChange) -> Option<
 
 /// A cell starts or an experiment opens while the recorder is wanted.
 pub fn arm() -> HistoryChange {
-    with_record(|record| record.phase.arm())
+    with_record(|record| {
+        record.trainer_stepping = false; // a failed trainer's cell never ended: this one starts afresh
+        record.phase.arm()
+    })
 }
 
 /// gpuexp is no longer active, or the recorder was turned off.
@@ -128,6 +143,9 @@ pub fn disarm() -> HistoryChange {
 /// and at every cell's end, for the series across cells).
 pub fn wants_level(kind: StepKind, now_us: i64) -> bool {
     with_record(|record| {
+        if !record.counts(kind) {
+            return false;
+        }
         let due = match (record.phase, record.levelled) {
             _ if kind == StepKind::Cell => true,
             (Phase::History { .. }, _) | (_, None) => true,
@@ -138,12 +156,21 @@ pub fn wants_level(kind: StepKind, now_us: i64) -> bool {
 }
 
 /// A step of `kind` ended at `time_us`, its level read where `wants_level` asked: one lock, a
-/// few stores and, with a level, one push onto the device's bounded series. Says what happens
-/// to the recorder's share of torch's history.
+/// few stores and, with a level, one push onto the device's bounded series (an optimizer step
+/// inside a trainer's step is passed over: the trainer's step is the iteration). Says what
+/// happens to the recorder's share of torch's history.
 pub fn step_ended(kind: StepKind, time_us: i64, level: Option<Level>) -> HistoryChange {
     with_record(|record| {
+        if !record.counts(kind) {
+            return HistoryChange::Keep;
+        }
         let step = StepEnd { kind, time_us, level };
         let cell = kind == StepKind::Cell;
+        record.trainer_stepping = match kind {
+            StepKind::TrainerStep => true,
+            StepKind::Cell => false,
+            _ => record.trainer_stepping,
+        };
         record.last = Some(step);
         record.levelled = match (level, record.levelled) {
             (Some(_), _) => Some((step, 0)),

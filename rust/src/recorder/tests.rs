@@ -135,3 +135,33 @@ fn levels_read_at_step_and_cell_ends_go_to_their_devices_series() {
     assert_eq!((run.rises, run.iterations()), (1, 2), "two steps between the readings");
     assert_eq!(series.cells.latest().map(|r| r.allocated), Some(31 * MIB));
 }
+
+#[test]
+fn under_a_trainer_its_steps_are_the_iterations_and_the_optimizer_steps_inside_them_are_passed_over() {
+    let _alone = TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let level = |allocated| Some(Level { torch_index: 8, allocated });
+    step_ended(StepKind::Cell, 0, None); // no trainer marks this cell's iterations yet
+    for (iteration, allocated) in [10, 20, 30].into_iter().enumerate() {
+        let at = iteration as i64 * 1_000_000;
+        step_ended(StepKind::TrainerStep, at, level(allocated * MIB));
+        assert!(!wants_level(StepKind::OptimizerStep, at + 500_000), "no level read inside a trainer's step");
+        step_ended(StepKind::OptimizerStep, at + 500_000, level(allocated * MIB + MIB));
+    }
+    let series = series(8).expect("a series for the device");
+    let steps: Vec<u64> = series.steps.recent.iter().map(|r| r.allocated).collect();
+    assert_eq!(steps, [10 * MIB, 20 * MIB, 30 * MIB], "the optimizer steps' levels are not iterations");
+    assert_eq!(series.steps.rising.unwrap().iterations(), 2, "one iteration between the readings, not two");
+    assert_eq!(last_step().map(|s| s.kind), Some(StepKind::TrainerStep));
+    step_ended(StepKind::Cell, 4_000_000, None);
+    step_ended(StepKind::OptimizerStep, 5_000_000, level(40 * MIB));
+    assert_eq!(
+        last_step().map(|s| s.kind),
+        Some(StepKind::OptimizerStep),
+        "after the cell, optimizer steps count again"
+    );
+    step_ended(StepKind::TrainerStep, 6_000_000, None); // a trainer whose cell raised: no cell end
+    arm();
+    disarm(); // the phase as the other tests find it
+    step_ended(StepKind::OptimizerStep, 7_000_000, None);
+    assert_eq!(last_step().map(|s| s.time_us), Some(7_000_000), "the next cell starts afresh");
+}

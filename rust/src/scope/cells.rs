@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::cell_creep::HolderReading;
 use super::{Registry, Scope};
 use crate::live_view::LiveView;
 use crate::report::CellRecord;
@@ -14,6 +15,8 @@ pub struct OpenCell {
     pub window: u64,
     pub start: Snapshot,
     pub notes: Vec<String>,
+    /// The holders the cell's code grows, read at its end ([`Registry::cell_grew`]).
+    pub holders: Vec<HolderReading>,
 }
 
 /// Where the last logged cell ended, the counters reset there: the next cell starts from it
@@ -34,7 +37,7 @@ impl Registry {
         }
         let window = self.next_window();
         self.peaks.open(window, &start);
-        self.cell = Some(OpenCell { window, start, notes: Vec::new() });
+        self.cell = Some(OpenCell { window, start, notes: Vec::new(), holders: Vec::new() });
         window
     }
 
@@ -100,13 +103,25 @@ impl Registry {
         }
     }
 
+    /// The holders the running cell's code grows, as read at its end: the cell log's creep note
+    /// ([`super::cell_creep`]) looks at them when the cell is recorded.
+    pub fn cell_grew(&mut self, holders: Vec<HolderReading>) {
+        if let Some(cell) = self.cell.as_mut() {
+            cell.holders = holders;
+        }
+    }
+
     /// Closes the running cell's window and records it under the shell's number for the cell.
     pub fn end_cell(&mut self, execution_count: u64, end: &Snapshot) -> Option<Arc<CellRecord>> {
         let cell = self.cell.take()?;
         self.peaks.observe(end);
         let peaks = &self.peaks;
-        let record = CellRecord::build(execution_count, &cell.start, end, |g| peaks.peak(cell.window, g), cell.notes);
+        let mut record =
+            CellRecord::build(execution_count, &cell.start, end, |g| peaks.peak(cell.window, g), cell.notes);
         self.peaks.close(cell.window);
+        if let Some(note) = self.cell_creep.cell_ended(&record, cell.holders) {
+            record.notes.push(note);
+        }
         let record = Arc::new(record);
         self.cells.push(record.clone());
         Some(record)

@@ -9,6 +9,7 @@ use crate::snapshot::{Gauge, GpuSelection, Snapshot};
 use crate::training::Runs;
 
 mod attached;
+pub mod cell_creep;
 pub mod cell_log;
 mod cells;
 mod finishing;
@@ -122,6 +123,7 @@ pub struct Registry {
     cell: Option<OpenCell>,
     last_cell_end: Option<CellEnd>,
     cells: Vec<Arc<CellRecord>>,
+    cell_creep: cell_creep::CellCreep,
     /// `%gpuexp log on`: the cell log without an experiment.
     pub standalone_log: bool,
     /// Show every GPU in the cell log, not only those the cell touched.
@@ -155,6 +157,7 @@ impl Default for Registry {
             cell: None,
             last_cell_end: None,
             cells: Vec::new(),
+            cell_creep: Default::default(),
             standalone_log: false,
             cell_log_all_gpus: false,
             oom_rescue: true,

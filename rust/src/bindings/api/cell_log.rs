@@ -13,6 +13,7 @@ use crate::bindings::snapshot::{
 use crate::bindings::torch::PyTorch;
 use crate::live_view::schedule::SCHEDULE;
 use crate::report::CellRecord;
+use crate::scope::cell_creep::HolderReading;
 use crate::scope::cell_log::{self, CellWorld};
 use crate::scope::Registry;
 use crate::snapshot::{GpuSelection, Snapshot};
@@ -82,6 +83,15 @@ pub(in crate::bindings) fn end_cell(py: Python, execution_count: u64) -> (Option
     let ended = cell_log::end_cell(&mut PyCells(py), &SCHEDULE, execution_count);
     let all_gpus = registry().cell_log_all_gpus;
     (ended.shown.map(|record| CellRecordPy { record, all_gpus }), ended.drawn)
+}
+
+/// The holders the running cell's code grows, each `(path, items, tensor_bytes)` as read at its
+/// end: the cell log notes a creep where three cells in a row each end higher growing one.
+#[pyfunction]
+pub(in crate::bindings) fn cell_grew(holders: Vec<(String, u64, u64)>) {
+    let readings =
+        holders.into_iter().map(|(name, items, tensor_bytes)| HolderReading { name, items, tensor_bytes }).collect();
+    registry().cell_grew(readings);
 }
 
 /// Every cell record of this kernel, oldest first.
