@@ -542,8 +542,8 @@ def end_cell(execution_count: int) -> tuple[CellRecord | None, int | None]:
     record when its block shows (something moved by `cell_log_min_change`, or `%gpuexp log all`),
     and the window of the cell's live view if one was drawn: the caller replaces it."""
 def cell_grew(holders: list[tuple[str, int, int]]) -> None:
-    """The holders the running cell's code grows, each ``(path, items, tensor_bytes)`` as read at
-    its end: the cell log notes a creep where three cells in a row each end higher growing one."""
+    """The holders the running cell's code grows, each `(path, items, tensor_bytes)` as read at its
+    end: the cell log notes a creep where three cells in a row each end higher growing one."""
 def cells() -> list[CellRecord]:
     """Every cell record of this kernel, oldest first."""
 def before_user_peak_reset() -> None:

@@ -29,7 +29,7 @@ def grown_holders(tree, namespace):
             break
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             function = namespace.get(node.func.id)
-            if inspect.isfunction(function) and function.__globals__ is namespace:
+            if inspect.isfunction(function) and function.__module__ == namespace.get("__name__"):
                 functions += 1
                 names |= _grown_names(_source_tree(function))
     readings = []
