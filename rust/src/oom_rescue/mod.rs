@@ -26,7 +26,7 @@ pub trait RescueWorld {
     fn last_oom(&self, torch_index: u32, requested: Option<u64>, step: Option<StepEnd>) -> Option<OomRecord>;
     /// The blocks torch's allocator holds on `torch_index` now.
     fn live_in_state(&self, torch_index: u32) -> Option<LiveBlocks>;
-    fn flight_recorder_on(&self) -> bool;
+    fn recorder(&self) -> RecorderState;
     /// Whether torch's allocation history is being recorded.
     fn history_enabled(&self) -> bool;
     /// Clears the failed cell's frames and the references to its exception; what was cleared.
@@ -229,15 +229,31 @@ fn creep(torch_index: u32, repetitions: Option<recorder::Rising>, at_error: &AtE
     Creep::find(runs, at_error.allowed.or(at_error.total)?, at_error.allocated?)
 }
 
+/// Whether the flight recorder could have recorded the failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecorderState {
+    /// Turned off by `gpuexp.config(flight_recorder=False)`.
+    Off,
+    /// On, but gpuexp is not active (no experiment open, the cell log off): it does not run.
+    Idle,
+    /// On while gpuexp is active.
+    Wanted,
+}
+
 /// Why no allocation record holds the OOM, for the diagnosis.
 fn no_record_why(world: &impl RescueWorld) -> String {
-    if !world.flight_recorder_on() {
-        return "the flight recorder is off: gpuexp.config(flight_recorder=True)".into();
-    }
-    if world.history_enabled() {
-        "the allocation record holds no OOM of the size torch's message names".into()
-    } else {
-        "no allocation record ran: the recorder starts at the first cell or experiment after CUDA is initialised".into()
+    match world.recorder() {
+        RecorderState::Off => "the flight recorder is off: gpuexp.config(flight_recorder=True)".into(),
+        RecorderState::Idle => {
+            "the flight recorder runs only while an experiment is open or the cell log is on (%gpuexp log on)".into()
+        }
+        RecorderState::Wanted if world.history_enabled() => {
+            "the allocation record holds no OOM of the size torch's message names".into()
+        }
+        RecorderState::Wanted => {
+            "no allocation record ran: the recorder starts at the first cell or experiment after CUDA is initialised"
+                .into()
+        }
     }
 }
 

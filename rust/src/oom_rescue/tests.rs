@@ -12,9 +12,21 @@ struct Fake {
     kept: u64,
     /// The run over the loop's repetitions its allocation record holds, where it holds one.
     repeated: Option<recorder::Rising>,
+    recorder: RecorderState,
 }
 
 impl Fake {
+    /// A world whose torch keeps `kept` bytes after the release, with the recorder wanted.
+    fn keeping(kept: u64) -> Self {
+        Fake {
+            released: Cell::new(false),
+            calls: RefCell::default(),
+            kept,
+            repeated: None,
+            recorder: RecorderState::Wanted,
+        }
+    }
+
     fn log(&self, call: &str) {
         self.calls.borrow_mut().push(call.into());
     }
@@ -41,8 +53,8 @@ impl RescueWorld for Fake {
     fn live_in_state(&self, _: u32) -> Option<LiveBlocks> {
         None
     }
-    fn flight_recorder_on(&self) -> bool {
-        true
+    fn recorder(&self) -> RecorderState {
+        self.recorder
     }
     fn history_enabled(&self) -> bool {
         false
@@ -78,7 +90,7 @@ const MESSAGE: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has
 #[test]
 fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_after() {
     let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
+    let world = Fake::keeping(100);
     let diagnosis = rescue(&world, MESSAGE.into(), None).expect("rescued");
     assert_eq!(
         *world.calls.borrow(),
@@ -104,6 +116,28 @@ fn the_failed_line_is_read_before_the_frames_are_cleared_and_memory_released_aft
     );
 }
 
+#[test]
+fn where_no_record_holds_the_oom_the_diagnosis_says_why_and_how_to_get_one() {
+    use crate::recorder::StepKind;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    recorder::forget(); // no level read: nothing but the record could say what grew
+    recorder::step_ended(StepKind::Cell, 1, None);
+    for (recorder, why) in [
+        // Importing gpuexp rescues an OOM, but the recorder runs only while gpuexp is active.
+        (RecorderState::Idle, "only while an experiment is open or the cell log is on (%gpuexp log on)"),
+        (RecorderState::Off, "gpuexp.config(flight_recorder=True)"),
+        (RecorderState::Wanted, "the recorder starts at the first cell or experiment after CUDA is initialised"),
+    ] {
+        let world = Fake { recorder, ..Fake::keeping(100) };
+        let diagnosis = rescue(&world, MESSAGE.into(), None).expect("rescued");
+        match diagnosis.since_step {
+            SinceStep::Unknown { why: said, .. } => assert!(said.contains(why), "{recorder:?}: {said}"),
+            other => panic!("{recorder:?}: {other:?}"),
+        }
+    }
+}
+
 /// The GPT-2 step of issue 44, as torch's message wrote it; read after the unwind, the 24 GiB
 /// intermediate the failing operator made is cached, and looked like fragmentation.
 const TOO_BIG: &str = "CUDA out of memory. Tried to allocate 24.00 GiB. GPU 1 has a total capacity of 139.81 GiB of \
@@ -113,7 +147,7 @@ const TOO_BIG: &str = "CUDA out of memory. Tried to allocate 24.00 GiB. GPU 1 ha
 #[test]
 fn without_an_observer_the_figures_are_torchs_message_and_a_too_big_step_is_no_fragmentation() {
     let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
+    let world = Fake::keeping(100);
     let diagnosis = rescue(&world, TOO_BIG.into(), None).expect("rescued");
     const GIB: f64 = (1u64 << 30) as f64;
     assert_eq!(diagnosis.at_error_source, FiguresSource::Message);
@@ -138,7 +172,7 @@ fn the_observers_figures_come_first_and_say_so() {
         allocated: pools(6 << 30),
         reserved: pools((6 << 30) + 4096),
     });
-    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
+    let world = Fake::keeping(100);
     let message = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 3 has a total capacity of 79.19 GiB of \
         which 5.00 GiB is free. 8.00 GiB allowed; Of the allocated memory 6.00 GiB is allocated by PyTorch, and \
         4.00 KiB is reserved by PyTorch but unallocated.";
@@ -168,7 +202,7 @@ fn levels_that_crept_before_the_failure_make_it_a_creep_with_its_fix() {
             recorder::step_ended(StepKind::OptimizerStep, (reading * 10 + step) as i64, level);
         }
     }
-    let world = Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: None };
+    let world = Fake::keeping(100);
     let diagnosis = rescue(&world, TOO_BIG.replace("GPU 1", "GPU 0"), None).expect("rescued");
     assert_eq!(diagnosis.cause, Some(report::OomCause::Creep));
     let creep = diagnosis.creep.expect("the creep's figures");
@@ -205,8 +239,7 @@ fn where_no_training_step_ended_last_the_loops_repetitions_are_its_iterations() 
     let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // 100 repetitions of an evaluation loop, each keeping 1 GiB, on GPU 1.
     let readings = (0..100u64).map(|i| Reading { time_us: i as i64, allocated: (20 + i) * GIB, count: i });
-    let world =
-        Fake { released: Cell::new(false), calls: RefCell::default(), kept: 100, repeated: Rising::ending(readings) };
+    let world = Fake { repeated: Rising::ending(readings), ..Fake::keeping(100) };
     recorder::step_ended(StepKind::Cell, 1, None);
     let diagnosis = rescue(&world, TOO_BIG.into(), None).expect("rescued");
     assert_eq!(diagnosis.cause, Some(report::OomCause::Creep));

@@ -436,5 +436,11 @@ pub fn live_in_state(snapshot: &AllocationHistory, device: usize) -> LiveBlocks 
 #[cfg(test)]
 pub(crate) static TESTS_ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The record as a fresh process has it, for a test that must not see the steps of others.
+#[cfg(test)]
+pub(crate) fn forget() {
+    with_record(|record| *record = Record::default());
+}
+
 #[cfg(test)]
 mod tests;

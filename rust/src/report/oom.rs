@@ -170,9 +170,18 @@ impl OomDiagnosis {
     }
 
     /// Whether other processes held more than a tenth of the device.
+    /// Whether other processes are why it failed: they held more than a tenth of the device,
+    /// and the device itself refused (it had less free than the request, which would have fit
+    /// without them), not the memory fraction's cap (torch counts its reserved bytes against it).
     fn crowded(&self) -> bool {
         let others: u64 = self.others.iter().filter_map(|p| p.used).sum();
-        self.total.is_some_and(|total| others > total / 10)
+        let Some(requested) = self.requested else { return false };
+        let capped = self
+            .allowed
+            .zip(self.torch_reserved_before)
+            .is_some_and(|(allowed, reserved)| reserved.saturating_add(requested) > allowed);
+        let device_refused = self.free_before.is_none_or(|free| free < requested && free + others >= requested);
+        self.total.is_some_and(|total| others > total / 10) && device_refused && !capped
     }
 
     /// What the step can have after the rescue: the device's free memory, within the memory

@@ -15,7 +15,7 @@ use crate::bindings::trace_recording;
 use crate::fork::PerProcess;
 use crate::holders_walk::LEAK_MIN_BYTES;
 use crate::oom_rescue::observed::{self, Observed, PoolBytes};
-use crate::oom_rescue::{self, RescueWorld};
+use crate::oom_rescue::{self, RecorderState, RescueWorld};
 use crate::recorder::{LiveBlocks, OomRecord, StepEnd};
 use crate::report::{FailedLine, Holders};
 use crate::snapshot::{GpuSelection, Snapshot};
@@ -86,8 +86,13 @@ impl RescueWorld for PyRescue<'_, '_> {
         trace::live_in_state(self.py, torch_index)
     }
 
-    fn flight_recorder_on(&self) -> bool {
-        registry().flight_recorder
+    fn recorder(&self) -> RecorderState {
+        let registry = registry();
+        match (registry.flight_recorder, registry.gpuexp_active()) {
+            (false, _) => RecorderState::Off,
+            (true, false) => RecorderState::Idle,
+            (true, true) => RecorderState::Wanted,
+        }
     }
 
     fn history_enabled(&self) -> bool {
