@@ -1,6 +1,6 @@
 """gpuexp.estimate side by side with the real step: the predicted torch peak against the measured one.
 
-    CUDA_VISIBLE_DEVICES=0 python bench/estimate.py [--json PATH] [--models conv,transformer,attention,mlp]
+    CUDA_VISIBLE_DEVICES=0 python bench/estimate.py [--json PATH] [--models conv,transformer,attention,mlp] [--repeat N]
     python bench/estimate.py --cpu-smoke
 
 Run on a GPU machine with torch and the gpuexp wheel installed. Four models built in plain torch,
@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -152,17 +153,22 @@ def estimated(torch, gpuexp, step, batch_size, device):
     return result, seconds, allocated
 
 
-def run_model(torch, gpuexp, workload, device, sizes, measure):
+def run_model(torch, gpuexp, workload, device, sizes, measure, repeat=1):
     model, optimizer = workloads_of.fresh(torch, workload, device)
     step = workloads_of.make_step(torch, model, optimizer, workload, device)
     step(2)
     rows = []
     for batch_size in sizes:
-        result, seconds, allocated = estimated(torch, gpuexp, step, batch_size, device)
+        runs = [estimated(torch, gpuexp, step, batch_size, device) for _ in range(repeat)]
+        result, _, _ = runs[0]
+        times = [round(seconds, 3) for _, seconds, _ in runs]
+        seconds = statistics.median(times)  # one estimate's time drifts with the host: the median of `repeat`
+        allocated = max(allocated for _, _, allocated in runs)
         row = {
             "batch_size": batch_size,
             "estimate": result.peak,
             "seconds": round(seconds, 3),
+            "all_seconds": times,
             "allocated_by_estimate": allocated,
             "categories": result.categories,
         }
@@ -227,8 +233,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="time each estimate N times and report the median (for comparing two builds)")
     parser.add_argument("--cpu-smoke", action="store_true", help="estimate on the CPU at the smallest sizes; no GPU")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in MODELS for m in models):
         parser.error(f"--models {args.models!r}: pick from {', '.join(MODELS)}")
@@ -274,7 +284,7 @@ def main(argv=None):
         workload = workloads[name]
         results["models"][name] = {
             "title": workload.title,
-            "rows": run_model(torch, gpuexp, workload, device, SIZES[name], measure=True),
+            "rows": run_model(torch, gpuexp, workload, device, SIZES[name], measure=True, repeat=args.repeat),
         }
     results["checks"] = checks(results)
     print("\n" + table(results) + "\n")
