@@ -222,9 +222,18 @@ def test_an_oom_beside_another_processs_allocation_names_that_process(kernel, tm
             assert other.poll() is None and time.monotonic() < deadline, "the other process did not start"
             time.sleep(0.2)
         kernel.run(SETUP + "exp = gpuexp.GPUExperiment('crowded')")
-        failed = kernel.run("torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
+        # 90% of the device: more than is free beside the other's fifth, less than it would be without.
+        failed = kernel.run(
+            "torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.9), dtype=torch.uint8, "
+            "device='cuda')",
+            expect_error=True,
+        )
         assert f"process {other.pid}" in failed.text, failed.text
         assert "other processes hold" in failed.text
+        assert kernel.value("__import__('gpuexp.extension').extension.last_oom.to_dict()['cause']") == "other_process"
+        # A request the device could not give even without them is not theirs to answer for.
+        failed = kernel.run("torch.empty(1 << 50, dtype=torch.uint8, device='cuda')", expect_error=True)
+        assert f"process {other.pid}" in failed.text and "other processes hold" not in failed.text, failed.text
         kernel.run("exp.finish()")
     finally:
         other.kill()
