@@ -55,6 +55,8 @@ CAPTURES = {
         "the report `del exp` shows in the quickstart", gpu=True, notebook="notebooks/quickstart.ipynb"),
     "cell-log": Capture("a cell's memory block", gpu=True, notebook="docs/examples/cell_log.ipynb"),
     "oom": Capture("the diagnosis after a CUDA out-of-memory error", gpu=True, notebook="docs/examples/oom.ipynb"),
+    "oom-creep": Capture("the creep diagnosis after an evaluation loop kept its outputs until out of memory",
+                         gpu=True, notebook="docs/examples/oom_creep.ipynb"),
     "holders": Capture("gpuexp.holders() on a notebook that holds memory in many ways", gpu=True,
                        notebook="docs/examples/holders.ipynb"),
     "still-held": Capture("a finished experiment's report naming what it could not free", gpu=True,
