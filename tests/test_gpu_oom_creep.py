@@ -110,3 +110,44 @@ def test_a_step_simply_too_big_after_steady_steps_keeps_todays_diagnosis(kernel)
     hints = "\n".join(found["hints"])
     assert "needed at least" in hints and "memory crept" not in hints, hints
     kernel.run("exp.finish()")
+
+
+def test_one_forward_through_identical_blocks_too_big_is_no_creep(kernel):
+    # 24 identical blocks: the first forward repeats the same allocations once per block, each
+    # keeping its activations for backward, until the cap refuses one some 15 blocks in. No step
+    # ever completed, and the repetitions are layers of one pass, not iterations of a loop.
+    kernel.run(
+        CAPPED + "deep = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU())\n"
+        "                              for _ in range(24)]).cuda()\n"
+        "big = torch.randn(32768, 1024, device='cuda')"
+    )
+    failed = kernel.run("deep(big).sum().backward()", expect_error=True)
+    assert "OutOfMemoryError" in failed.error
+    found = kernel.value(LAST_OOM)
+    assert found["cause"] == "step_too_big", failed.text
+    assert found["creep"] is None
+    assert "memory crept" not in "\n".join(found["hints"]), found["hints"]
+    assert found["failed_line"]["module"].startswith("deep."), found["failed_line"]
+    kernel.run("exp.finish()")
+
+
+def test_a_loop_whose_passes_differ_crept_within_the_cell(kernel):
+    # Each pass a random batch size, so no two passes allocate alike and no iteration repeats;
+    # a data loader's wait makes the loop take a few seconds. What rose is still held by `outs`.
+    kernel.run(CAPPED + "import random\nrandom.seed(0)\nouts = []\nmodel(x)")
+    failed = kernel.run(
+        "while True:\n"
+        "    outs.append(model(x[: random.randint(64, 256)]))\n"
+        "    time.sleep(0.003)",
+        expect_error=True,
+    )
+    assert "OutOfMemoryError" in failed.error and "rescued" in failed.text
+    found = kernel.value(LAST_OOM)
+    assert found["cause"] == "creep", failed.text
+    creep = found["creep"]
+    assert creep["over"] == "within_cell" and creep["per_iteration"] is None, creep
+    hints = "\n".join(found["hints"])
+    assert "memory crept within the cell" in hints and "`del outs`" in hints, hints
+    assert_step_hints_absent(found["hints"])
+    assert kernel.value("len(outs) > 100")
+    kernel.run("outs.clear()\nexp.finish()")

@@ -18,8 +18,9 @@ def _module_of(frame, module_type):
 
 
 def failed_frames(error):
-    """([(filename, line, function), ...] innermost first, "model.blocks.3.fc1 (Linear)" or None).
-    Never raises: a frame or a module that cannot be read is skipped."""
+    """([(filename, line, function), ...] innermost first, "model.blocks.3.fc1 (Linear)" or None,
+    the layers one pass runs through the numbered containers on that path or None: see
+    ``_pass_layers``). Never raises: a frame or a module that cannot be read is skipped."""
     module_type = getattr(sys.modules.get("torch.nn"), "Module", None)
     frames, modules = [], []
     traceback = getattr(error, "__traceback__", None)
@@ -34,20 +35,37 @@ def failed_frames(error):
             modules.append(module)
         traceback = traceback.tb_next
     frames.reverse()
-    return frames, _path(modules)
+    return (frames, *_path(modules))
 
 
 def _path(modules):
-    """The innermost module's path under the outermost one (both from the traceback)."""
+    """The innermost module's path under the outermost one (both from the traceback), and the
+    layers one pass runs through the numbered containers on it."""
     if not modules:
-        return None
+        return None, None
     root, inner = modules[0], modules[-1]
     kind = type(inner).__name__
     try:
         prefix = _root_name(root)
-        for name, module in root.named_modules(prefix=prefix):
+        named = dict(root.named_modules(prefix=prefix, remove_duplicate=False))
+        for name, module in named.items():
             if module is inner:
-                return f"{name} ({kind})"
+                return f"{name} ({kind})", _pass_layers(name, named)
     except Exception:  # a module whose tree cannot be walked: its type still helps
         pass
-    return kind
+    return kind, None
+
+
+def _pass_layers(path, named):
+    """How many layers one pass of the model runs through the numbered containers on ``path``
+    (``model.blocks.20.fc1`` in 24 blocks: 24; ``layer3.5.conv1``: the blocks of ``layer3``),
+    the product of their sizes: a single forward that fails in its 21st block repeats the same
+    allocations once per block, which the rescue must not take for 20 iterations of a loop.
+    None where no container on the path is numbered."""
+    parts = path.split(".")
+    layers = None
+    for at in range(1, len(parts)):
+        container = named.get(".".join(parts[:at]))
+        if parts[at].isdigit() and container is not None:
+            layers = (layers or 1) * max(len(container._modules), 1)
+    return layers

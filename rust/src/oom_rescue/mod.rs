@@ -6,7 +6,7 @@
 
 pub mod observed;
 
-use crate::recorder::{self, LiveBlocks, OomRecord, SinceStep, StepEnd};
+use crate::recorder::{self, LiveBlocks, OomRecord, Rising, SinceStep, StepEnd};
 use crate::report::OomMessage;
 use crate::report::{self, Creep, FailedLine, FiguresSource, Holders, OomDiagnosis, RisingRuns, TorchPools};
 use crate::snapshot::{nvml, own_pids, GpuReading, Snapshot};
@@ -71,8 +71,7 @@ pub fn rescue<W: RescueWorld>(
     // The loop's repetitions are its iterations only where no training step ended last: a
     // training loop's iterations are its steps, and its steps' levels say whether it crept.
     let stepping = step.is_some_and(|s| s.kind != recorder::StepKind::Cell);
-    let repetitions = recorded.as_ref().and_then(|r| r.repeated).filter(|_| !stepping);
-    let creep = gpu_before.as_ref().and_then(|g| creep(g.torch_index, repetitions, &at_error));
+    let in_history = recorded.as_ref().filter(|_| !stepping).map(|r| (r.repeated, r.floors));
     let (since_step, sites, live_blocks) = match (recorded, step) {
         (Some(recorded), _) => (recorded.since_step, recorded.sites, recorded.live),
         (None, None) => (SinceStep::NoStep, None, None),
@@ -109,6 +108,11 @@ pub fn rescue<W: RescueWorld>(
             Err(why) => holder_search = Some(why),
         }
     }
+    let creep = gpu_before.as_ref().and_then(|g| {
+        let (repetitions, floors) = in_history.unwrap_or_default();
+        let evidence = Unstepped { repetitions, floors, allocated_after, failed_line: failed_line.as_ref() };
+        creep(g.torch_index, evidence.runs(), &at_error)
+    });
     let mut others: Vec<(u32, Option<u64>)> =
         gpu_before.as_ref().map(|g| nvml::other_processes(&g.uuid, &own_pids())).unwrap_or_default();
     // Where NVML lists none, torch's message may: only where it also names this process's own
@@ -210,13 +214,54 @@ impl AtError {
     }
 }
 
-/// How memory crept on `torch_index` before the failure, from the recorder's series and the
-/// loop's `repetitions` in its history: the budget is the memory fraction's cap, else the device.
-fn creep(torch_index: u32, repetitions: Option<recorder::Rising>, at_error: &AtError) -> Option<Creep> {
+/// What torch's history shows of a cell in which no training step ended: the loop's
+/// repetitions and the floors of its quarter-seconds. Either can also be a single pass that is
+/// too big (a model of 24 identical blocks repeats its allocations 24 times in one forward, each
+/// keeping its activations for backward), so each counts only where no single pass explains it.
+struct Unstepped<'a> {
+    repetitions: Option<Rising>,
+    floors: Option<Rising>,
+    /// Torch's allocated after the rescue cleared the failed cell's frames.
+    allocated_after: Option<u64>,
+    failed_line: Option<&'a FailedLine>,
+}
+
+impl Unstepped<'_> {
+    /// Still held after the rescue: the failed call's frames are gone, so what rose outlived
+    /// it, held by the user's names; a single pass's activations would have come back.
+    fn still_held(&self, run: &Rising) -> bool {
+        let one_rise = run.total() / u64::from(run.rises.max(1));
+        self.allocated_after.is_some_and(|after| after >= run.to.allocated - one_rise)
+    }
+
+    /// More repetitions than one pass has layers where the failure was inside a model (the
+    /// product of its numbered containers' sizes), or none inside one.
+    fn more_than_one_pass(&self, run: &Rising) -> bool {
+        let layers = self.failed_line.and_then(|line| line.pass_layers);
+        layers.is_none_or(|layers| run.iterations() >= layers)
+    }
+
+    /// The repetitions where they are no single pass's layers, the floors only where what rose
+    /// is still held (they count no iterations, so no layer count can tell).
+    fn runs(&self) -> (Option<Rising>, Option<Rising>) {
+        let repetitions = self.repetitions.filter(|run| self.still_held(run) || self.more_than_one_pass(run));
+        (repetitions, self.floors.filter(|run| self.still_held(run)))
+    }
+}
+
+/// How memory crept on `torch_index` before the failure, from the recorder's series and, where
+/// no step completed, the `repetitions` and `floors` of its history: the budget is the memory
+/// fraction's cap, else the device.
+fn creep(
+    torch_index: u32,
+    (repetitions, within_cell): (Option<Rising>, Option<Rising>),
+    at_error: &AtError,
+) -> Option<Creep> {
     let series = recorder::series(torch_index);
     let runs = RisingRuns {
         steps: series.as_ref().and_then(|s| s.steps.rising),
         repetitions,
+        within_cell,
         cells: series.as_ref().and_then(|s| {
             let run = s.cells.rising?;
             // The run's rises that the ring still holds.

@@ -12,6 +12,9 @@ struct Fake {
     kept: u64,
     /// The run over the loop's repetitions its allocation record holds, where it holds one.
     repeated: Option<recorder::Rising>,
+    /// The run over the floors of the cell's record.
+    floors: Option<recorder::Rising>,
+    failed: Option<FailedLine>,
     recorder: RecorderState,
 }
 
@@ -23,6 +26,8 @@ impl Fake {
             calls: RefCell::default(),
             kept,
             repeated: None,
+            floors: None,
+            failed: None,
             recorder: RecorderState::Wanted,
         }
     }
@@ -43,12 +48,17 @@ impl RescueWorld for Fake {
     }
     fn failed_line(&self) -> Option<FailedLine> {
         self.log("failed_line");
-        None
+        self.failed.clone()
     }
     fn last_oom(&self, torch_index: u32, _: Option<u64>, _: Option<StepEnd>) -> Option<OomRecord> {
         self.log(&format!("last_oom cuda:{torch_index}"));
-        let repeated = self.repeated?;
-        Some(OomRecord { sites: None, live: None, since_step: SinceStep::NoStep, repeated: Some(repeated) })
+        (self.repeated.is_some() || self.floors.is_some()).then_some(OomRecord {
+            sites: None,
+            live: None,
+            since_step: SinceStep::NoStep,
+            repeated: self.repeated,
+            floors: self.floors,
+        })
     }
     fn live_in_state(&self, _: u32) -> Option<LiveBlocks> {
         None
@@ -249,4 +259,53 @@ fn where_no_training_step_ended_last_the_loops_repetitions_are_its_iterations() 
     recorder::step_ended(StepKind::OptimizerStep, 2, None);
     let stepping = rescue(&world, TOO_BIG.into(), None).expect("rescued");
     assert_eq!(stepping.cause, Some(report::OomCause::StepTooBig), "a training loop's iterations are its steps");
+}
+
+#[test]
+fn a_single_pass_through_identical_blocks_is_no_creep_unless_what_rose_outlived_it() {
+    use crate::recorder::{Reading, Rising, StepKind};
+    const GIB: u64 = 1 << 30;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    recorder::step_ended(StepKind::Cell, 1, None);
+    // One forward of 24 identical blocks, failing in the 21st: its allocations repeated 20
+    // times, each block keeping 4 GiB of activations for backward.
+    let blocks = (0..20u64).map(|i| Reading { time_us: i as i64, allocated: (40 + 4 * i) * GIB, count: i });
+    let line = FailedLine {
+        label: "In [7], line 3".into(),
+        source: None,
+        module: Some("model.blocks.20.fc1 (Linear)".into()),
+        pass_layers: Some(24),
+    };
+    let pass = Fake { repeated: Rising::ending(blocks.clone()), failed: Some(line.clone()), ..Fake::keeping(10 * GIB) };
+    let diagnosis = rescue(&pass, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(diagnosis.cause, Some(report::OomCause::StepTooBig), "{:?}", diagnosis.hints);
+    assert!(diagnosis.creep.is_none());
+    // The same readings still held after the rescue: the user's names keep them, no pass did.
+    let held = Fake { kept: 116 * GIB, ..pass };
+    let diagnosis = rescue(&held, TOO_BIG.into(), None).expect("rescued");
+    assert_eq!(diagnosis.creep.map(|c| c.over), Some(report::CreptOver::Repetitions));
+    // More repetitions than the model has blocks: a loop over passes, even where freed.
+    let loop_of_passes = (0..30u64).map(|i| Reading { time_us: i as i64, allocated: (30 + 3 * i) * GIB, count: i });
+    let passes = Fake { repeated: Rising::ending(loop_of_passes), failed: Some(line), ..Fake::keeping(10 * GIB) };
+    assert_eq!(rescue(&passes, TOO_BIG.into(), None).unwrap().cause, Some(report::OomCause::Creep));
+}
+
+#[test]
+fn floors_that_rose_within_the_cell_are_a_creep_only_where_what_rose_is_still_held() {
+    use crate::recorder::{Reading, Rising, StepKind};
+    const GIB: u64 = 1 << 30;
+    let _alone = observed::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _record = recorder::TESTS_ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    recorder::step_ended(StepKind::Cell, 1, None);
+    let quarters = (0..12u64).map(|i| Reading { time_us: i as i64, allocated: (40 + 7 * i) * GIB, count: i });
+    let freed = Fake { floors: Rising::ending(quarters), ..Fake::keeping(10 * GIB) };
+    let diagnosis = rescue(&freed, TOO_BIG.into(), None).expect("rescued");
+    assert!(diagnosis.creep.is_none(), "a slow pass too big gives its memory back: {:?}", diagnosis.creep);
+    let held = Fake { kept: 117 * GIB, ..freed };
+    let diagnosis = rescue(&held, TOO_BIG.into(), None).expect("rescued");
+    let creep = diagnosis.creep.expect("held by the user's names");
+    assert_eq!((creep.over, creep.per_iteration, creep.iterations), (report::CreptOver::WithinCell, None, 11));
+    assert!(diagnosis.hints[0].contains("memory crept within the cell"), "{:?}", diagnosis.hints);
+    assert!(!diagnosis.hints.iter().any(|h| h.contains("a batch of at most")), "{:?}", diagnosis.hints);
 }

@@ -10,7 +10,7 @@ mod pattern;
 mod schedule;
 mod series;
 
-pub use pattern::repeated;
+pub use pattern::{floors, repeated};
 pub use schedule::{HistoryChange, Phase, HISTORY_STEPS};
 use series::Series;
 pub use series::{DeviceSeries, Reading, Rising};
@@ -343,6 +343,9 @@ pub struct OomRecord {
     /// The rising run over the repetitions of the loop that reaches the failure, where the
     /// record holds one (`pattern`): the iterations where no step completed.
     pub repeated: Option<Rising>,
+    /// The rising run over the floors of the cell's record (`pattern::floors`), where no
+    /// training step ended in it.
+    pub floors: Option<Rising>,
 }
 
 /// The OOM torch's message describes (asking `asked`, where the message says) in `snapshot`'s
@@ -388,7 +391,13 @@ pub fn read_oom(
     };
     let live = (!with_stacks).then(|| live_blocks(replay, event, &since_step));
     let repeated = repeated(events, replay, event);
-    Some(OomRecord { sites, live, since_step, repeated })
+    // The cell's record: from the last cell's end, where no training step ended since.
+    let cell_began = match step {
+        None => Some(i64::MIN),
+        Some(step) => (step.kind == StepKind::Cell).then_some(step.time_us),
+    };
+    let floors = cell_began.and_then(|since| floors(events, replay, event, since));
+    Some(OomRecord { sites, live, since_step, repeated, floors })
 }
 
 fn live_blocks(replay: &Replay, event: usize, since_step: &SinceStep) -> LiveBlocks {

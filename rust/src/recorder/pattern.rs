@@ -4,6 +4,10 @@
 //! sizes asked for, and the allocated bytes at the same point of each repetition are a reading
 //! per iteration: a loop that keeps something of each pass rises from one to the next.
 //!
+//! Where no repetition is found (a loop whose passes differ in size), the floors of the cell's
+//! history, the lowest allocated bytes in each `LEVEL_EVERY_US` of it, are readings without
+//! iterations: a loop that keeps something raises the floor from one quarter-second to the next.
+//!
 //! Of the periods that repeat at least [`MIN_REPETITIONS`] times up to the failure, the one whose
 //! repetition reaches back furthest is the loop's (a model of identical layers repeats per layer
 //! too, but only within one pass); ties go to the shortest. The search gives up past
@@ -11,6 +15,7 @@
 //! history's ring of events).
 
 use super::series::{Reading, Rising};
+use super::LEVEL_EVERY_US;
 use crate::trace::{Action, Event, Replay};
 
 /// Repetitions a period needs to count as the loop's.
@@ -67,6 +72,25 @@ pub fn repeated(events: &[Event], replay: &Replay, failed: usize) -> Option<Risi
         let count = (repetitions - 1 - back) as u64;
         Reading { time_us: events[event].time_us, allocated: replay.allocated_at(event), count }
     });
+    Rising::ending(readings)
+}
+
+/// The rising run at the end of the floors of `events` from `since_us` to the failure at
+/// `failed`: the lowest allocated bytes after any event in each `LEVEL_EVERY_US` window, the
+/// count being the window's number. None where no event falls in the span.
+pub fn floors(events: &[Event], replay: &Replay, failed: usize, since_us: i64) -> Option<Rising> {
+    let failed = failed.min(events.len());
+    let first = events[..failed].partition_point(|e| e.time_us <= since_us);
+    let start_us = events.get(first)?.time_us;
+    let mut readings: Vec<Reading> = Vec::new();
+    for (at, event) in events.iter().enumerate().take(failed).skip(first) {
+        let window = ((event.time_us - start_us) / LEVEL_EVERY_US) as u64;
+        let allocated = replay.allocated_at(at);
+        match readings.last_mut() {
+            Some(floor) if floor.count == window => floor.allocated = floor.allocated.min(allocated),
+            _ => readings.push(Reading { time_us: event.time_us, allocated, count: window }),
+        }
+    }
     Rising::ending(readings)
 }
 
@@ -128,6 +152,37 @@ mod tests {
         assert_eq!(run_of(&few), None, "three passes are too few to call a loop");
         let sizes: Vec<u64> = (1..=100).collect();
         assert_eq!(loop_period(&sizes), None);
+    }
+
+    /// `passes` passes of a loop, a quarter-second each, whose temporary grows by 1 MiB a pass
+    /// (no two passes alike) and which keeps `kept` bytes; its events from time 0.
+    fn varying_loop(passes: u64, kept: u64) -> AllocationHistory {
+        let mut events = Vec::new();
+        for pass in 0..passes {
+            let (addr, time) = (0x1000_0000 + pass * 0x1000_0000, pass as i64 * LEVEL_EVERY_US);
+            events.push(event(Action::Alloc, addr, (pass + 1) * MIB, time));
+            events.push(event(Action::FreeRequested, addr, (pass + 1) * MIB, time + 1));
+            events.push(event(Action::Alloc, addr + 0x800_0000, kept, time + 2));
+        }
+        events.push(event(Action::Oom, 2 * MIB, 0, passes as i64 * LEVEL_EVERY_US));
+        AllocationHistory { device_traces: vec![events], ..AllocationHistory::default() }
+    }
+
+    #[test]
+    fn without_a_repetition_the_floors_of_the_cell_rise_by_what_each_quarter_second_kept() {
+        let history = varying_loop(30, 5 * MIB);
+        let replayed = replay(&history, 0, None);
+        let events = &history.device_traces[0];
+        assert_eq!(run_of(&history), None, "no two passes alike");
+        let run = floors(events, &replayed, events.len() - 1, -1).expect("floors");
+        assert_eq!((run.rises, run.total()), (29, 29 * 5 * MIB), "the floor rose each quarter-second");
+        let later = floors(events, &replayed, events.len() - 1, 20 * LEVEL_EVERY_US).unwrap();
+        assert_eq!(later.rises, 9, "only the windows after the cell began: passes 21 to 30");
+        assert_eq!(floors(events, &replayed, 0, -1), None, "nothing before the failure");
+        let steady = varying_loop(30, 0);
+        let replayed = replay(&steady, 0, None);
+        let run = floors(&steady.device_traces[0], &replayed, steady.device_traces[0].len() - 1, -1).unwrap();
+        assert_eq!(run.rises, 0, "a loop that keeps nothing has a flat floor");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! told apart from a step too big by the levels the flight recorder read before the failure.
 //!
 //! A creep: the allocated bytes at [`CREEP_RISES`] or more consecutive readings (step ends, the
-//! loop's repetitions in torch's history, or cells' ends) each rose by at least 1 MiB
+//! loop's repetitions in torch's history, the floors of each quarter-second of the cell's
+//! history, or cells' ends) each rose by at least 1 MiB
 //! (the recorder series's `RISE_AT_LEAST`), none lower than the one before, the rise is at least half of the
 //! budget at the failure (the memory fraction's cap, else the device), and the failure still holds
 //! what rose (nothing gave it back since: at the failure, allocated is at least the run's last
@@ -39,6 +40,9 @@ pub enum CreptOver {
     Steps,
     /// Repetitions of the same allocations in torch's history, where no step completed.
     Repetitions,
+    /// Quarter-seconds of the cell's history, where no step completed and nothing repeated: no
+    /// iteration within the cell is known.
+    WithinCell,
     /// Cells that ran to their end: no iteration within them is known.
     Cells,
 }
@@ -51,16 +55,18 @@ pub struct Creep {
     pub total: u64,
     /// Iterations (steps, repetitions or cells) the run spans.
     pub iterations: u64,
-    /// What each iteration kept (`total / iterations`); None across cells.
+    /// What each iteration kept (`total / iterations`); None within a cell or across cells.
     pub per_iteration: Option<u64>,
 }
 
 /// The runs the recorder had before the failure (across cells, only where the cells rose by
-/// about the same each: `same_rises`).
+/// about the same each: `same_rises`; the repetitions and the cell's floors only where they
+/// can be no single pass: see `oom_rescue`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RisingRuns {
     pub steps: Option<Rising>,
     pub repetitions: Option<Rising>,
+    pub within_cell: Option<Rising>,
     pub cells: Option<Rising>,
 }
 
@@ -74,15 +80,21 @@ impl Creep {
                 && run.total() >= budget / 2
                 && at_failure >= run.to.allocated - run.total() / u64::from(run.rises.max(1))
         };
-        [(runs.steps, CreptOver::Steps), (runs.repetitions, CreptOver::Repetitions), (runs.cells, CreptOver::Cells)]
-            .into_iter()
-            .find_map(|(run, over)| run.filter(crept).map(|run| (run, over)))
-            .map(|(run, over)| Creep {
-                over,
-                total: run.total(),
-                iterations: run.iterations(),
-                per_iteration: (over != CreptOver::Cells).then(|| run.total() / run.iterations()),
-            })
+        [
+            (runs.steps, CreptOver::Steps),
+            (runs.repetitions, CreptOver::Repetitions),
+            (runs.within_cell, CreptOver::WithinCell),
+            (runs.cells, CreptOver::Cells),
+        ]
+        .into_iter()
+        .find_map(|(run, over)| run.filter(crept).map(|run| (run, over)))
+        .map(|(run, over)| Creep {
+            over,
+            total: run.total(),
+            iterations: run.iterations(),
+            per_iteration: matches!(over, CreptOver::Steps | CreptOver::Repetitions)
+                .then(|| run.total() / run.iterations()),
+        })
     }
 
     /// `torch's allocated rose by about 40.00 MiB a step over 120 steps (+4.69 GiB)`
@@ -90,7 +102,7 @@ impl Creep {
         let unit = match self.over {
             CreptOver::Steps => "step",
             CreptOver::Repetitions => "iteration",
-            CreptOver::Cells => "cell",
+            CreptOver::Cells | CreptOver::WithinCell => "cell",
         };
         match self.per_iteration {
             Some(each) => format!(
@@ -98,6 +110,13 @@ impl Creep {
                  keeping what the one before kept",
                 bytes(each),
                 if unit == "iteration" { "n" } else { "" },
+                self.iterations,
+                bytes(self.total)
+            ),
+            None if self.over == CreptOver::WithinCell => format!(
+                "memory crept within the cell: torch's lowest allocated rose in each of the last {} quarter-seconds \
+                 before the failure (+{} in all) and is still held; no iteration of it repeated exactly, so what \
+                 each kept is not known",
                 self.iterations,
                 bytes(self.total)
             ),
@@ -207,10 +226,15 @@ mod tests {
     #[test]
     fn without_steps_the_repetitions_then_the_cells_say_it() {
         let levels = rising(0, GIB, 8);
-        let repeated = RisingRuns { repetitions: run(&levels, 1), cells: run(&levels, 1), steps: None };
+        let repeated = RisingRuns { repetitions: run(&levels, 1), cells: run(&levels, 1), ..RisingRuns::default() };
         let creep = Creep::find(repeated, 10 * GIB, 8 * GIB).unwrap();
         assert_eq!((creep.over, creep.per_iteration), (CreptOver::Repetitions, Some(GIB)));
         assert!(creep.describe().contains("about 1.00 GiB an iteration over 7 iterations"), "{}", creep.describe());
+        let within = RisingRuns { within_cell: run(&levels, 1), cells: run(&levels, 1), ..RisingRuns::default() };
+        let creep = Creep::find(within, 10 * GIB, 8 * GIB).unwrap();
+        assert_eq!((creep.over, creep.per_iteration, creep.iterations), (CreptOver::WithinCell, None, 7));
+        assert!(creep.describe().contains("crept within the cell"), "{}", creep.describe());
+        assert!(creep.describe().contains("7 quarter-seconds") && creep.describe().contains("+7.00 GiB"));
         let cells = RisingRuns { cells: run(&levels, 1), ..RisingRuns::default() };
         let creep = Creep::find(cells, 10 * GIB, 8 * GIB).unwrap();
         assert_eq!((creep.over, creep.per_iteration, creep.total), (CreptOver::Cells, None, 7 * GIB));

@@ -130,6 +130,11 @@ pub struct FailedLine {
     pub source: Option<String>,
     /// `model.blocks.3.fc1 (Linear)`.
     pub module: Option<String>,
+    /// How many layers one pass of the model runs through the numbered containers on the
+    /// module's path (24 for `model.blocks.3.fc1` in 24 blocks): a single forward repeats the
+    /// same allocations once per layer, so fewer repetitions than this are no loop's iterations.
+    #[serde(skip)]
+    pub pass_layers: Option<u64>,
 }
 
 impl FailedLine {
@@ -137,6 +142,7 @@ impl FailedLine {
     pub fn from_frames(
         frames: &[(String, u32, String)],
         module: Option<String>,
+        pass_layers: Option<u64>,
         rule: &SiteRule,
         namer: &dyn SiteNamer,
     ) -> Option<FailedLine> {
@@ -145,7 +151,7 @@ impl FailedLine {
         let stack = stacks.intern_stack(&ids);
         let frame = rule.user_frame(&stacks, stack)?;
         let label = namer.label(frame.filename, frame.line);
-        Some(FailedLine { label, source: namer.source(frame.filename, frame.line), module })
+        Some(FailedLine { label, source: namer.source(frame.filename, frame.line), module, pass_layers })
     }
 
     /// `In [7], line 3 `y = self.fc(x)` in model.fc (Linear), asking 4.00 GiB`

@@ -78,15 +78,15 @@ fn the_traceback_names_the_users_line_and_the_innermost_module() {
         ("/home/u/train.py".to_string(), 3, "<module>".to_string()),
     ];
     let module = Some("model.blocks.3.fc1 (Linear)".to_string());
-    let line =
-        FailedLine::from_frames(&frames, module, &SiteRule::default(), &PlainNamer::default()).expect("a user frame");
+    let line = FailedLine::from_frames(&frames, module, None, &SiteRule::default(), &PlainNamer::default())
+        .expect("a user frame");
     assert_eq!(line.label, "/home/u/model.py:14");
     let mut d = diagnosis();
     d.failed_line = Some(line);
     let text = d.grid().to_text();
     assert!(text.contains("failed at /home/u/model.py:14 in model.blocks.3.fc1 (Linear), asking 2.00 GiB"), "{text}");
     assert!(text.contains("none completed"), "{text}");
-    assert!(FailedLine::from_frames(&frames[..2], None, &SiteRule::default(), &PlainNamer::default()).is_none());
+    assert!(FailedLine::from_frames(&frames[..2], None, None, &SiteRule::default(), &PlainNamer::default()).is_none());
 }
 
 #[test]
@@ -139,8 +139,12 @@ fn other_processes_are_blamed_only_where_the_device_itself_refused() {
 fn an_oom_in_a_models_forward_or_a_training_step_points_to_fit() {
     assert!(!diagnosis().hints().iter().any(|h| h.contains("gpuexp.fit")));
     let mut d = diagnosis();
-    d.failed_line =
-        Some(FailedLine { label: "In [7], line 3".into(), source: None, module: Some("model.h.3 (Block)".into()) });
+    d.failed_line = Some(FailedLine {
+        label: "In [7], line 3".into(),
+        source: None,
+        module: Some("model.h.3 (Block)".into()),
+        pass_layers: None,
+    });
     assert!(d.hints().last().is_some_and(|h| h.starts_with("next: gpuexp.fit(step, batch_size)")), "{:?}", d.hints());
     d.failed_line = None;
     d.training = Some(Position::default());
