@@ -160,3 +160,26 @@ def test_the_loop_option_of_fit_leaves_the_param_groups_as_they_were():
     assert [dict(group) for group in opt.param_groups] == groups
     assert all(group["params"][0] is p for group, p in zip(opt.param_groups, ns["model"].body.parameters()))
     assert opt.state == {}
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        # A model held only in a slot of the user's object, and only in a class attribute: the
+        # one walk of the step's state finds it, as the leak hunter's walk did before it.
+        "class Holder:\n    __slots__ = ('net', 'seen')\nheld = Holder()\nheld.net = model\nheld.seen = {}\n"
+        "def step(bs):\n    held.seen['k'] = 1\n    held.net(torch.randn(bs, 8)).sum().backward()\n",
+        "class Config:\n    net = model\n    seen = {}\n"
+        "def step(bs):\n    Config.seen['k'] = 1\n    Config.net(torch.randn(bs, 8)).sum().backward()\n",
+    ],
+    ids=["slot", "class attribute"],
+)
+def test_the_one_walk_finds_a_model_held_in_a_slot_or_a_class_and_puts_back_what_it_reaches(holder):
+    ns = namespace(holder)
+    found = gpuexp.estimate(ns["step"], 4).to_dict()
+    weights = sum(p.numel() * p.element_size() for p in ns["model"].parameters())
+    assert found["categories"]["parameters"] == weights, found["categories"]
+    assert found["categories"]["gradients"] > 0
+    assert all(p.grad is None for p in ns["model"].parameters()), "the real gradients untouched"
+    seen = ns["held"].seen if "held" in ns else ns["Config"].seen
+    assert seen == {}, "a dict reached through the slot or the class is put back"

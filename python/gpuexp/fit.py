@@ -244,8 +244,8 @@ def _autocasting(step, torch, device_type):
 class _Probe:
     """What the instrumented estimate records: per module of the model its inputs' storages and
     forward FLOPs, and every tensor autograd saves with the module whose forward saved it.
-    ``__slots__``: estimate puts back every ``__dict__`` and list it reaches from the step after
-    it, and the records must outlive it."""
+    Estimate puts back every container it reaches from the step after it, but passes over
+    gpuexp's own objects (``step_state.rs``'s walk), so the records outlive it."""
 
     __slots__ = ("torch", "paths", "stack", "saves", "inputs", "flops", "started", "counter", "skip", "step_flops",
                  "model")

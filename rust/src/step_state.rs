@@ -82,6 +82,9 @@ pub trait StepObjects: Heap {
     /// Saves the places the step's roots are held in (the globals it loads, its closure cells)
     /// and the globals it assigns to (`global` names).
     fn save_places(&mut self) -> Result<Vec<Self::Saved>, Self::Error>;
+    /// Whether the walk's `Owner` `object` is a model or an optimizer, whose tensors the estimate
+    /// swaps for fakes (`swapped_containers`).
+    fn swaps_tensors_of(&self, object: &Self::Object) -> bool;
     /// The containers whose tensors the estimate swaps for fakes in `owner` (a module's and its
     /// submodules' parameter and buffer dicts; an optimizer's attributes and param groups):
     /// saved whatever the walk's bounds, since a fake left there would break the model.
@@ -107,6 +110,9 @@ pub trait StepObjects: Heap {
 /// What the step reaches, as it was, until [`restore`].
 pub struct Saving<S, O> {
     roots: Vec<(String, O)>,
+    /// The models and optimizers the walk reached, in its order: the fakes go into their
+    /// tensors' places.
+    pub owners: Vec<O>,
     /// The RNGs first, then the places, the owners' swapped containers, and the containers in
     /// the walk's order.
     pub saved: Vec<S>,
@@ -141,27 +147,29 @@ pub fn save_rngs<W: StepObjects>(world: &mut W) -> Result<Vec<(Rng, W::Saved)>, 
     Ok(saved)
 }
 
-/// Saves the RNGs, the places, the containers of `owners` that the fakes go into, and every
-/// container reachable from `roots` and from the globals the step assigns; then tells each
-/// GradScaler reached that the gradients are finite.
+/// Saves the RNGs, the places, and, from one walk of what `roots` and the globals the step
+/// assigns reach, the containers of the models and optimizers reached that the fakes go into,
+/// then every container reached; then tells each GradScaler reached that the gradients are
+/// finite. The models and optimizers are in the saving's `owners`.
 pub fn save<W: StepObjects>(
     world: &mut W,
     mut roots: Vec<(String, W::Object)>,
-    owners: &[W::Object],
 ) -> Result<Saving<W::Saved, W::Object>, W::Error> {
     let mut saved: Vec<W::Saved> = save_rngs(world)?.into_iter().map(|(_, state)| state).collect();
     saved.extend(world.save_places()?);
+    // A global the step assigns is walked from what it holds now, by its name.
+    roots.extend(world.assigned_now()?);
+    let survey = walk_from(world, &roots);
+    let owners: Vec<W::Object> = survey.owners.iter().filter(|owner| world.swaps_tensors_of(owner)).cloned().collect();
+    // Saved whatever the walk's bounds: a fake left in one would break the model.
     let mut pinned = HashSet::new();
-    for owner in owners {
+    for owner in &owners {
         for container in world.swapped_containers(owner) {
             if pinned.insert(world.address(&container)) {
                 saved.extend(world.save(&container));
             }
         }
     }
-    // A global the step assigns is walked from what it holds now, by its name.
-    roots.extend(world.assigned_now()?);
-    let survey = walk_from(world, &roots);
     for container in &survey.owners {
         if !pinned.contains(&world.address(container)) {
             saved.extend(world.save(container));
@@ -177,7 +185,7 @@ pub fn save<W: StepObjects>(
     for scaler in &scalers {
         world.assume_finite_gradients(scaler)?;
     }
-    Ok(Saving { roots, saved, partial: survey.truncated, scalers: scalers.len(), takes_grad })
+    Ok(Saving { roots, owners, saved, partial: survey.truncated, scalers: scalers.len(), takes_grad })
 }
 
 /// Puts back everything saved where the step changed it, in the order saved; returns notes

@@ -123,6 +123,9 @@ impl StepObjects for World {
         self.log.push("globals saved".into());
         Ok(self.assigned.iter().map(|name| Saved::Global(name, self.global(name))).collect())
     }
+    fn swaps_tensors_of(&self, object: &usize) -> bool {
+        self.swapped.iter().any(|(owner, _)| owner == object)
+    }
     fn swapped_containers(&mut self, owner: &usize) -> Vec<usize> {
         self.swapped.iter().filter(|(o, _)| o == owner).flat_map(|(_, held)| held.clone()).collect()
     }
@@ -166,7 +169,7 @@ fn what_the_step_changed_is_put_back_and_nothing_is_left() {
     let mut world = World::default();
     let tensor = world.add(Object::Tensor);
     let ema = world.dict(&[("shadow", tensor)]);
-    let saving = save(&mut world, vec![("ema".into(), ema)], &[]).unwrap();
+    let saving = save(&mut world, vec![("ema".into(), ema)]).unwrap();
     assert_eq!(saving.saved, vec![Saved::Container(ema, world.objects[ema].clone())]);
     // The step sets the EMA's shadow to a fake.
     let fake = world.add(Object::Fake);
@@ -182,7 +185,7 @@ fn what_the_step_changed_is_put_back_and_nothing_is_left() {
 fn fakes_no_copy_puts_back_are_named_five_and_counted() {
     let mut world = World::default();
     let cache = world.add(Object::Plain(Vec::new()));
-    let saving = save(&mut world, vec![("cache".into(), cache)], &[]).unwrap();
+    let saving = save(&mut world, vec![("cache".into(), cache)]).unwrap();
     assert!(saving.saved.is_empty(), "what is kept in C is walked, not copied");
     let fakes: Vec<usize> = (0..7).map(|_| world.add(Object::Fake)).collect();
     world.objects[cache] = Object::Plain(fakes);
@@ -202,7 +205,7 @@ fn a_global_the_step_assigns_is_saved_first_and_checked_where_it_is_now() {
     let best = world.dict(&[("weights", tensor)]);
     world.assigned = vec!["best", "fresh"];
     world.bind("best", Some(best));
-    let saving = save(&mut world, Vec::new(), &[]).unwrap();
+    let saving = save(&mut world, Vec::new()).unwrap();
     assert_eq!(saving.saved[0], Saved::Global("best", Some(best)));
     assert_eq!(saving.saved[1], Saved::Global("fresh", None));
     assert_eq!(saving.saved[2], Saved::Container(best, world.objects[best].clone()), "walked from the global");
@@ -222,7 +225,7 @@ fn scalers_are_told_once_everything_is_saved() {
     let key = world.add(Object::Text("_scale"));
     let scaler = world.add(Object::Scaler(vec![(key, scale)]));
     let root = world.dict(&[("scaler", scaler)]);
-    let saving = save(&mut world, vec![("state".into(), root)], &[]).unwrap();
+    let saving = save(&mut world, vec![("state".into(), root)]).unwrap();
     assert_eq!(saving.scalers, 1);
     let told = world.log.iter().position(|line| line.starts_with("scaler")).unwrap();
     assert_eq!(told, world.log.len() - 1, "{:?}", world.log);
@@ -236,7 +239,7 @@ fn a_container_that_refuses_is_named_and_the_rest_are_put_back() {
     let output = world.dict(&[("logits", tensor)]);
     let ema = world.dict(&[("shadow", tensor)]);
     let root = world.dict(&[("output", output), ("ema", ema)]);
-    let saving = save(&mut world, vec![("state".into(), root)], &[]).unwrap();
+    let saving = save(&mut world, vec![("state".into(), root)]).unwrap();
     world.refused = vec![output];
     let before = world.objects[ema].clone();
     let fake = world.add(Object::Text("changed"));
@@ -253,7 +256,7 @@ fn a_step_that_reaches_more_than_the_bound_says_so() {
     let mut world = World::default();
     let items = (0..BOUNDS.objects).map(|_| world.add(Object::Tensor)).collect();
     let many = world.add(Object::Plain(items));
-    let saving = save(&mut world, vec![("many".into(), many)], &[]).unwrap();
+    let saving = save(&mut world, vec![("many".into(), many)]).unwrap();
     let notes = restore(&mut world, saving).unwrap();
     assert_eq!(
         notes,
@@ -267,7 +270,7 @@ fn a_step_that_reaches_more_than_the_bound_says_so() {
 #[test]
 fn the_rngs_there_are_saved_first_in_their_order_and_put_back() {
     let mut world = World { rngs: vec![(Rng::NumPy, 7), (Rng::TorchCpu, 3)], ..World::default() };
-    let saving = save(&mut world, Vec::new(), &[]).unwrap();
+    let saving = save(&mut world, Vec::new()).unwrap();
     assert_eq!(&saving.saved[..2], &[Saved::Rng(Rng::TorchCpu, 3), Saved::Rng(Rng::NumPy, 7)]);
     let labels: Vec<_> = world.log[..4].to_vec();
     assert_eq!(labels, Rng::ALL.map(|rng| format!("{} saved", rng.label())));
@@ -284,10 +287,12 @@ fn an_owners_swapped_containers_are_saved_beyond_the_walks_bound_and_once() {
     let many = world.add(Object::Plain(items));
     let weight = world.add(Object::Tensor);
     let parameters = world.dict(&[("weight", weight)]);
-    let model = world.add(Object::Plain(vec![parameters]));
+    let model = world.dict(&[("_parameters", parameters)]);
     world.swapped = vec![(model, vec![parameters])];
-    // The model comes after what fills the walk's bound: the walk never reaches its dict.
-    let saving = save(&mut world, vec![("many".into(), many), ("model".into(), model)], &[model]).unwrap();
+    // The model is a root, but its dict comes after what fills the walk's bound: the walk
+    // never reaches it.
+    let saving = save(&mut world, vec![("many".into(), many), ("model".into(), model)]).unwrap();
+    assert_eq!(saving.owners, vec![model], "the walk found the model");
     let saved_dicts = saving.saved.iter().filter(|s| matches!(s, Saved::Container(at, _) if *at == parameters));
     assert_eq!(saved_dicts.count(), 1);
     let fake = world.add(Object::Fake);
@@ -306,7 +311,8 @@ fn a_walked_owners_swapped_container_is_saved_once() {
     let parameters = world.dict(&[("weight", weight)]);
     let model = world.dict(&[("_parameters", parameters)]);
     world.swapped = vec![(model, vec![parameters])];
-    let saving = save(&mut world, vec![("model".into(), model)], &[model]).unwrap();
+    let saving = save(&mut world, vec![("model".into(), model)]).unwrap();
+    assert_eq!(saving.owners, vec![model]);
     let saved: Vec<_> =
         saving.saved.iter().filter_map(|s| if let Saved::Container(at, _) = s { Some(*at) } else { None }).collect();
     assert_eq!(saved, vec![parameters, model]);
@@ -318,7 +324,7 @@ fn a_real_tensor_that_requires_grad_is_known_by_the_path_the_user_would_write() 
     let extra = world.add(Object::Leaf);
     let head = world.dict(&[("extra", extra)]);
     let model = world.dict(&[("head", head)]);
-    let saving = save(&mut world, vec![("model".into(), model)], &[]).unwrap();
+    let saving = save(&mut world, vec![("model".into(), model)]).unwrap();
     assert_eq!(saving.path_of(Buffer::Storage(extra)), Some("model['head']['extra']"));
     assert_eq!(saving.path_of(Buffer::Storage(head)), None);
     assert!(restore(&mut world, saving).unwrap().is_empty(), "a real tensor is no fake left behind");
@@ -331,7 +337,7 @@ fn a_put_back_that_raises_stops_none_of_the_others() {
     let broken = world.dict(&[("a", tensor)]);
     let ema = world.dict(&[("shadow", tensor)]);
     let root = world.dict(&[("broken", broken), ("ema", ema)]);
-    let saving = save(&mut world, vec![("state".into(), root)], &[]).unwrap();
+    let saving = save(&mut world, vec![("state".into(), root)]).unwrap();
     world.raising = vec![broken];
     let before = world.objects[ema].clone();
     let other = world.add(Object::Text("changed"));
@@ -361,4 +367,27 @@ fn a_real_step_is_saved_by_value_each_piece_named_and_one_that_fails_stops_no_ot
     assert!(matches!(&unrestored[0], (1, Unrestored::Error(e)) if *e == format!("container {table} raised")));
     assert_eq!(world.rngs[0].1, 1);
     assert!(world.log.contains(&format!("value of {tensor} put back")), "{:?}", world.log);
+}
+
+#[test]
+fn the_one_walk_finds_the_models_and_optimizers_in_its_order_wherever_they_are_held() {
+    let mut world = World::default();
+    let (weight, moment) = (world.add(Object::Tensor), world.add(Object::Tensor));
+    let parameters = world.dict(&[("weight", weight)]);
+    let model = world.dict(&[("_parameters", parameters)]);
+    let state = world.dict(&[("exp_avg", moment)]);
+    let optimizer = world.dict(&[("state", state)]);
+    // The optimizer in a list in a config object, the model in a dict beside a plain one.
+    let listed = world.add(Object::Plain(vec![optimizer]));
+    let config = world.dict(&[("optimizers", listed)]);
+    let metrics = world.dict(&[]);
+    let held = world.dict(&[("net", model), ("metrics", metrics)]);
+    world.swapped = vec![(optimizer, vec![optimizer, state]), (model, vec![parameters])];
+    let saving = save(&mut world, vec![("config".into(), config), ("held".into(), held)]).unwrap();
+    assert_eq!(saving.owners, vec![model, optimizer], "breadth-first: the model is nearer its root");
+    let saved: Vec<_> =
+        saving.saved.iter().filter_map(|s| if let Saved::Container(at, _) = s { Some(*at) } else { None }).collect();
+    // Their swapped containers first, each once, then the rest of the walk's.
+    assert_eq!(&saved[..3], &[parameters, optimizer, state]);
+    assert!(saved.contains(&metrics) && saved.contains(&config) && saved.len() == 7, "{saved:?}");
 }

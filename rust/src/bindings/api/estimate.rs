@@ -12,7 +12,7 @@ use pyo3::types::PyList;
 
 use crate::bindings::error::NoEstimate;
 use crate::bindings::fakes::Fakes;
-use crate::bindings::holders::{reachable_owners, Memory};
+use crate::bindings::holders::Memory;
 use crate::bindings::ledger_mode;
 use crate::bindings::snapshot::take_snapshot;
 use crate::bindings::step_state::{AssignedGlobal, Place, Roots, StepState};
@@ -22,23 +22,21 @@ use crate::estimate_run::{self, call_step, Estimating, Ran, Run, Swapped, Unread
 use crate::finder::Search;
 use crate::snapshot::GpuSelection;
 
-/// What a step reaches: its roots (the step, its closure, the globals it loads) and, among what
-/// they reach, the modules and optimizers whose tensors are swapped for fakes.
+/// What a step reaches: its roots (the step, its closure, the globals it loads), the globals it
+/// assigns and where each root is held. The one walk from them is the state's save
+/// ([`StepState::save`]), which also finds the modules and optimizers whose tensors are swapped
+/// for fakes: only those, so the categories are the step's own; a parameter it uses that is not
+/// found stops the estimate (`ledger_mode`), never a real tensor's gradient set.
 pub(in crate::bindings) struct StepReach<'py> {
     roots: Roots<'py>,
     assigned: Vec<AssignedGlobal<'py>>,
     places: Vec<Place<'py>>,
-    owners: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> StepReach<'py> {
-    /// Only the modules and optimizers the step reaches are swapped, so the categories are the
-    /// step's own; a parameter it uses that is not found stops the estimate (`ledger_mode`),
-    /// never a real tensor's gradient set.
     pub(in crate::bindings) fn of(py: Python<'py>, step: &Bound<'py, PyAny>) -> PyResult<StepReach<'py>> {
         let (roots, assigned, places) = step_roots(py, step)?;
-        let owners = reachable_owners(py, roots.clone())?;
-        Ok(StepReach { roots, assigned, places, owners })
+        Ok(StepReach { roots, assigned, places })
     }
 }
 
@@ -80,13 +78,13 @@ impl<'py> Estimating for PythonEstimate<'_, 'py> {
 
     fn save_state(&mut self) -> PyResult<()> {
         let reach = self.reach;
-        self.state = Some(StepState::save(self.py, &reach.roots, &reach.assigned, &reach.places, &reach.owners)?);
+        self.state = Some(StepState::save(self.py, &reach.roots, &reach.assigned, &reach.places)?);
         Ok(())
     }
 
     fn swap_in_fakes(&mut self) -> PyResult<Swapped> {
         let (py, state) = (self.py, self.state.as_mut().expect("the state is saved first"));
-        let fakes = Fakes::swap_in(py, &self.reach.owners, self.target.clone())
+        let fakes = Fakes::swap_in(py, state.owners(), self.target.clone())
             .map_err(|error| no_estimate(py, estimate_run::not_swapped(&error.value(py).to_string()), error))?;
         // On an error `fakes` is dropped here, which puts the real tensors back.
         state.fake_reached_tensors(&fakes.mode)?;

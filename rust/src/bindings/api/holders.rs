@@ -16,9 +16,7 @@ use crate::bindings::python_heap::{tensor_piece, Collected, PythonHeap};
 use crate::bindings::report::HoldersPy;
 use crate::bindings::snapshot::take_snapshot;
 use crate::bindings::torch::PyTorch;
-use crate::holders_walk::{
-    self, add_torch_figures, no_such_gpu, Leaks, Root, RootKind, Survey, BOUNDS, LEAK_MIN_BYTES,
-};
+use crate::holders_walk::{self, add_torch_figures, no_such_gpu, Leaks, Survey, BOUNDS, LEAK_MIN_BYTES};
 pub(in crate::bindings) use crate::holders_walk::{sum_roles, Buffer, Memory};
 use crate::report::{Holders, Report, Role};
 use crate::snapshot::GpuSelection;
@@ -111,15 +109,6 @@ pub fn inventory<'py>(py: Python<'py>, roots: Vec<PyRoot<'py>>) -> PyResult<(Has
     let walked = walk_from(py, roots)?;
     let skipped = Uninspectable { count: walked.skipped, first: None };
     Ok((walked.found.into_keys().collect(), skipped))
-}
-
-/// The modules and optimizers reachable from `roots` (a step and what it refers to).
-pub fn reachable_owners<'py>(
-    py: Python<'py>,
-    roots: Vec<(String, Bound<'py, PyAny>)>,
-) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let roots = roots.into_iter().map(|(label, object)| Root { kind: RootKind::Name, label, object }).collect();
-    Ok(walk_from(py, roots)?.owners)
 }
 
 /// Where a leak hunt starts: the notebook's names, then IPython's hidden references.

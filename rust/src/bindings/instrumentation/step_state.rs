@@ -10,6 +10,7 @@ use pyo3::types::{
 
 use std::collections::{HashMap, HashSet};
 
+use crate::bindings::python_heap::is_heap_type;
 use crate::bindings::rngs::{put_back_rng, read_rng};
 use crate::holders_walk::{Buffer, Edge, Heap, Kind, Name, Piece, Refs, Unreadable};
 use crate::step_state::{self, Rng, Saving, StepObjects, FAKE, MOST_ITEMS_WALKED, TAKES_GRAD, VALUE};
@@ -55,12 +56,24 @@ pub(in crate::bindings) enum Saved {
 struct StepKinds<'py> {
     torch: Bound<'py, PyAny>,
     module: Bound<'py, PyType>,
+    optimizer: Bound<'py, PyType>,
     tensor: Bound<'py, PyType>,
     fake: Bound<'py, PyType>,
     function: Bound<'py, PyType>,
     method: Bound<'py, PyType>,
     deque: Bound<'py, PyType>,
     scaler: Option<Bound<'py, PyType>>,
+    /// `gpuexp.heap_types.slot_names`, and each class as once read.
+    slot_names: Bound<'py, PyAny>,
+    classes: HashMap<usize, ClassSeen<'py>>,
+}
+
+/// What the walk reads of an instance's class, once per class.
+struct ClassSeen<'py> {
+    slots: Vec<Bound<'py, PyString>>,
+    /// A class of gpuexp's own (`fit`'s probe records while the estimate runs): no state of the
+    /// user's, so neither walked nor put back.
+    gpuexp_own: bool,
 }
 
 /// The step's objects, the globals it assigns to, and the places its roots are held in.
@@ -84,12 +97,15 @@ impl<'py> PythonStep<'py> {
         let scaler = py.import("torch.amp.grad_scaler").and_then(|m| m.getattr("GradScaler")).ok();
         let kinds = StepKinds {
             module: torch.getattr("nn")?.getattr("Module")?.cast_into()?,
+            optimizer: torch.getattr("optim")?.getattr("Optimizer")?.cast_into()?,
             tensor: torch.getattr("Tensor")?.cast_into()?,
             fake: py.import("torch._subclasses.fake_tensor")?.getattr("FakeTensor")?.cast_into()?,
             function: types.getattr("FunctionType")?.cast_into()?,
             method: types.getattr("MethodType")?.cast_into()?,
             deque: py.import("collections")?.getattr("deque")?.cast_into()?,
             scaler: scaler.and_then(|s| s.cast_into().ok()),
+            slot_names: py.import("gpuexp.heap_types")?.getattr("slot_names")?,
+            classes: HashMap::new(),
             torch,
         };
         Ok(PythonStep { kinds, assigned: assigned.to_vec(), places: places.to_vec(), values: None })
@@ -101,6 +117,30 @@ impl<'py> PythonStep<'py> {
 
     fn attributes(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
         object.getattr("__dict__").ok()?.cast_into::<PyDict>().ok()
+    }
+
+    /// What `object`'s slots hold (its class read once): walked, so that what a slot holds is
+    /// reached, though the slots themselves are not put back (docs/estimate-safety.md). False
+    /// for an object of gpuexp's own, which is not walked.
+    fn slot_values(&mut self, object: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>) -> bool {
+        let class = object.get_type();
+        let slot_names = &self.kinds.slot_names;
+        let seen = self.kinds.classes.entry(class.as_ptr() as usize).or_insert_with(|| {
+            let module = class.getattr("__module__").map(|m| m.to_string()).unwrap_or_default();
+            ClassSeen {
+                slots: slot_names.call1((&class,)).and_then(|names| names.extract()).unwrap_or_default(),
+                gpuexp_own: module == "gpuexp" || module.starts_with("gpuexp."),
+            }
+        });
+        if seen.gpuexp_own {
+            return false;
+        }
+        for name in seen.slots.iter() {
+            if let Ok(value) = object.getattr(name) {
+                refs.push((Edge::Attr(Name::Of(name.clone().into_any())), value));
+            }
+        }
+        true
     }
 }
 
@@ -121,6 +161,19 @@ fn items<'py>(iterable: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>, 
     }
     if let Ok(iterator) = iterable.try_iter() {
         refs.extend(iterator.flatten().enumerate().map(|(i, item)| (Edge::Index(i), item)));
+    }
+}
+
+/// The (name, value) pairs of `pairs` (a class namespace's `items()`) as attributes.
+fn items_named<'py>(pairs: &Bound<'py, PyAny>, refs: &mut Refs<Bound<'py, PyAny>>, most: usize) {
+    if pairs.len().unwrap_or(usize::MAX) > most {
+        return;
+    }
+    let Ok(pairs) = pairs.try_iter() else { return };
+    for pair in pairs.flatten() {
+        if let Ok((name, value)) = pair.extract::<(Bound<PyAny>, Bound<PyAny>)>() {
+            refs.push((Edge::Attr(Name::Of(name)), value));
+        }
     }
 }
 
@@ -147,6 +200,17 @@ impl<'py> Heap for PythonStep<'py> {
     /// plain values are leaves; the globals a function reads are roots already. The containers
     /// are `Owner`s (saved), the fakes `Buffer`s (named if left after).
     fn look(&mut self, object: &Self::Object, refs: &mut Refs<Self::Object>) -> Result<Kind, Unreadable> {
+        if let Ok(class) = object.cast::<PyType>() {
+            // A class of the user's may hold a model in a class attribute: what it holds is
+            // walked, though a class's namespace is no dict to copy and put back.
+            if is_heap_type(class) {
+                if let Ok(attributes) = object.getattr("__dict__").and_then(|d| d.call_method0("items")) {
+                    items_named(&attributes, refs, MOST_ITEMS_WALKED);
+                }
+                return Ok(Kind::Plain);
+            }
+            return Ok(Kind::Leaf);
+        }
         if is_atom(object) {
             return Ok(Kind::Leaf);
         }
@@ -193,9 +257,14 @@ impl<'py> Heap for PythonStep<'py> {
             if let Ok(owner) = object.getattr("__self__") {
                 refs.push((Edge::Attr(Name::Fixed("__self__")), owner));
             }
-        } else if let Some(attributes) = PythonStep::attributes(object) {
-            entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)), most);
-            return Ok(Kind::Owner);
+        } else {
+            if !self.slot_values(object, refs) {
+                return Ok(Kind::Leaf);
+            }
+            if let Some(attributes) = PythonStep::attributes(object) {
+                entries(&attributes, refs, |name| Edge::Attr(Name::Of(name)), most);
+                return Ok(Kind::Owner);
+            }
         }
         Ok(Kind::Plain)
     }
@@ -251,6 +320,10 @@ impl<'py> StepObjects for PythonStep<'py> {
             }
         }
         Ok(saved)
+    }
+
+    fn swaps_tensors_of(&self, object: &Self::Object) -> bool {
+        self.is(object, &self.kinds.module) || self.is(object, &self.kinds.optimizer)
     }
 
     /// A module's and its submodules' `_parameters` and `_buffers`; an optimizer (its attributes:
@@ -445,18 +518,22 @@ pub(in crate::bindings) struct StepState<'py> {
 
 impl<'py> StepState<'py> {
     /// Saves what the step reaches ([`step_state::save`]): the four RNGs, the places its roots
-    /// are held in and the globals it assigns, the containers of `owners` (its modules and
-    /// optimizers) that their fakes go into, and every container the walk from `roots` reaches.
+    /// are held in and the globals it assigns, and from one walk of what `roots` reach, the
+    /// containers of its modules and optimizers that their fakes go into and every other container.
     pub(in crate::bindings) fn save(
         py: Python<'py>,
         roots: &Roots<'py>,
         assigned: &[AssignedGlobal<'py>],
         places: &[Place<'py>],
-        owners: &[Bound<'py, PyAny>],
     ) -> PyResult<StepState<'py>> {
         let mut step = PythonStep::find(py, assigned, places)?;
-        let saving = step_state::save(&mut step, roots.clone(), owners)?;
+        let saving = step_state::save(&mut step, roots.clone())?;
         Ok(StepState { scalers: saving.scalers, step, saving })
+    }
+
+    /// The modules and optimizers the walk reached, whose tensors the fakes stand in for.
+    pub(in crate::bindings) fn owners(&self) -> &[Bound<'py, PyAny>] {
+        &self.saving.owners
     }
 
     /// The path to each real tensor that requires grad that the step reaches, by its `id()`.

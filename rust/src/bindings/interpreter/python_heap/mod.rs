@@ -494,7 +494,7 @@ pub(in crate::bindings) fn frame_here(frame: &Bound<PyAny>) -> PyResult<String> 
 }
 
 /// Whether Python defined `class` (its instances have a `__dict__` or slots to read).
-fn is_heap_type(class: &Bound<PyType>) -> bool {
+pub(in crate::bindings) fn is_heap_type(class: &Bound<PyType>) -> bool {
     const HEAP_TYPE: u64 = 1 << 9;
     class.getattr("__flags__").and_then(|f| f.extract::<u64>()).is_ok_and(|flags| flags & HEAP_TYPE != 0)
 }
