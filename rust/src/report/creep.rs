@@ -114,8 +114,8 @@ impl Creep {
                 bytes(self.total)
             ),
             None if self.over == CreptOver::WithinCell => format!(
-                "memory crept within the cell: torch's lowest allocated rose in each of the last {} quarter-seconds \
-                 before the failure (+{} in all) and is still held; no iteration of it repeated exactly, so what \
+                "memory crept within the cell: torch's lowest allocated rose each time it was read over the last {} \
+                 quarter-seconds before the failure (+{} in all) and is still held; no iteration of it repeated exactly, so what \
                  each kept is not known",
                 self.iterations,
                 bytes(self.total)

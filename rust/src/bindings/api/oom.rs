@@ -123,11 +123,11 @@ impl RescueWorld for PyRescue<'_, '_> {
     }
 }
 
-/// The failed line and module from the exception's traceback (python/gpuexp/oom_frames.py).
 /// `gpuexp.oom_frames.failed_frames`'s answer: the frames (file, line, function) innermost
 /// first, the failing module's path and the layers one pass runs through its numbered containers.
 type FailedFrames = (Vec<(String, u32, String)>, Option<String>, Option<u64>);
 
+/// The failed line and module from the exception's traceback (python/gpuexp/oom_frames.py).
 fn failed_line(py: Python, error: &Bound<PyAny>) -> Option<FailedLine> {
     let found = py.import("gpuexp.oom_frames").and_then(|m| m.call_method1("failed_frames", (error,))).ok()?;
     let (frames, module, pass_layers): FailedFrames = found.extract().ok()?;
